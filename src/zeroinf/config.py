@@ -1,0 +1,239 @@
+"""User configuration: frozen, validated dataclasses, loaded from TOML or JSON.
+
+Each field has a docstring (the string literal under it); `docs/config.md` is generated from them
+by `python -m zeroinf.config --markdown` and a test checks the two agree. Errors raised here name
+the field, the bad value and the fix. Most users set two fields: `stage` and `param_dtype`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import sys
+import textwrap
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+TIERS = ("device", "host", "nvme")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the field, the value and the fix."""
+
+    def __init__(self, field_name: str, value: object, fix: str) -> None:
+        super().__init__(f"config field `{field_name}` = {value!r} is invalid: {fix}")
+        self.field_name = field_name
+
+
+def _normalize_dtype(field_name: str, value: object) -> str:
+    name = _DTYPE_ALIASES.get(str(value), str(value))
+    if name not in DTYPES:
+        raise ConfigError(field_name, value, f"use one of {sorted(DTYPES)}")
+    return name
+
+
+def _positive_int(field_name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(field_name, value, "use a positive integer")
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling, used only when `param_dtype` is fp16."""
+
+    initial_scale: float = 2.0**16
+    """Loss scale at the first step; a power of two keeps scaling exact."""
+    growth_interval: int = 2000
+    """Steps without overflow after which the scale is multiplied by `growth_factor`."""
+    growth_factor: float = 2.0
+    """Factor applied to the scale after `growth_interval` clean steps (> 1)."""
+    backoff_factor: float = 0.5
+    """Factor applied to the scale when a step overflows; that step is skipped (0 < f < 1)."""
+    min_scale: float = 1.0
+    """The scale never falls below this; repeated overflows at the floor raise an error."""
+
+    def __post_init__(self) -> None:
+        if not self.initial_scale > 0:
+            raise ConfigError("loss_scale.initial_scale", self.initial_scale, "use a positive number, e.g. 65536")
+        _positive_int("loss_scale.growth_interval", self.growth_interval)
+        if not self.growth_factor > 1:
+            raise ConfigError("loss_scale.growth_factor", self.growth_factor, "use a number > 1, e.g. 2.0")
+        if not 0 < self.backoff_factor < 1:
+            raise ConfigError("loss_scale.backoff_factor", self.backoff_factor, "use a number in (0, 1), e.g. 0.5")
+        if not 0 < self.min_scale <= self.initial_scale:
+            raise ConfigError("loss_scale.min_scale", self.min_scale, "use a number in (0, initial_scale]")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where each kind of model state lives: `device`, `host` or `nvme`."""
+
+    params: str = "device"
+    """Tier of the compute-dtype parameter shards."""
+    optimizer: str = "device"
+    """Tier of the fp32 master weights and Adam moments."""
+    gradients: str = "device"
+    """Tier of the fp32 gradient shards."""
+    nvme_dir: str | None = None
+    """Folder for the swap files when any tier is `nvme`."""
+
+    def __post_init__(self) -> None:
+        for name in ("params", "optimizer", "gradients"):
+            value = getattr(self, name)
+            if value not in TIERS:
+                raise ConfigError(f"offload.{name}", value, f"use one of {list(TIERS)}")
+            if value != "device":
+                raise ConfigError(
+                    f"offload.{name}", value,
+                    "offload to host/nvme is not supported yet in this version; use 'device'",
+                )
+
+
+@dataclass(frozen=True)
+class Config:
+    """How zeroinf shards and trains a model."""
+
+    stage: int = 2
+    """ZeRO stage: 0 plain data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    param_dtype: str = "fp32"
+    """Compute dtype of the parameters (fp32, bf16, fp16); master weights are always fp32."""
+    reduce_dtype: str = "fp32"
+    """Dtype in which gradients are accumulated and reduced across ranks."""
+    grad_accum_steps: int = 1
+    """Backward passes (micro-steps) per optimizer step."""
+    sync_every_micro_step: bool = False
+    """Reduce gradients after every micro-step instead of only the last one (trades bandwidth for memory)."""
+    grad_clip_norm: float | None = None
+    """Clip the global gradient L2 norm (exact across shards) to this value; None disables clipping."""
+    bucket_bytes: int = 25 * 2**20
+    """Largest single gradient all-reduce (stages 0-1); bigger units are reduced in pieces of this size."""
+    unit_classes: tuple[str, ...] = ()
+    """Module class names whose instances each form a unit; empty means automatic discovery."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Dynamic loss scaling for fp16."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Placement of model states across tiers."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective may wait before the run fails with a timeout naming the rank."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+            raise ConfigError("stage", self.stage, "use 0, 1, 2 or 3")
+        if self.stage == 3:
+            raise ConfigError("stage", self.stage, "stage 3 is not supported yet in this version; use 0, 1 or 2")
+        object.__setattr__(self, "param_dtype", _normalize_dtype("param_dtype", self.param_dtype))
+        object.__setattr__(self, "reduce_dtype", _normalize_dtype("reduce_dtype", self.reduce_dtype))
+        if self.reduce_dtype == "fp16":
+            raise ConfigError("reduce_dtype", self.reduce_dtype, "fp16 reductions overflow; use fp32 or bf16")
+        _positive_int("grad_accum_steps", self.grad_accum_steps)
+        if self.grad_clip_norm is not None and not (
+            isinstance(self.grad_clip_norm, (int, float)) and self.grad_clip_norm > 0
+        ):
+            raise ConfigError("grad_clip_norm", self.grad_clip_norm, "use a positive number or leave it unset")
+        _positive_int("bucket_bytes", self.bucket_bytes)
+        if isinstance(self.unit_classes, str) or not all(isinstance(c, str) for c in self.unit_classes):
+            raise ConfigError("unit_classes", self.unit_classes, 'use a list of class names, e.g. ["Block"]')
+        object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        if not self.collective_timeout_s > 0:
+            raise ConfigError("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
+        for name, cls in (("loss_scale", LossScaleConfig), ("offload", OffloadConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(name, getattr(self, name), f"pass a {cls.__name__} or a table of its fields")
+
+    @property
+    def param_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.param_dtype]
+
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce_dtype]
+
+    # -- loading ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build from plain data (nested tables for `loss_scale` and `offload`); unknown keys raise."""
+        return _from_dict(cls, data, prefix="")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Config:
+        """Load a `.toml` or `.json` file."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        if path.suffix == ".toml":
+            data = tomllib.loads(path.read_text())
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            raise ValueError(f"config file {path}: use a .toml or .json file")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "<root>", data, "use a table of fields")
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            raise ConfigError(f"{prefix}{key}", value, f"unknown field; known fields are {sorted(known)}")
+        nested = {"loss_scale": LossScaleConfig, "offload": OffloadConfig}.get(key) if cls is Config else None
+        if nested is not None and isinstance(value, dict):
+            value = _from_dict(nested, value, prefix=f"{key}.")
+        if key == "unit_classes" and isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value).strip()
+    return docs
+
+
+def config_markdown() -> str:
+    """The configuration reference, as written to docs/config.md."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `src/zeroinf/config.py` by `python -m zeroinf.config --markdown`; a test keeps it in sync.",
+        "Load with `zeroinf.Config.load(\"train.toml\")` (or `.json`); nested tables are `[loss_scale]` and `[offload]`.",
+        "",
+    ]
+    for cls, title in ((Config, "Config"), (LossScaleConfig, "[loss_scale]"), (OffloadConfig, "[offload]")):
+        lines += [f"## {title}", "", (cls.__doc__ or "").strip(), "", "| field | default | meaning |", "|---|---|---|"]
+        docs = field_docs(cls)
+        for f in fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            else:
+                default = f"{f.type} defaults"
+            lines.append(f"| `{f.name}` | `{default}` | {docs.get(f.name, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--markdown"]:
+        print(config_markdown())
+    else:
+        print("usage: python -m zeroinf.config --markdown", file=sys.stderr)
+        sys.exit(2)

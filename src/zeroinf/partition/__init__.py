@@ -1,0 +1,1 @@
+"""Units, flat buffers and shards: how parameters are grouped, laid out and split across ranks."""

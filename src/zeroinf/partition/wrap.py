@@ -1,0 +1,81 @@
+"""Automatic unit discovery: which modules are gathered and released together.
+
+By default every child of an `nn.ModuleList` / `nn.Sequential` whose children are two or more
+instances of one class (the repeated blocks of a transformer) is a unit; the parameters left over
+form the root unit. Users may instead name the classes whose instances are units. A parameter
+shared by several modules (tied weights) belongs to the first unit that reaches it in module order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A unit before it is built: its name (module path, "" for the root) and its parameters."""
+
+    name: str
+    module: nn.Module
+    params: tuple[tuple[str, nn.Parameter], ...]  # (fully qualified name, parameter)
+
+
+def _is_repeated_container(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return False
+    children = list(module.children())
+    return len(children) >= 2 and len({type(c) for c in children}) == 1
+
+
+def _unit_modules(model: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """Outermost modules that form units, in module order (the root itself is never one of them)."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        repeated = not unit_classes and _is_repeated_container(module)
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if repeated or type(child).__name__ in unit_classes:
+                found.append((path, child))
+            else:
+                visit(f"{path}.", child)
+
+    visit("", model)
+    return found
+
+
+def discover_units(model: nn.Module, unit_classes: tuple[str, ...] = (), trainable_only: bool = True) -> list[UnitSpec]:
+    """Unit specs in module order, the root unit last; units without parameters are dropped.
+
+    With `trainable_only`, frozen parameters (requires_grad=False) stay out of every unit.
+    """
+    if unit_classes:
+        present = {type(m).__name__ for m in model.modules()}
+        missing = [c for c in unit_classes if c not in present]
+        if missing:
+            raise ValueError(
+                f"unit_classes names {missing}, but the model has no module of that class; "
+                f"classes present include {sorted(present)[:20]}"
+            )
+    owner: dict[int, str] = {}
+    specs: list[UnitSpec] = []
+
+    def take(prefix: str, module: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
+        params = []
+        for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+            if id(p) in owner or (trainable_only and not p.requires_grad):
+                continue
+            owner[id(p)] = name
+            params.append((name, p))
+        return tuple(params)
+
+    for path, module in _unit_modules(model, unit_classes):
+        params = take(f"{path}.", module)
+        if params:
+            specs.append(UnitSpec(path, module, params))
+    root_params = take("", model)
+    if root_params:
+        specs.append(UnitSpec("", model, root_params))
+    return specs

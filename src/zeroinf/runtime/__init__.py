@@ -1,0 +1,1 @@
+"""The runtime: hooks that move data as modules run."""

@@ -1,0 +1,78 @@
+"""Who this process is among the data-parallel ranks: rank, world size, process group, device.
+
+A `Topology` is a value passed to everything that communicates; nothing reads global state.
+World size 1 is a first-class path: the collectives become copies and no process group is needed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def default_device() -> torch.device:
+    """The accelerator of this rank (cuda:LOCAL_RANK) or the CPU when there is none."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def default_backend(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo for CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    device: torch.device
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if self.world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(
+                f"world size {self.world_size} needs an initialized process group: "
+                "call zeroinf.init_distributed() or torch.distributed.init_process_group() first"
+            )
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def single(cls, device: torch.device | None = None) -> Topology:
+        return cls(rank=0, world_size=1, device=device or default_device())
+
+    @classmethod
+    def current(cls, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> Topology:
+        """The topology of `group` (default: the world), or a single process when none is initialized."""
+        if not dist.is_initialized():
+            return cls.single(device)
+        return cls(
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            device=device or default_device(),
+            group=group,
+        )
+
+
+def init_distributed(timeout_s: float = 600.0) -> Topology:
+    """Initialize the default process group from torchrun's environment, if there is one.
+
+    Safe to call more than once and in a plain single process (then it returns a world of one).
+    """
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(
+            backend=default_backend(device), timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    return Topology.current(device=device)

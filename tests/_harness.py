@@ -1,0 +1,99 @@
+"""Spawn N gloo ranks on the CPU, run a function on each, and return what each returned.
+
+Any rank's exception is re-raised in the test with that rank's traceback; a group that does not
+finish within the timeout is killed and reported with the ranks that were still running, so a
+collective mismatch shows up as a clear failure instead of a hung test run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, timeout_s: float, args: tuple,
+            results: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        # Tensors through a Queue would travel as shared-memory handles that die with this process.
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+    """Run fn(rank, world_size, *args) in `world_size` spawned processes; return results by rank.
+
+    `fn` must be importable by module path (a top-level function of a test module).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="zeroinf-store-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker, args=(fn, r, world_size, store_path, timeout_s, args, results),
+                name=f"zeroinf-rank{r}", daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outputs: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(outputs) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    pending = sorted(set(range(world_size)) - set(outputs))
+                    raise RankFailure(
+                        f"{fn.__name__}: ranks {pending} of {world_size} did not finish within {timeout_s:.0f} s "
+                        "(a hang: mismatched collectives or a deadlock)"
+                    )
+                try:
+                    rank, status, payload = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if r not in outputs and not p.is_alive() and p.exitcode]
+                    if dead:
+                        raise RankFailure(
+                            f"{fn.__name__}: rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                        ) from None
+                    continue
+                if status == "error":
+                    raise RankFailure(f"{fn.__name__}: rank {rank} of {world_size} raised:\n{payload}")
+                import torch
+
+                outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        finally:
+            for p in procs:
+                p.join(timeout=5 if len(outputs) == world_size else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [outputs[r] for r in range(world_size)]

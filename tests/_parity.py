@@ -1,0 +1,161 @@
+"""The parity oracle: train a small transformer with plain single-process PyTorch and with zeroinf.
+
+The reference sees the whole global batch in one process and uses `torch.optim.AdamW`. For bf16 and
+fp16 it keeps fp32 master weights, computes forward/backward in a low-precision copy, and steps
+the masters (the semantics zeroinf promises); fp32 is plain PyTorch. Data and initial weights come
+from the seed, so every world size trains on exactly the same global batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB, SEQ, D_MODEL, N_HEAD, N_LAYER = 64, 16, 32, 4, 3
+GLOBAL_BATCH = 8
+LR = 3e-3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
+        # no qkv bias: the key bias gets an exactly-zero gradient (softmax is shift-invariant), and Adam
+        # would turn its rounding noise into full-size updates that no two summation orders agree on.
+        self.qkv, self.proj = nn.Linear(D_MODEL, 3 * D_MODEL, bias=False), nn.Linear(D_MODEL, D_MODEL)
+        self.fc, self.out = nn.Linear(D_MODEL, 4 * D_MODEL), nn.Linear(4 * D_MODEL, D_MODEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, N_HEAD, c // N_HEAD).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(att)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D_MODEL)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        self.pos = nn.Parameter(torch.randn(SEQ, D_MODEL) * 0.02)
+        self.blocks = nn.ModuleList([Block() for _ in range(N_LAYER)])
+        self.ln_f = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+        self.head.weight = self.tok.weight  # tied across the root unit
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x)).float()
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.reshape(-1))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    stage: int
+    dtype: str = "fp32"
+    accum: int = 1
+    sync_every_micro_step: bool = False
+    clip: float | None = None
+    overflow_step: int | None = None  # fp16: multiply that step's loss by inf
+    initial_scale: float = 1024.0  # fp16 loss scale at step 0
+    steps: int = 10
+    weight_decay: float = 0.1
+
+
+def global_batch(step: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def build_model(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+def train_reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch: fp32 masters + (for bf16/fp16) a low-precision compute copy; whole global batch."""
+    master = build_model()
+    opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
+    compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
+    scale = case.initial_scale if case.dtype == "fp16" else 1.0
+    losses = []
+    for step in range(case.steps):
+        x, y = global_batch(step)
+        if step == case.overflow_step:  # the engine skips this step and halves the scale
+            scale /= 2
+            losses.append(float("nan"))
+            continue
+        if compute is not master:
+            with torch.no_grad():
+                for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+                    c.copy_(m)
+        loss = compute(x, y)
+        (loss * scale).backward()
+        losses.append(loss.item())
+        if compute is not master:
+            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+                m.grad = c.grad.float() / scale
+                c.grad = None
+        if case.clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), case.clip)
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: p.detach().float().clone() for n, p in master.named_parameters()}
+
+
+def train_zeroinf(case: Case, rank: int, world_size: int) -> dict:
+    """The same training through zeroinf on this rank's slice of every global batch."""
+    import zeroinf
+
+    cfg = zeroinf.Config(
+        stage=case.stage, param_dtype=case.dtype, grad_accum_steps=case.accum,
+        sync_every_micro_step=case.sync_every_micro_step, grad_clip_norm=case.clip,
+        loss_scale=zeroinf.LossScaleConfig(initial_scale=case.initial_scale),
+    )
+    model = zeroinf.shard(build_model(), cfg)
+    opt = zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
+    per_rank = GLOBAL_BATCH // world_size
+    micro = per_rank // case.accum
+    losses, skipped = [], []
+    for step in range(case.steps):
+        x, y = global_batch(step)
+        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        total = torch.zeros(())
+        for m in range(case.accum):
+            loss = model(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / case.accum
+            total += loss.detach().float()
+            opt.backward(loss * math.inf if step == case.overflow_step else loss)
+        opt.step()
+        opt.zero_grad()
+        if world_size > 1:
+            torch.distributed.all_reduce(total)
+            total /= world_size
+        losses.append(float("nan") if step == case.overflow_step else total.item())
+        skipped.append(opt.last_step_skipped)
+    report = zeroinf.memory_report(model)
+    return {
+        "losses": losses,
+        "skipped": skipped,
+        "weights": {n: p.detach().float().clone() for n, p in model.named_parameters()} if rank == 0 else None,
+        "optimizer_state_bytes": report["device"]["by_tag"].get("optimizer_state", 0),
+        "collectives_last_step": report["collectives_last_step"],
+    }
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
+    return {case.name: train_zeroinf(case, rank, world_size) for case in cases}
+
+
+def with_name(case: Case, suffix: str) -> Case:
+    return replace(case, name=f"{case.name}{suffix}")
