@@ -40,6 +40,11 @@ def _normalize_dtype(field_name: str, value: object) -> str:
     return name
 
 
+def _number(field_name: str, value: object, fix: str = "use a number") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(field_name, value, fix)
+
+
 def _positive_int(field_name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(field_name, value, "use a positive integer")
@@ -61,6 +66,8 @@ class LossScaleConfig:
     """The scale never falls below this; repeated overflows at the floor raise an error."""
 
     def __post_init__(self) -> None:
+        for name in ("initial_scale", "growth_factor", "backoff_factor", "min_scale"):
+            _number(f"loss_scale.{name}", getattr(self, name))
         if not self.initial_scale > 0:
             raise ConfigError("loss_scale.initial_scale", self.initial_scale, "use a positive number, e.g. 65536")
         _positive_int("loss_scale.growth_interval", self.growth_interval)
@@ -125,7 +132,7 @@ class Config:
     """Seconds a collective may wait before the run fails with a timeout naming the rank."""
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
             raise ConfigError("stage", self.stage, "use 0, 1, 2 or 3")
         if self.stage == 3:
             raise ConfigError("stage", self.stage, "stage 3 is not supported yet in this version; use 0, 1 or 2")
@@ -134,14 +141,19 @@ class Config:
         if self.reduce_dtype == "fp16":
             raise ConfigError("reduce_dtype", self.reduce_dtype, "fp16 reductions overflow; use fp32 or bf16")
         _positive_int("grad_accum_steps", self.grad_accum_steps)
+        if not isinstance(self.sync_every_micro_step, bool):
+            raise ConfigError("sync_every_micro_step", self.sync_every_micro_step, "use true or false")
         if self.grad_clip_norm is not None and not (
-            isinstance(self.grad_clip_norm, (int, float)) and self.grad_clip_norm > 0
+            isinstance(self.grad_clip_norm, (int, float))
+            and not isinstance(self.grad_clip_norm, bool)
+            and self.grad_clip_norm > 0
         ):
             raise ConfigError("grad_clip_norm", self.grad_clip_norm, "use a positive number or leave it unset")
         _positive_int("bucket_bytes", self.bucket_bytes)
         if isinstance(self.unit_classes, str) or not all(isinstance(c, str) for c in self.unit_classes):
             raise ConfigError("unit_classes", self.unit_classes, 'use a list of class names, e.g. ["Block"]')
         object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        _number("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
         if not self.collective_timeout_s > 0:
             raise ConfigError("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
         for name, cls in (("loss_scale", LossScaleConfig), ("offload", OffloadConfig)):

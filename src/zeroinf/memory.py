@@ -49,6 +49,8 @@ class Ledger:
             usage.peak_bytes = max(usage.peak_bytes, usage.live_bytes)
 
     def release(self, tier: Tier | str, nbytes: int, tag: str) -> None:
+        if nbytes < 0:
+            raise ValueError(f"ledger: cannot release a negative byte count ({nbytes}) for {tag!r}")
         usage = self._usage[Tier(tier)]
         with self._lock:
             if usage.by_tag[tag] < nbytes:
@@ -109,6 +111,9 @@ def parse_bytes(text: str) -> int:
     while i > 0 and s[i - 1].isalpha():
         i -= 1
     number, suffix = s[:i].strip(), s[i:]
-    if suffix not in units or not number:
+    if suffix not in units or not number or number.startswith("-"):
         raise ValueError(f"cannot parse byte size {text!r}: use e.g. 4GiB, 512MiB, 1MB or a plain integer")
-    return int(float(number) * units[suffix])
+    try:
+        return int(float(number) * units[suffix])
+    except (ValueError, OverflowError):
+        raise ValueError(f"cannot parse byte size {text!r}: use e.g. 4GiB, 512MiB, 1MB or a plain integer") from None

@@ -49,9 +49,15 @@ class DynamicLossScaler:
             self.clean_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+            "overflows_at_min": self.overflows_at_min,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])
+        self.overflows_at_min = int(state.get("overflows_at_min", 0))

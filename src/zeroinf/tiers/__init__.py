@@ -1,0 +1,1 @@
+"""Tiers: where a shard lives (device, host, nvme) and how it moves between them."""

@@ -1,0 +1,229 @@
+"""The nvme tier: per-rank swap files, one per kind of state, with shards at aligned offsets.
+
+`plan_swap_layout` is a pure function from shard sizes to a `SwapLayout` that maps (unit, state kind)
+to (file, offset, bytes). `NvmeSwap` makes the layout real: it refuses leftovers of an earlier run,
+preallocates every file (so a full disk fails now, not mid-step), moves shards with the aio engine
+(`swap_out` / `swap_in`) and removes its files on `close()`.
+
+[Note: leftover swap files]
+A clean shutdown removes the files, so one that exists at start-up was left by a run that crashed,
+or belongs to a run still going. Each live file holds an exclusive flock for its lifetime; the
+error says which case it is. Leftovers are never reused: their contents match no current layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from zeroinf.aio.buffers import as_bytes, round_up
+from zeroinf.aio.engine import AioEngine, AioHandle
+from zeroinf.aio.errors import AioError
+from zeroinf.memory import Ledger, Tier, format_bytes
+
+_KIND_PATTERN = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def swap_file_name(rank: int, kind: str) -> str:
+    return f"zeroinf-rank{rank}-{kind}.swap"
+
+
+class SwapLeftoverError(RuntimeError):
+    """A swap file of this rank already exists: see [Note: leftover swap files]."""
+
+
+@dataclass(frozen=True)
+class SwapSlot:
+    """Where one shard lives: `nbytes` at `offset_bytes` of `path` (the offset is aligned)."""
+
+    path: str
+    offset_bytes: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SwapLayout:
+    """(unit, state kind) -> SwapSlot, and the size of each kind's file. Plain data."""
+
+    folder: str
+    rank: int
+    slots: Mapping[tuple[str, str], SwapSlot]
+    file_bytes: Mapping[str, int]  # kind -> preallocated file size
+
+    def slot(self, unit: str, kind: str) -> SwapSlot:
+        try:
+            return self.slots[(unit, kind)]
+        except KeyError:
+            raise KeyError(
+                f"swap layout of rank {self.rank} has no slot for unit {unit!r}, state kind {kind!r}; "
+                f"kinds: {sorted(self.file_bytes)}"
+            ) from None
+
+    def path(self, kind: str) -> str:
+        return os.path.join(self.folder, swap_file_name(self.rank, kind))
+
+
+def plan_swap_layout(
+    shard_bytes: Mapping[tuple[str, str], int],
+    folder: str | os.PathLike[str],
+    rank: int,
+    alignment_bytes: int = 4096,
+) -> SwapLayout:
+    """Lay shards end to end, in the mapping's order, one file per kind, each at an aligned offset."""
+    folder = os.path.abspath(os.fspath(folder))
+    slots: dict[tuple[str, str], SwapSlot] = {}
+    file_bytes: dict[str, int] = {}
+    for (unit, kind), nbytes in shard_bytes.items():
+        if not _KIND_PATTERN.match(kind):
+            raise ValueError(f"swap layout: state kind {kind!r} must be letters, digits and '_' only")
+        if nbytes < 0:
+            raise ValueError(f"swap layout: shard ({unit!r}, {kind!r}) has negative size {nbytes}")
+        offset_bytes = file_bytes.get(kind, 0)
+        path = os.path.join(folder, swap_file_name(rank, kind))
+        slots[(unit, kind)] = SwapSlot(path, offset_bytes, nbytes)
+        file_bytes[kind] = offset_bytes + round_up(max(nbytes, 1), alignment_bytes)
+    return SwapLayout(folder, rank, slots, file_bytes)
+
+
+class NvmeSwap:
+    """The swap files of one rank: created and preallocated at construction, removed by `close()`.
+
+    Each file's bytes are reserved on the ledger's NVME tier under its state kind as tag.
+    """
+
+    def __init__(self, layout: SwapLayout, engine: AioEngine, *, ledger: Ledger | None = None) -> None:
+        self.layout = layout
+        self.engine = engine
+        self.ledger = ledger if ledger is not None else engine.ledger
+        self._lock_fds: dict[str, int] = {}  # kind -> fd holding the file's flock
+        self._reserved_kinds: set[str] = set()
+        self._in_flight: list[AioHandle] = []
+        self._closed = False
+        self._check_folder()
+        self._check_leftovers()
+        try:
+            for kind, nbytes in layout.file_bytes.items():
+                self._create(kind, nbytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_folder(self) -> None:
+        folder = self.layout.folder
+        first = next(iter(self.layout.file_bytes.items()), None)
+        path, nbytes = (self.layout.path(first[0]), first[1]) if first else (folder, 0)
+        if not os.path.isdir(folder):
+            raise AioError("create", path, 0, nbytes, f"the swap folder {folder!r} does not exist")
+        # Root passes access() on any folder that is not on a read-only filesystem; creating the
+        # files below then reports the error with its errno.
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise AioError("create", path, 0, nbytes, f"the swap folder {folder!r} is not writable")
+
+    def _check_leftovers(self) -> None:
+        pattern = os.path.join(glob.escape(self.layout.folder), swap_file_name(self.layout.rank, "*"))
+        found = sorted(glob.glob(pattern))
+        if not found:
+            return
+        in_use = [p for p in found if _locked_by_another(p)]
+        if in_use:
+            raise SwapLeftoverError(
+                f"swap files of rank {self.layout.rank} are in use by a running process: {in_use}; "
+                "give each run its own swap folder"
+            )
+        raise SwapLeftoverError(
+            f"swap files of rank {self.layout.rank} were left by a run that did not shut down cleanly: "
+            f"{found}; they are not reused. Delete them (rm {' '.join(found)}) and start again"
+        )
+
+    def _create(self, kind: str, nbytes: int) -> None:
+        path = self.layout.path(kind)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise AioError.from_os_error("create", path, 0, nbytes, exc) from exc
+        self._lock_fds[kind] = fd
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # a full disk fails here, not in the middle of a step
+        except OSError as exc:
+            raise AioError.from_os_error("fallocate", path, 0, nbytes, exc) from exc
+        self.engine.open_file(path)
+        self.ledger.reserve(Tier.NVME, nbytes, kind)
+        self._reserved_kinds.add(kind)
+
+    def _slot_for(self, unit: str, kind: str, tensor: torch.Tensor, op: str) -> SwapSlot:
+        if self._closed:
+            raise RuntimeError("NvmeSwap is closed")
+        slot = self.layout.slot(unit, kind)
+        nbytes = as_bytes(tensor, f"the {kind} shard of {unit!r}").numel()
+        if nbytes != slot.nbytes:
+            raise ValueError(
+                f"{op} of unit {unit!r} {kind}: the tensor has {nbytes} bytes, the slot at offset "
+                f"{slot.offset_bytes} of {slot.path!r} holds {slot.nbytes}"
+            )
+        return slot
+
+    def swap_out(self, unit: str, kind: str, tensor: torch.Tensor) -> AioHandle:
+        """Start writing a shard to its slot; keep `tensor` unchanged until the handle is waited on."""
+        slot = self._slot_for(unit, kind, tensor, "swap_out")
+        return self._track(self.engine.write(tensor, slot.path, slot.offset_bytes))
+
+    def swap_in(self, unit: str, kind: str, tensor: torch.Tensor) -> AioHandle:
+        """Start reading a shard from its slot into `tensor`."""
+        slot = self._slot_for(unit, kind, tensor, "swap_in")
+        return self._track(self.engine.read(tensor, slot.path, slot.offset_bytes))
+
+    def _track(self, handle: AioHandle) -> AioHandle:
+        self._in_flight = [h for h in self._in_flight if not h.done()]
+        self._in_flight.append(handle)
+        return handle
+
+    def close(self) -> None:
+        """Remove the swap files and release their bytes. Wait for swaps in flight first. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._in_flight:  # errors belong to whoever waits on the handle
+            handle.wait_done()
+        self._in_flight.clear()
+        for kind, fd in self._lock_fds.items():
+            path = self.layout.path(kind)
+            self.engine.close_file(path)
+            with contextlib.suppress(FileNotFoundError):  # someone else removed it: nothing to clean
+                os.remove(path)
+            os.close(fd)  # the lock goes last: no moment where the file exists unlocked
+            if kind in self._reserved_kinds:
+                self.ledger.release(Tier.NVME, self.layout.file_bytes[kind], kind)
+        self._lock_fds.clear()
+        self._reserved_kinds.clear()
+
+    def describe(self) -> str:
+        sizes = ", ".join(f"{k}: {format_bytes(n)}" for k, n in self.layout.file_bytes.items())
+        return f"NvmeSwap(rank {self.layout.rank}, {self.layout.folder}: {sizes})"
+
+    def __enter__(self) -> NvmeSwap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _locked_by_another(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

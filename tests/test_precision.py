@@ -1,0 +1,106 @@
+"""Dynamic loss scaling: back off and skip on overflow, grow after clean intervals, stop at the floor."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroinf.config import LossScaleConfig
+from zeroinf.precision import MAX_OVERFLOWS_AT_MIN_SCALE, DynamicLossScaler
+
+
+def make(**kwargs: float) -> DynamicLossScaler:
+    return DynamicLossScaler(LossScaleConfig(**kwargs))  # type: ignore[arg-type]
+
+
+def test_starts_at_initial_scale() -> None:
+    scaler = make(initial_scale=1024.0)
+    assert scaler.scale == 1024.0 and scaler.skipped_steps == 0 and scaler.clean_steps == 0
+
+
+def test_backoff_on_overflow_counts_skipped_steps() -> None:
+    scaler = make(initial_scale=1024.0, backoff_factor=0.25)
+    scaler.update(overflow=True, step=0)
+    assert scaler.scale == 256.0 and scaler.skipped_steps == 1
+    scaler.update(overflow=False, step=1)
+    scaler.update(overflow=True, step=2)
+    assert scaler.scale == 64.0 and scaler.skipped_steps == 2
+    assert scaler.clean_steps == 0  # an overflow restarts the growth interval
+
+
+def test_growth_after_interval_of_clean_steps() -> None:
+    scaler = make(initial_scale=8.0, growth_interval=3, growth_factor=4.0)
+    for step in range(2):
+        scaler.update(overflow=False, step=step)
+    assert scaler.scale == 8.0 and scaler.clean_steps == 2
+    scaler.update(overflow=False, step=2)
+    assert scaler.scale == 32.0 and scaler.clean_steps == 0
+    for step in range(3, 6):
+        scaler.update(overflow=False, step=step)
+    assert scaler.scale == 128.0 and scaler.skipped_steps == 0
+
+
+def test_overflow_resets_growth_interval() -> None:
+    scaler = make(initial_scale=8.0, growth_interval=3)
+    scaler.update(overflow=False, step=0)
+    scaler.update(overflow=False, step=1)
+    scaler.update(overflow=True, step=2)
+    assert scaler.scale == 4.0
+    scaler.update(overflow=False, step=3)
+    scaler.update(overflow=False, step=4)
+    assert scaler.scale == 4.0  # only two clean steps since the overflow
+    scaler.update(overflow=False, step=5)
+    assert scaler.scale == 8.0
+
+
+def test_min_scale_floor() -> None:
+    scaler = make(initial_scale=16.0, min_scale=3.0, backoff_factor=0.5)
+    scaler.update(overflow=True, step=0)
+    scaler.update(overflow=True, step=1)
+    assert scaler.scale == 4.0
+    scaler.update(overflow=True, step=2)
+    assert scaler.scale == 3.0  # not 2.0
+    scaler.update(overflow=True, step=3)
+    assert scaler.scale == 3.0 and scaler.skipped_steps == 4
+
+
+def test_repeated_overflows_at_floor_raise() -> None:
+    scaler = make(initial_scale=1.0, min_scale=1.0)
+    for step in range(MAX_OVERFLOWS_AT_MIN_SCALE - 1):
+        scaler.update(overflow=True, step=step)
+    assert scaler.scale == 1.0
+    with pytest.raises(FloatingPointError, match="bf16"):
+        scaler.update(overflow=True, step=MAX_OVERFLOWS_AT_MIN_SCALE)
+
+
+def test_clean_step_at_floor_resets_the_overflow_count() -> None:
+    scaler = make(initial_scale=1.0, min_scale=1.0)
+    for step in range(MAX_OVERFLOWS_AT_MIN_SCALE - 1):
+        scaler.update(overflow=True, step=step)
+    scaler.update(overflow=False, step=100)
+    for step in range(MAX_OVERFLOWS_AT_MIN_SCALE - 1):
+        scaler.update(overflow=True, step=200 + step)  # does not raise: the count restarted
+    assert scaler.skipped_steps == 2 * (MAX_OVERFLOWS_AT_MIN_SCALE - 1)
+
+
+def test_state_dict_round_trip() -> None:
+    a = make(initial_scale=64.0, growth_interval=4)
+    for step, overflow in enumerate([True, False, False, True, False, False, False]):
+        a.update(overflow=overflow, step=step)
+    state = a.state_dict()
+    assert state == {"scale": 16.0, "clean_steps": 3, "skipped_steps": 2, "overflows_at_min": 0}
+    b = make(initial_scale=64.0, growth_interval=4)
+    b.load_state_dict(state)
+    assert b.state_dict() == state
+    a.update(overflow=False, step=7)
+    b.update(overflow=False, step=7)
+    assert a.scale == b.scale == 32.0 and a.state_dict() == b.state_dict()
+
+
+def test_state_dict_keeps_overflows_at_floor() -> None:
+    a = make(initial_scale=1.0, min_scale=1.0)
+    for step in range(MAX_OVERFLOWS_AT_MIN_SCALE - 1):
+        a.update(overflow=True, step=step)
+    b = make(initial_scale=1.0, min_scale=1.0)
+    b.load_state_dict(a.state_dict())
+    with pytest.raises(FloatingPointError):
+        b.update(overflow=True, step=MAX_OVERFLOWS_AT_MIN_SCALE)
