@@ -67,6 +67,7 @@ class Case:
     clip: float | None = None
     overflow_step: int | None = None  # fp16: multiply that step's loss by inf
     initial_scale: float = 1024.0  # fp16 loss scale at step 0
+    overrides: tuple[tuple[str, object], ...] = ()  # further Config fields, e.g. (("max_live_bytes", 1),)
     steps: int = 10
     weight_decay: float = 0.1
 
@@ -121,7 +122,7 @@ def train_zeroinf(case: Case, rank: int, world_size: int) -> dict:
     cfg = zeroinf.Config(
         stage=case.stage, param_dtype=case.dtype, grad_accum_steps=case.accum,
         sync_every_micro_step=case.sync_every_micro_step, grad_clip_norm=case.clip,
-        loss_scale=zeroinf.LossScaleConfig(initial_scale=case.initial_scale),
+        loss_scale=zeroinf.LossScaleConfig(initial_scale=case.initial_scale), **dict(case.overrides),
     )
     model = zeroinf.shard(build_model(), cfg)
     opt = zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
@@ -147,10 +148,16 @@ def train_zeroinf(case: Case, rank: int, world_size: int) -> dict:
     return {
         "losses": losses,
         "skipped": skipped,
-        "weights": {n: p.detach().float().clone() for n, p in model.named_parameters()} if rank == 0 else None,
+        "weights": _weights(model, rank),
         "optimizer_state_bytes": report["device"]["by_tag"].get("optimizer_state", 0),
         "collectives_last_step": report["collectives_last_step"],
     }
+
+
+def _weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+    full = model.state_dict()  # a collective at stage 3: every rank calls it
+    names = {n for n, _ in model.named_parameters()}
+    return {n: t.float().clone() for n, t in full.items() if n in names} if rank == 0 else None
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:

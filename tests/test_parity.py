@@ -28,6 +28,9 @@ import torch
 from tests._harness import run_ranks
 from tests._parity import LR, Case, run_cases, train_reference
 
+S3 = (("persist_threshold_bytes", 0),)
+BLOCK_BYTES = 12 * 32 * 32 * 4 + 4096  # one block's unsharded fp32 bytes, rounded up
+
 CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] + [
     Case("s2-fp32-accum2", 2, accum=2),
     Case("s2-fp32-accum2-sync", 2, accum=2, sync_every_micro_step=True),
@@ -36,6 +39,12 @@ CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] +
     Case("s2-bf16-clip", 2, "bf16", clip=0.05),
     Case("s0-fp16-overflow", 0, "fp16", overflow_step=4),
     Case("s2-fp16-overflow", 2, "fp16", overflow_step=4),
+    # stage 3: every block sharded (no resident tiny units), with and without a live-bytes cap
+    Case("s3-fp32", 3, overrides=S3),
+    Case("s3-bf16", 3, "bf16", overrides=S3),
+    Case("s3-fp32-accum2", 3, accum=2, overrides=S3),
+    Case("s3-bf16-clip-live2", 3, "bf16", clip=0.05, overrides=S3 + (("max_live_bytes", 2 * BLOCK_BYTES),)),
+    Case("s3-fp16-overflow", 3, "fp16", overflow_step=4, overrides=S3),
 ]
 TOLERANCES = {  # (loss rtol, weight atol)
     "fp32": (1e-5, 5e-5),
@@ -91,7 +100,9 @@ def test_stage2_shards_optimizer_states(world_results: tuple[int, dict]) -> None
 
 
 def test_collective_counts(world_results: tuple[int, dict]) -> None:
-    """Per step: stage 2 reduce-scatters and all-gathers each unit once; stages 0-1 all-reduce."""
+    """Per step: stage 2 reduce-scatters and all-gathers each unit once; stages 0-1 all-reduce;
+    stage 3 gathers each block once in forward and once in backward, and the resident root once
+    (refreshed after the optimizer step), and reduce-scatters every unit once per micro-step."""
     world, results = world_results
     units = 4  # 3 blocks + the root unit
     s2 = results["s2-fp32"][0]["collectives_last_step"]
@@ -103,3 +114,8 @@ def test_collective_counts(world_results: tuple[int, dict]) -> None:
     assert acc.get("reduce_scatter") == units
     sync = results["s2-fp32-accum2-sync"][0]["collectives_last_step"]
     assert sync.get("reduce_scatter") == 2 * units
+    blocks = units - 1
+    s3 = results["s3-fp32"][0]["collectives_last_step"]
+    assert s3.get("all_gather") == 2 * blocks + 1 and s3.get("reduce_scatter") == units
+    s3acc = results["s3-fp32-accum2"][0]["collectives_last_step"]
+    assert s3acc.get("all_gather") == 2 * 2 * blocks + 1 and s3acc.get("reduce_scatter") == 2 * units

@@ -81,27 +81,75 @@ class LossScaleConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Where each kind of model state lives: `device`, `host` or `nvme`."""
+    """Where each kind of model state lives: `device`, `host` or `nvme`, and how states on `nvme` move.
+
+    With `optimizer = "nvme"` the fp32 master weights and Adam moments live in per-rank swap files
+    in `nvme_dir`; the step swaps them in and out in sub-groups of at most `sub_group_numel`
+    elements through `buffer_count` host staging buffers, so host memory stays bounded whatever
+    the model size. The defaults need no tuning.
+    """
 
     params: str = "device"
     """Tier of the compute-dtype parameter shards."""
     optimizer: str = "device"
-    """Tier of the fp32 master weights and Adam moments."""
+    """Tier of the fp32 master weights and Adam moments: `device`, `host` (CPU RAM; the step runs
+    on the CPU) or `nvme` (swap files in `nvme_dir`; the step runs on the CPU)."""
     gradients: str = "device"
     """Tier of the fp32 gradient shards."""
     nvme_dir: str | None = None
-    """Folder for the swap files when any tier is `nvme`."""
+    """Folder for the swap files when any tier is `nvme` (required then). It must exist, be
+    writable and have room for the files; this is checked before training starts."""
+    sub_group_numel: int = 2**22
+    """Most elements of one optimizer sub-group swapped from `nvme` (a unit's owned range is cut
+    into pieces of at most this size). Each staging buffer holds 12 bytes per element (master and
+    two moments), 48 MiB at the default: large enough for full-speed 1 MiB disk requests."""
+    buffer_count: int = 3
+    """Host staging buffers for `nvme` optimizer sub-groups (at least 2). Three let the read of
+    sub-group k+1 and the write of k-1 overlap the update of k; more read further ahead."""
+    max_host_bytes: int | None = None
+    """Cap on the host bytes the offload may hold (staging buffers, or the states themselves when
+    `optimizer = "host"`); None means no cap. Accepts a size string such as "16GiB". Checked
+    before training starts."""
+    io_timeout_s: float = 600.0
+    """Seconds one swap may take before the step fails with an error naming the file."""
 
     def __post_init__(self) -> None:
         for name in ("params", "optimizer", "gradients"):
             value = getattr(self, name)
             if value not in TIERS:
                 raise ConfigError(f"offload.{name}", value, f"use one of {list(TIERS)}")
-            if value != "device":
+            if name != "optimizer" and value != "device":
                 raise ConfigError(
                     f"offload.{name}", value,
                     "offload to host/nvme is not supported yet in this version; use 'device'",
                 )
+        if self.nvme_dir is not None:
+            if not isinstance(self.nvme_dir, (str, Path)) or not str(self.nvme_dir):
+                raise ConfigError("offload.nvme_dir", self.nvme_dir, "use the path of a folder on a local disk")
+            object.__setattr__(self, "nvme_dir", str(self.nvme_dir))
+        nvme_tiers = [n for n in ("params", "optimizer", "gradients") if getattr(self, n) == "nvme"]
+        if nvme_tiers and self.nvme_dir is None:
+            raise ConfigError(
+                "offload.nvme_dir", None,
+                f"offload.{nvme_tiers[0]} is 'nvme': set nvme_dir to a folder on a local disk for the swap files",
+            )
+        _positive_int("offload.sub_group_numel", self.sub_group_numel)
+        if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
+            raise ConfigError("offload.buffer_count", self.buffer_count, "use an integer >= 2 (3 overlaps reads and writes)")
+        if isinstance(self.max_host_bytes, str):
+            from zeroinf.memory import parse_bytes
+
+            try:
+                object.__setattr__(self, "max_host_bytes", parse_bytes(self.max_host_bytes))
+            except ValueError:
+                raise ConfigError(
+                    "offload.max_host_bytes", self.max_host_bytes, 'use a byte count or a size such as "16GiB"'
+                ) from None
+        if self.max_host_bytes is not None:
+            _positive_int("offload.max_host_bytes", self.max_host_bytes)
+        _number("offload.io_timeout_s", self.io_timeout_s, "use a positive number of seconds")
+        if not self.io_timeout_s > 0:
+            raise ConfigError("offload.io_timeout_s", self.io_timeout_s, "use a positive number of seconds")
 
 
 @dataclass(frozen=True)
@@ -128,14 +176,18 @@ class Config:
     """Dynamic loss scaling for fp16."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Placement of model states across tiers."""
+    prefetch_bytes: int = 256 * 2**20
+    """Stage 3: unsharded bytes all-gathered ahead of use (beyond the unit running now)."""
+    max_live_bytes: int | None = None
+    """Stage 3: cap on unsharded bytes of non-resident units alive at once; None means no cap."""
+    persist_threshold_bytes: int = 2**18
+    """Stage 3: units whose unsharded size is below this stay unsharded (like the root unit)."""
     collective_timeout_s: float = 600.0
     """Seconds a collective may wait before the run fails with a timeout naming the rank."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
             raise ConfigError("stage", self.stage, "use 0, 1, 2 or 3")
-        if self.stage == 3:
-            raise ConfigError("stage", self.stage, "stage 3 is not supported yet in this version; use 0, 1 or 2")
         object.__setattr__(self, "param_dtype", _normalize_dtype("param_dtype", self.param_dtype))
         object.__setattr__(self, "reduce_dtype", _normalize_dtype("reduce_dtype", self.reduce_dtype))
         if self.reduce_dtype == "fp16":
@@ -153,6 +205,16 @@ class Config:
         if isinstance(self.unit_classes, str) or not all(isinstance(c, str) for c in self.unit_classes):
             raise ConfigError("unit_classes", self.unit_classes, 'use a list of class names, e.g. ["Block"]')
         object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        if isinstance(self.prefetch_bytes, bool) or not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0:
+            raise ConfigError("prefetch_bytes", self.prefetch_bytes, "use a byte count >= 0 (0 disables prefetch)")
+        if self.max_live_bytes is not None:
+            _positive_int("max_live_bytes", self.max_live_bytes)
+        if (
+            isinstance(self.persist_threshold_bytes, bool)
+            or not isinstance(self.persist_threshold_bytes, int)
+            or self.persist_threshold_bytes < 0
+        ):
+            raise ConfigError("persist_threshold_bytes", self.persist_threshold_bytes, "use a byte count >= 0")
         _number("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
         if not self.collective_timeout_s > 0:
             raise ConfigError("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")

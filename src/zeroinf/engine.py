@@ -10,10 +10,17 @@ starts its collective at once, overlapping the rest of backward; at the end of b
 agrees with the other ranks on which units got gradients at all (one small all-reduce, so unused
 branches on one rank never desynchronize the collectives), reduces the stragglers in unit order,
 and waits.
+
+Stage 3 adds the parameter movement (runtime/schedule.py decides, this file wires the events):
+the root module's forward begins a pass, each unit's forward pre/post hooks unshard/reshard it, a
+hook on each unit's forward outputs unshards it again before its backward, and the unit is
+released once its gradients are in. Stage 3 reduces gradients on every micro-step: keeping the
+unsharded gradients of every unit across micro-steps would undo the point of sharding.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -22,48 +29,166 @@ from torch import nn
 from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger
-from zeroinf.partition.unit import GradState, ShardedUnit, ShardingPolicy
-from zeroinf.partition.wrap import discover_units
-from zeroinf.runtime.hooks import queue_end_of_backward, register_grad_ready_hooks
+from zeroinf.partition.init import InitFn, has_meta_state, materialize_and_build
+from zeroinf.partition.unit import GradState, ParamState, ShardedUnit, ShardingPolicy
+from zeroinf.partition.wrap import UnitSpec, discover_units
+from zeroinf.runtime import hooks
+from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.telemetry import CollectiveCounter
 from zeroinf.topology import Topology
 
 _ATTR = "_zeroinf_engine"
+MAX_REDUCTIONS_IN_FLIGHT = 2  # stage 3: bounds the unsharded gradient buffers alive in backward
 
 
 class Engine:
-    def __init__(self, module: nn.Module, cfg: Config, topo: Topology, ledger: Ledger | None = None) -> None:
+    def __init__(
+        self, module: nn.Module, cfg: Config, topo: Topology, ledger: Ledger | None = None,
+        init_fn: InitFn | None = None,
+    ) -> None:
         self.module, self.cfg, self.topo = module, cfg, topo
         self.ledger = ledger or Ledger()
         self.counter = CollectiveCounter()
         self.policy = ShardingPolicy(cfg.stage)
-        param_dtype = cfg.param_torch_dtype
-        for p in module.parameters():
+        for name, p in module.named_parameters():
             if not p.is_floating_point():
-                raise TypeError(f"zeroinf shards floating-point parameters only; got {p.dtype}")
+                raise TypeError(f"zeroinf shards floating-point parameters only; {name} is {p.dtype}")
         specs = discover_units(module, cfg.unit_classes)
         if not specs:
             raise ValueError("zeroinf.shard: the model has no trainable parameters")
-        self.units = [
-            ShardedUnit(
-                spec.name, list(spec.params), topo, self.policy, param_dtype, cfg.reduce_torch_dtype,
-                self.ledger, cfg.bucket_bytes, self.counter,
+        self.specs = specs
+        if has_meta_state(module):
+            self.units: list[ShardedUnit] = materialize_and_build(  # type: ignore[assignment]
+                module, specs, self._build_unit, topo.device, init_fn
             )
-            for spec in specs
-        ]
+        else:
+            if init_fn is not None:
+                with torch.no_grad():
+                    module.apply(init_fn)
+            self.units = [self._build_unit(spec) for spec in specs]
+        module.to(topo.device)  # buffers and frozen parameters; unit parameters are already there
         for p in module.parameters():  # frozen parameters: cast in place, not sharded
-            if p.dtype != param_dtype:
-                p.data = p.data.to(param_dtype)
-        for unit in self.units:
-            unit.broadcast_from_rank0()
+            if p.dtype != cfg.param_torch_dtype and p.numel() > 0:
+                p.data = p.data.to(cfg.param_torch_dtype)
         self.micro_step = 0  # backward passes since the last optimizer step
         self._in_backward = False
         self._sync_this_backward = False
+        self._reducing: deque[int] = deque()
         self._hook_handles = [
             h
             for ui, unit in enumerate(self.units)
-            for h in register_grad_ready_hooks(unit.params, lambda pi, ui=ui: self._on_grad_ready(ui, pi))
+            for h in hooks.register_grad_ready_hooks(unit.params, lambda pi, ui=ui: self._on_grad_ready(ui, pi))
         ]
+        self.scheduler: UnshardScheduler | None = None
+        if self.policy.shard_params:
+            self._setup_stage3()
+
+    def _build_unit(self, spec: UnitSpec) -> ShardedUnit:
+        unit = ShardedUnit(
+            spec.name, list(spec.params), self.topo, self.policy, self.cfg.param_torch_dtype,
+            self.cfg.reduce_torch_dtype, self.ledger, self.cfg.bucket_bytes, self.counter,
+        )
+        if self.policy.shard_params and (spec.name == "" or unit.unsharded_bytes < self.cfg.persist_threshold_bytes):
+            unit.resident = True  # the root unit and tiny units stay unsharded
+        return unit
+
+    # -- stage 3 wiring -------------------------------------------------------------------------------
+    def _setup_stage3(self) -> None:
+        budget = PrefetchBudget(
+            prefetch_bytes=self.cfg.prefetch_bytes,
+            max_live_bytes=self.cfg.max_live_bytes if self.cfg.max_live_bytes is not None else 2**62,
+        )
+        self.scheduler = UnshardScheduler(self.units, budget)
+        self._unit_of_param = {id(p): ui for ui, u in enumerate(self.units) for p in u.params}
+        self._external: dict[int, list[int]] = {}  # id(module) -> units fetched for it on demand
+        handles = hooks.register_forward_hooks(self.module, self._root_pre_forward, self._root_post_forward)
+        handles.append(
+            self.module._register_state_dict_hook(
+                lambda m, state_dict, prefix, local_metadata: self.gather_full_state(state_dict, prefix)
+            )
+        )
+        unit_modules = set()
+        for ui, spec in enumerate(self.specs):
+            if spec.name and not self.units[ui].resident:
+                unit_modules.add(id(spec.module))
+                handles += hooks.register_forward_hooks(
+                    spec.module,
+                    lambda m, ui=ui: self._unit_pre_forward(ui),
+                    lambda m, out, ui=ui: self._unit_post_forward(ui, out),
+                )
+        for m in self.module.modules():
+            owned = {self._unit_of_param[id(p)] for p in m.parameters(recurse=False) if id(p) in self._unit_of_param}
+            owned = {u for u in owned if not self.units[u].resident}
+            if owned and id(m) not in unit_modules:
+                handles += hooks.register_forward_hooks(
+                    m,
+                    lambda m, owned=tuple(sorted(owned)): self._external_pre_forward(m, owned),
+                    self._external_post_forward,
+                )
+        self._hook_handles += handles
+
+    def gather_full_state(self, state_dict: dict[str, Any], prefix: str = "") -> None:
+        """Fill `state_dict` entries of sharded parameters with full copies, one unit at a time.
+
+        A collective: every rank must call it (as `model.state_dict()` does at stage 3).
+        """
+        for spec, unit in zip(self.specs, self.units, strict=True):
+            was_sharded = unit.state is not ParamState.UNSHARDED
+            unit.wait_unshard()
+            full = {id(p): p.detach().clone() for p in unit.params}
+            if was_sharded:
+                unit.reshard()
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                if id(p) in full and prefix + name in state_dict:
+                    state_dict[prefix + name] = full[id(p)]
+            del spec
+
+    def _root_pre_forward(self, _: nn.Module) -> None:
+        assert self.scheduler is not None
+        self.scheduler.begin_forward(training=torch.is_grad_enabled())
+
+    def _root_post_forward(self, _: nn.Module, output: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.end_forward()
+
+    def _unit_pre_forward(self, index: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.pre_forward(index)
+
+    def _unit_post_forward(self, index: int, output: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.post_forward(index)
+        if torch.is_grad_enabled():
+            hooks.register_pre_backward(output, lambda: self._pre_backward(index))
+
+    def _external_pre_forward(self, module: nn.Module, owned: tuple[int, ...]) -> None:
+        """A module whose parameters belong to a unit that is not gathered: fetch them on demand."""
+        fetched = [u for u in owned if self.units[u].state is not ParamState.UNSHARDED]
+        for u in fetched:
+            self.units[u].wait_unshard()
+        if fetched:
+            self._external[id(module)] = fetched
+
+    def _external_post_forward(self, module: nn.Module, output: Any) -> None:
+        fetched = self._external.pop(id(module), None)
+        if not fetched:
+            return
+        if torch.is_grad_enabled():
+            hooks.register_pre_backward(output, lambda: self._external_pre_backward(fetched))
+        for u in fetched:
+            self.units[u].reshard()
+
+    def _pre_backward(self, index: int) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        assert self.scheduler is not None
+        self.scheduler.pre_backward(index)
+
+    def _external_pre_backward(self, units: list[int]) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        for u in units:
+            self.units[u].wait_unshard()
 
     # -- backward -------------------------------------------------------------------------------------
     def _on_grad_ready(self, unit_index: int, param_index: int) -> None:
@@ -72,6 +197,11 @@ class Engine:
         unit = self.units[unit_index]
         if unit.accumulate_grad(param_index) and self._sync_this_backward:
             unit.start_reduce_grads()
+            if self.scheduler is not None:
+                self.scheduler.release(unit_index)
+                self._reducing.append(unit_index)
+                while len(self._reducing) > MAX_REDUCTIONS_IN_FLIGHT:
+                    self.units[self._reducing.popleft()].wait_reduce_grads()
 
     def _begin_backward(self) -> None:
         if self.micro_step >= self.cfg.grad_accum_steps:
@@ -82,8 +212,10 @@ class Engine:
             )
         self._in_backward = True
         last = self.micro_step + 1 == self.cfg.grad_accum_steps
-        self._sync_this_backward = last or self.cfg.sync_every_micro_step
-        queue_end_of_backward(self._end_backward)
+        self._sync_this_backward = last or self.cfg.sync_every_micro_step or self.policy.shard_params
+        if self.scheduler is not None:
+            self.scheduler.begin_backward()
+        hooks.queue_end_of_backward(self._end_backward)
 
     def _end_backward(self) -> None:
         self._in_backward = False
@@ -92,6 +224,9 @@ class Engine:
             unit.end_backward()
         if self._sync_this_backward:
             self._reduce_all()
+        self._reducing.clear()
+        if self.scheduler is not None:
+            self.scheduler.end_backward()
 
     def _reduce_all(self) -> None:
         has_grad = torch.tensor(
@@ -118,6 +253,8 @@ class Engine:
     def end_step(self) -> None:
         self.micro_step = 0
         self.counter.end_step()
+        self.ledger_step_peaks = self.ledger.snapshot()
+        self.ledger.reset_peak()
 
     def zero_grad(self) -> None:
         for unit in self.units:
@@ -130,20 +267,26 @@ class Engine:
         report["collectives_last_step"] = dict(self.counter.last_step)
         report["collectives_total"] = dict(self.counter.total)
         report["units"] = len(self.units)
+        report["resident_units"] = sum(u.resident for u in self.units)
+        if self.scheduler is not None:
+            report["trace_departures"] = self.scheduler.forward_trace.departures + self.scheduler.backward_trace.departures
         return report
 
 
-def shard(module: nn.Module, cfg: Config | None = None, topology: Topology | None = None) -> nn.Module:
+def shard(
+    module: nn.Module, cfg: Config | None = None, topology: Topology | None = None, init_fn: InitFn | None = None
+) -> nn.Module:
     """Shard `module` in place according to `cfg` (default: `Config()`) and return it.
 
-    `topology` defaults to the initialized default process group (or a single process).
+    `topology` defaults to the initialized default process group (or a single process). A module
+    built under `zeroinf.init()` is materialized here unit by unit; `init_fn(module)` runs on every
+    module while its unit is unsharded (after `reset_parameters`), for custom initialization.
     """
     if hasattr(module, _ATTR):
         raise RuntimeError("zeroinf.shard: this module is already sharded")
     cfg = cfg or Config()
     topo = topology or Topology.current()
-    module.to(topo.device)
-    engine = Engine(module, cfg, topo)
+    engine = Engine(module, cfg, topo, init_fn=init_fn)
     setattr(module, _ATTR, engine)
     return module
 
@@ -156,5 +299,12 @@ def engine_of(module: nn.Module) -> Engine:
 
 
 def memory_report(module: nn.Module) -> dict[str, Any]:
-    """Live and peak bytes per tier (by tag) and collectives per step, from the engine's own accounting."""
-    return engine_of(module).memory_report()
+    """Live and peak bytes per tier (by tag) and collectives per step, from the engine's own accounting.
+
+    `peak_bytes` covers the window since the last optimizer step; `last_step` holds the previous
+    step's snapshot (peaks included).
+    """
+    engine = engine_of(module)
+    report = engine.memory_report()
+    report["last_step"] = getattr(engine, "ledger_step_peaks", None)
+    return report

@@ -84,7 +84,7 @@ class AdamW(torch.optim.Optimizer):
         self.exp_avg: list[torch.Tensor] = []
         self.exp_avg_sq: list[torch.Tensor] = []
         for ui, unit in enumerate(self.engine.units):
-            master = unit.fp32_params_owned()
+            master = unit.take_initial_master()
             self.master.append(master)
             self.exp_avg.append(torch.zeros_like(master))
             self.exp_avg_sq.append(torch.zeros_like(master))

@@ -1,8 +1,20 @@
-"""ShardedUnit: one unit's flat buffers, its parameters as views, and its gradient reduction.
+"""ShardedUnit: one unit's flat buffers, its parameters as views, unshard/reshard and gradient reduction.
 
-Stages are policies of this one class (see `ShardingPolicy`): the parameters stay unsharded for
-stages 0-2; the optimizer owns the whole flat range at stage 0 and one shard from stage 1 on;
-gradients are all-reduced (stages 0-1) or reduce-scattered into a shard (stage 2).
+Stages are policies of this one class (see `ShardingPolicy`): the optimizer owns the whole flat
+range at stage 0 and one shard from stage 1 on; gradients are all-reduced (stages 0-1) or
+reduce-scattered into a shard (stages 2-3); parameters stay unsharded (stages 0-2) or live as a
+shard that is all-gathered just before use and freed right after (stage 3).
+
+[Note: freeing unsharded memory while autograd holds aliases]
+Autograd saves views of the weights it needs in backward (e.g. `weight.t()` for a Linear), so
+dropping our reference to the unsharded buffer would free nothing. We resize the buffer's storage
+to zero instead (as FSDP2 does): every alias loses its memory at once, and the next unshard
+resizes the same storage back and all-gathers into it, so saved aliases see the data again in
+backward. Reading a zero-sized storage through a stale view can crash the process, so while a unit
+is sharded its parameters' `.data` point at empty (0,)-shaped tensors: a stray use outside the
+unit's hooks fails with a shape error instead of reading freed memory. The all-gather that refills
+the storage runs under `_unsafe_preserve_version_counter`, since refilling is not a modification
+autograd should see.
 
 [Note: gradient accumulation buffer]
 Autograd writes each parameter's gradient into `param.grad` in the compute dtype. A
@@ -40,12 +52,26 @@ class ShardingPolicy:
     def shard_grads(self) -> bool:
         return self.stage >= 2
 
+    @property
+    def shard_params(self) -> bool:
+        return self.stage >= 3
+
+
+class ParamState(Enum):
+    SHARDED = "sharded"  # only this rank's shard exists; params point at empty placeholders
+    UNSHARDING = "unsharding"  # all-gather in flight into the unsharded buffer
+    UNSHARDED = "unsharded"  # params are views into the full unsharded buffer
+
 
 class GradState(Enum):
     EMPTY = "empty"  # no gradient since zero_grad
     ACCUMULATING = "accumulating"  # unsharded buffer holds local gradients
     REDUCING = "reducing"  # a collective is in flight
     REDUCED = "reduced"  # the owned range holds the global mean gradient
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class ShardedUnit:
@@ -62,6 +88,7 @@ class ShardedUnit:
         counter: CollectiveCounter,
     ) -> None:
         self.name = name or "<root>"
+        self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.topo, self.policy, self.ledger = topo, policy, ledger
         self.reduce_dtype, self.bucket_bytes, self.counter = reduce_dtype, bucket_bytes, counter
@@ -69,58 +96,115 @@ class ShardedUnit:
         self.owned_start, self.owned_end = (
             self.layout.shard_range(topo.rank) if policy.shard_optimizer else (0, self.layout.padded_numel)
         )
-        device = topo.device
-        self.param_flat = torch.zeros(self.layout.padded_numel, dtype=param_dtype, device=device)
-        ledger.reserve(Tier.DEVICE, self._nbytes(self.param_flat), "param_unsharded")
-        for slot, p in zip(self.layout.slots, self.params, strict=True):
-            view = self.param_flat[slot.offset : slot.end].view(slot.shape)
-            view.copy_(p.detach())
-            p.data = view
+        self.resident = not policy.shard_params  # stage 3 sets this for the root and tiny units
+        self._build_buffers(param_dtype)
         self.grad_flat: torch.Tensor | None = None  # unsharded, reduce dtype
-        self.grad_shard: torch.Tensor | None = None  # stage 2: owned shard, reduce dtype
+        self.grad_shard: torch.Tensor | None = None  # stages 2-3: owned shard, reduce dtype
         self.grad_state = GradState.EMPTY
         self._arrived = [False] * len(self.params)
-        self._handles: list[Handle] = []
+        self._grad_handles: list[Handle] = []
+        self._gather_handle: Handle | None = None
 
-    @staticmethod
-    def _nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
+    def _build_buffers(self, param_dtype: torch.dtype) -> None:
+        """Lay the current parameter values into the flat buffer (same on every rank), keep the shard."""
+        device = self.topo.device
+        full = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+        if self.topo.is_distributed:  # every rank starts from rank 0's weights (as DDP does)
+            torch.distributed.broadcast(full, src=0, group=self.topo.group)
+        # fp32 masters start from the unrounded weights, not from their compute-dtype copy.
+        self.initial_master: torch.Tensor | None = full[self.owned_start : self.owned_end].clone()
+        self.param_flat = full.to(param_dtype)
+        self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_flat), "param_unsharded")
+        self.param_shard: torch.Tensor | None = None
+        self._placeholders = [torch.empty(0, dtype=param_dtype, device=device) for _ in self.params]
+        if self.policy.shard_params:
+            start, end = self.layout.shard_range(self.topo.rank)
+            self.param_shard = self.param_flat[start:end].clone()
+            self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_shard), "param_shard")
+        self.state = ParamState.UNSHARDED
+        self._point_params_at_flat()
+        if self.policy.shard_params:
+            self.reshard()
 
     @property
     def owned_numel(self) -> int:
         return self.owned_end - self.owned_start
 
-    def fp32_params_owned(self) -> torch.Tensor:
-        """A new fp32 copy of the owned range of the parameters (the initial master weights)."""
-        return self.param_flat[self.owned_start : self.owned_end].float().clone()
+    @property
+    def unsharded_bytes(self) -> int:
+        return self.layout.padded_numel * self.param_flat.element_size()
 
-    # -- initial state --------------------------------------------------------------------------------
-    def broadcast_from_rank0(self) -> None:
-        """Make every rank start from rank 0's weights (as DDP does)."""
-        if self.topo.is_distributed:
-            torch.distributed.broadcast(self.param_flat, src=0, group=self.topo.group)
+    def take_initial_master(self) -> torch.Tensor:
+        """The fp32 owned range at build time (the optimizer's master weights); handed over once."""
+        if self.initial_master is None:
+            raise RuntimeError(f"unit {self.name}: the initial master weights were already taken by an optimizer")
+        master, self.initial_master = self.initial_master, None
+        return master
+
+    # -- unshard / reshard ----------------------------------------------------------------------------
+    def _point_params_at_flat(self) -> None:
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            p.data = self.param_flat[slot.offset : slot.end].view(slot.shape)
+
+    def start_unshard(self) -> None:
+        """Allocate the unsharded buffer and start the all-gather of the shards (idempotent)."""
+        if self.state is not ParamState.SHARDED:
+            return
+        assert self.param_shard is not None
+        storage = self.param_flat.untyped_storage()
+        storage.resize_(self.unsharded_bytes)
+        self.ledger.reserve(Tier.DEVICE, self.unsharded_bytes, "param_unsharded")
+        with torch.autograd._unsafe_preserve_version_counter(self.param_flat):
+            self._gather_handle = all_gather_into(self.param_flat, self.param_shard, self.topo)
+        self.counter.add("all_gather")
+        self.state = ParamState.UNSHARDING
+
+    def wait_unshard(self) -> None:
+        """Finish a started unshard (or do it now) and point the parameters at the full buffer."""
+        if self.state is ParamState.UNSHARDED:
+            return
+        self.start_unshard()
+        assert self._gather_handle is not None
+        with torch.autograd._unsafe_preserve_version_counter(self.param_flat):
+            self._gather_handle.wait()
+        self._gather_handle = None
+        self._point_params_at_flat()
+        self.state = ParamState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer (all aliases at once) and point params at empty placeholders."""
+        if self.state is ParamState.SHARDED:
+            return
+        if self.state is ParamState.UNSHARDING:
+            self.wait_unshard()
+        for p, placeholder in zip(self.params, self._placeholders, strict=True):
+            p.data = placeholder
+        self.param_flat.untyped_storage().resize_(0)
+        self.ledger.release(Tier.DEVICE, self.unsharded_bytes, "param_unsharded")
+        self.state = ParamState.SHARDED
 
     # -- gradients ------------------------------------------------------------------------------------
+    def _ensure_grad_flat(self) -> torch.Tensor:
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.topo.device)
+            self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
+        return self.grad_flat
+
     def accumulate_grad(self, index: int) -> bool:
         """Move param `index`'s fresh .grad into the flat buffer; True once all have arrived this backward."""
         param = self.params[index]
-        grad = param.grad
-        if grad is None:  # hook fired without a gradient (should not happen for dense params)
+        if param.grad is None:  # hook fired without a gradient (should not happen for dense params)
             return all(self._arrived)
-        self._ensure_grad_flat()
         # After a reduction (sync_every_micro_step), stages 0-1 keep adding onto the reduced buffer: its
         # content is identical on every rank, so the next mean adds exactly the new local gradients.
         slot = self.layout.slots[index]
-        self.grad_flat[slot.offset : slot.end].view(slot.shape).add_(grad)
+        self._ensure_grad_flat()[slot.offset : slot.end].view(slot.shape).add_(param.grad)
         param.grad = None
         self.grad_state = GradState.ACCUMULATING
         self._arrived[index] = True
         return all(self._arrived)
-
-    def _ensure_grad_flat(self) -> None:
-        if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.topo.device)
-            self.ledger.reserve(Tier.DEVICE, self._nbytes(self.grad_flat), "grad_unsharded")
 
     def materialize_zero_grad(self) -> None:
         """Join a reduction with zeros: another rank has gradients for this unit, this one has none."""
@@ -137,40 +221,37 @@ class ShardedUnit:
             return  # no gradient this step (frozen/unused unit), or already reducing
         assert self.grad_flat is not None
         if self.policy.shard_grads:
-            shard_numel = self.layout.shard_numel
             if self.grad_shard is None:
-                self.grad_shard = torch.zeros(shard_numel, dtype=self.reduce_dtype, device=self.topo.device)
-                self.ledger.reserve(Tier.DEVICE, self._nbytes(self.grad_shard), "grad_shard")
+                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.topo.device)
+                self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
                 self._rs_out = self.grad_shard
             else:  # accumulate onto an earlier micro-step's reduced shard
                 self._rs_out = torch.empty_like(self.grad_shard)
-            self._handles = [reduce_scatter_into(self._rs_out, self.grad_flat, self.topo, average=True)]
+            self._grad_handles = [reduce_scatter_into(self._rs_out, self.grad_flat, self.topo, average=True)]
             self.counter.add("reduce_scatter")
         else:
             chunk = max(1, self.bucket_bytes // self.grad_flat.element_size())
-            self._handles = [
+            self._grad_handles = [
                 all_reduce(piece, self.topo, average=True) for piece in torch.split(self.grad_flat, chunk)
             ]
-            self.counter.add("all_reduce", len(self._handles))
+            self.counter.add("all_reduce", len(self._grad_handles))
         self.grad_state = GradState.REDUCING
 
     def wait_reduce_grads(self) -> None:
         if self.grad_state is not GradState.REDUCING:
             return
-        for handle in self._handles:
+        for handle in self._grad_handles:
             handle.wait()
-        self._handles = []
+        self._grad_handles = []
         if self.policy.shard_grads:
             assert self.grad_shard is not None and self.grad_flat is not None
             if self._rs_out is not self.grad_shard:
                 self.grad_shard.add_(self._rs_out)
             self._rs_out = None
-            # The unsharded buffer is dead once scattered: free it (stage 2 keeps only the shard).
-            self.ledger.release(Tier.DEVICE, self._nbytes(self.grad_flat), "grad_unsharded")
+            # The unsharded buffer is dead once scattered: free it (only the shard is kept).
+            self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
             self.grad_flat = None
-            self.grad_state = GradState.REDUCED
-        else:
-            self.grad_state = GradState.REDUCED
+        self.grad_state = GradState.REDUCED
 
     def owned_grad(self) -> torch.Tensor | None:
         """The reduced gradient of the owned range (a view; reduce dtype), or None if no gradient."""
@@ -184,24 +265,31 @@ class ShardedUnit:
         return self.grad_flat[self.owned_start : self.owned_end]
 
     def zero_grad(self) -> None:
-        for handle in self._handles:
+        for handle in self._grad_handles:
             handle.wait()
-        self._handles = []
+        self._grad_handles = []
         if self.grad_flat is not None:
-            self.ledger.release(Tier.DEVICE, self._nbytes(self.grad_flat), "grad_unsharded")
+            self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
             self.grad_flat = None
         if self.grad_shard is not None:
-            self.ledger.release(Tier.DEVICE, self._nbytes(self.grad_shard), "grad_shard")
+            self.ledger.release(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
             self.grad_shard = None
         self.grad_state = GradState.EMPTY
         self.end_backward()
 
     # -- parameters -----------------------------------------------------------------------------------
     def start_update_params(self, master_owned: torch.Tensor) -> Handle:
-        """Write the new master weights (owned range) into the compute params and all-gather them."""
-        self.param_flat[self.owned_start : self.owned_end].copy_(master_owned)
-        if not self.policy.shard_optimizer:
-            return DoneHandle()
-        shard = self.param_flat[self.owned_start : self.owned_end]
+        """Write the new master weights (owned range) into the compute params; all-gather where needed."""
+        if self.param_shard is not None:
+            self.param_shard.copy_(master_owned)
+            if self.state is ParamState.SHARDED:
+                return DoneHandle()  # the next unshard gathers the new values
+            self.wait_unshard()
+            source = self.param_shard
+        else:
+            self.param_flat[self.owned_start : self.owned_end].copy_(master_owned)
+            if not self.policy.shard_optimizer:
+                return DoneHandle()
+            source = self.param_flat[self.owned_start : self.owned_end]
         self.counter.add("all_gather")
-        return all_gather_into(self.param_flat, shard, self.topo)
+        return all_gather_into(self.param_flat, source, self.topo)

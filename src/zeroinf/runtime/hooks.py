@@ -7,9 +7,11 @@ still reports its gradient once: autograd sums into the leaf before AccumulateGr
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 
@@ -30,3 +32,31 @@ def register_grad_ready_hooks(
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run `callback` once the current autograd backward pass has finished (call from inside a hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def register_forward_hooks(
+    module: nn.Module,
+    pre: Callable[[nn.Module], None],
+    post: Callable[[nn.Module, Any], None],
+) -> list[RemovableHandle]:
+    """`pre(module)` before and `post(module, output)` after every call of `module`.
+
+    The pre-hook is prepended so that it runs before any user hook that might read the weights.
+    """
+    return [
+        module.register_forward_pre_hook(lambda m, args: pre(m), prepend=True),
+        module.register_forward_hook(lambda m, args, out: post(m, out)),
+    ]
+
+
+def register_pre_backward(output: Any, callback: Callable[[], None]) -> None:
+    """Call `callback()` in backward as soon as the gradient of any tensor in `output` is computed.
+
+    `output` may be any nesting of tuples, lists, dicts and pytree-registered classes (e.g. Hugging
+    Face ModelOutput). Outputs that need no gradient register nothing.
+    """
+    tensors = tuple(
+        t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+    )
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: callback(), mode="any")

@@ -1,0 +1,99 @@
+"""Partition at construction: build on the meta device, then materialize and shard unit by unit.
+
+    torch.manual_seed(0)
+    with zeroinf.init():
+        model = MyModel()                 # parameters on the meta device: no memory at all
+    model = zeroinf.shard(model, cfg)     # materialized module by module; each unit is sharded as
+                                          # soon as its last module is initialized
+
+`init()` is PyTorch's own meta-device context; nothing in torch is patched. Materialization walks
+the modules in registration order (the order a plain constructor usually creates them), gives each
+module's own parameters real storage (`torch.utils.swap_tensors`, so tied parameters stay one
+object) and calls its `reset_parameters()`. Models that initialize through their layers'
+`reset_parameters` therefore draw the same random numbers in the same order as a plain build after
+the same seed. Other initialization goes through `init_fn(module)`, called for every module right
+after its `reset_parameters`, while its unit is still unsharded. Buffers created on meta have no
+values: they are zero-filled and reported, and `init_fn` should set them.
+
+Peak memory while building is one unit (plus the root unit, which stays unsharded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from zeroinf.partition.wrap import UnitSpec
+from zeroinf.telemetry import get_logger
+
+InitFn = Callable[[nn.Module], None]
+
+
+@contextlib.contextmanager
+def init() -> Iterator[None]:
+    """Create modules without memory (on the meta device); `zeroinf.shard` materializes them."""
+    with torch.device("meta"):
+        yield
+
+
+def has_meta_state(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def _materialize_direct(module: nn.Module, name: str, device: torch.device) -> bool:
+    """Give this module's own meta parameters/buffers real storage; True if any parameter was new."""
+    fresh = False
+    for pname, p in module._parameters.items():
+        if p is not None and p.is_meta:
+            real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, real)
+            fresh = True
+    for bname, b in module._buffers.items():
+        if b is not None and b.is_meta:
+            module._buffers[bname] = torch.zeros_like(b, device=device)
+            get_logger().warning(
+                "buffer %s was created on the meta device under zeroinf.init: it is zero-filled; set its "
+                "values in init_fn (or create it outside zeroinf.init)", f"{name}.{bname}".lstrip(".")
+            )
+    return fresh
+
+
+def materialize_and_build(
+    model: nn.Module,
+    specs: list[UnitSpec],
+    build_unit: Callable[[UnitSpec], object],
+    device: torch.device,
+    init_fn: InitFn | None = None,
+) -> list[object]:
+    """Materialize modules in order; build (and so shard) each unit right after its last module."""
+    spec_of_param = {id(p): k for k, spec in enumerate(specs) for _, p in spec.params}
+    modules = list(model.named_modules())
+    last_module_of_spec: dict[int, int] = {}
+    for mi, (_, m) in enumerate(modules):
+        for p in m.parameters(recurse=False):
+            if id(p) in spec_of_param:
+                last_module_of_spec[spec_of_param[id(p)]] = mi
+    ready_at: dict[int, list[int]] = {}
+    for k, mi in last_module_of_spec.items():
+        ready_at.setdefault(mi, []).append(k)
+    built: list[object | None] = [None] * len(specs)
+    for mi, (name, m) in enumerate(modules):
+        if _materialize_direct(m, name, device):
+            with torch.no_grad():
+                reset = getattr(m, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+                if init_fn is not None:
+                    init_fn(m)
+        elif init_fn is not None and any(True for _ in m.parameters(recurse=False)):
+            with torch.no_grad():
+                init_fn(m)
+        for k in sorted(ready_at.get(mi, [])):
+            built[k] = build_unit(specs[k])
+    missing = [specs[k].name for k, u in enumerate(built) if u is None]
+    if missing:
+        raise RuntimeError(f"zeroinf.init: units {missing} were never materialized (internal error)")
+    return built  # type: ignore[return-value]

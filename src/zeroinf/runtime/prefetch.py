@@ -1,0 +1,89 @@
+"""The prefetch planner: a pure function from a traced unit order, sizes and budgets to actions.
+
+For each position i of the order (unit u_i is about to run) the plan says which units to start
+all-gathering now, ahead of use, and whether u_i may be released after it runs. Rules:
+- a unit is prefetched when it is among the next units, the bytes gathered ahead of the current
+  position stay within `prefetch_bytes`, and all unsharded bytes stay within `max_live_bytes`;
+- a unit is kept unsharded after use when it runs again within `reuse_window` positions and
+  keeping it fits the live budget ("reused soon"); otherwise it is released;
+- resident units (the root, tiny units) are never planned: they are always unsharded;
+- `release_lag` 1 models backward, where a unit's pre-backward hook fires (through the residual
+  path) while the unit after it is still finishing its backward: a release takes effect only once
+  the next unit has been gathered.
+The runtime only executes the plan, so the memory bound is a property of this function, tested
+without processes: the simulated live bytes never exceed `max_live_bytes`, except that the unit
+about to run is always allowed (a single unit larger than the budget still runs, alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Step:
+    unit: int
+    prefetch: tuple[int, ...]  # start these all-gathers once `unit` is unsharded
+    release_after: bool  # reshard `unit` after it ran
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    steps: tuple[Step, ...]
+    peak_live_bytes: int  # simulated peak of unsharded non-resident bytes
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        return tuple(s.unit for s in self.steps)
+
+
+def plan_prefetch(
+    order: list[int],
+    sizes: dict[int, int],
+    resident: set[int],
+    prefetch_bytes: int,
+    max_live_bytes: int,
+    reuse_window: int = 2,
+    release_lag: int = 0,
+) -> PrefetchPlan:
+    """Plan one pass (forward or backward) over `order` (unit ids as they ran when traced)."""
+    live: set[int] = set()
+    steps: list[Step] = []
+    pending: list[tuple[int, int]] = []  # (unit, step index at which the release takes effect)
+    peak = 0
+
+    def live_bytes() -> int:
+        return sum(sizes[u] for u in live)
+
+    for i, unit in enumerate(order):
+        if unit in resident:
+            steps.append(Step(unit, (), False))
+            continue
+        live.add(unit)  # gathered now if not prefetched: always allowed
+        peak = max(peak, live_bytes())
+        for done in [u for u, at in pending if at <= i]:
+            if done != unit:
+                live.discard(done)
+        pending = [(u, at) for u, at in pending if at > i]
+        ahead = 0
+        prefetch: list[int] = []
+        for nxt in order[i + 1 :]:
+            if nxt in resident or nxt == unit:
+                continue
+            if nxt in live:
+                ahead += sizes[nxt]
+                continue
+            if ahead + sizes[nxt] > prefetch_bytes or live_bytes() + sizes[nxt] > max_live_bytes:
+                break
+            prefetch.append(nxt)
+            live.add(nxt)
+            ahead += sizes[nxt]
+        peak = max(peak, live_bytes())
+        upcoming = order[i + 1 : i + 1 + reuse_window]
+        release = unit not in upcoming or live_bytes() > max_live_bytes
+        if release and release_lag == 0:
+            live.discard(unit)
+        elif release:
+            pending.append((unit, i + release_lag))
+        steps.append(Step(unit, tuple(prefetch), release))
+    return PrefetchPlan(tuple(steps), peak)

@@ -1,0 +1,119 @@
+"""The stage-3 unshard scheduler: what to gather and release at each hook event of a pass.
+
+The hooks (runtime/hooks.py) call in here; this class decides, from the traced order and the
+prefetch plan, when each unit is all-gathered and resharded. It owns the two traces (forward,
+backward) and the plans built from them once both are recorded.
+
+Forward: the root pre-forward begins a pass; each unit's pre-forward waits for the unit (gathering
+it on demand if the plan did not prefetch it), then starts the plan's prefetches; its post-forward
+releases it unless the plan keeps it for a reuse soon. Backward: each unit's pre-backward (a hook
+on its forward outputs) waits for it and prefetches ahead; the unit is released once all its
+gradients have arrived (the engine calls `release`). A pass that departs from the trace, or runs
+without grad (eval, generation), fetches on demand and releases right after use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroinf.partition.unit import ParamState, ShardedUnit
+from zeroinf.runtime.prefetch import PrefetchPlan, plan_prefetch
+from zeroinf.runtime.trace import PassTrace, TraceState
+
+
+@dataclass(frozen=True)
+class PrefetchBudget:
+    prefetch_bytes: int
+    max_live_bytes: int
+    reuse_window: int = 2
+
+
+class UnshardScheduler:
+    def __init__(self, units: list[ShardedUnit], budget: PrefetchBudget) -> None:
+        self.units = units
+        self.budget = budget
+        self.resident = {i for i, u in enumerate(units) if u.resident}
+        self.forward_trace, self.backward_trace = PassTrace(), PassTrace()
+        self.forward_plan: PrefetchPlan | None = None
+        self.backward_plan: PrefetchPlan | None = None
+        self._forward_step_of: dict[int, int | None] = {}
+        self._training_pass = False
+
+    # -- plans ----------------------------------------------------------------------------------------
+    def _build_plans(self) -> None:
+        sizes = {i: u.unsharded_bytes for i, u in enumerate(self.units)}
+        args = dict(
+            sizes=sizes, resident=self.resident, prefetch_bytes=self.budget.prefetch_bytes,
+            max_live_bytes=self.budget.max_live_bytes, reuse_window=self.budget.reuse_window,
+        )
+        self.forward_plan = plan_prefetch(self.forward_trace.order, release_lag=0, **args)  # type: ignore[arg-type]
+        self.backward_plan = plan_prefetch(self.backward_trace.order, release_lag=1, **args)  # type: ignore[arg-type]
+
+    def _prefetch(self, plan: PrefetchPlan | None, position: int | None) -> None:
+        if plan is None or position is None:
+            return
+        for unit in plan.steps[position].prefetch:
+            self.units[unit].start_unshard()
+
+    def release_all(self) -> None:
+        """Reshard every non-resident unit (end of a pass, before an optimizer step)."""
+        for i, unit in enumerate(self.units):
+            if i not in self.resident:
+                unit.reshard()
+
+    # -- forward --------------------------------------------------------------------------------------
+    def begin_forward(self, training: bool) -> None:
+        self.release_all()
+        self._training_pass = training
+        self.forward_trace.begin_pass(record=training)
+        if self.forward_plan is None:  # no plan yet: on demand, without departing the trace
+            if self.forward_trace.state is TraceState.FOLLOWING:
+                self.forward_trace.state = TraceState.DEPARTED
+        for i in self.resident:
+            self.units[i].wait_unshard()
+
+    def pre_forward(self, index: int) -> None:
+        position = self.forward_trace.observe(index)
+        self._forward_step_of[index] = position
+        self.units[index].wait_unshard()
+        self._prefetch(self.forward_plan, position)
+
+    def post_forward(self, index: int) -> None:
+        if index in self.resident:
+            return
+        position = self._forward_step_of.pop(index, None)
+        keep = position is not None and self.forward_plan is not None and not self.forward_plan.steps[position].release_after
+        if not keep:
+            self.units[index].reshard()
+
+    def end_forward(self) -> None:
+        self.forward_trace.end_pass()
+        if not self._training_pass:
+            self.release_all()
+
+    # -- backward -------------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        record = self.forward_trace.recorded
+        self.backward_trace.begin_pass(record=record)
+        if self.backward_plan is None and self.backward_trace.state is TraceState.FOLLOWING:
+            self.backward_trace.state = TraceState.DEPARTED
+
+    def pre_backward(self, index: int) -> None:
+        position = self.backward_trace.observe(index)
+        self.units[index].wait_unshard()
+        self._prefetch(self.backward_plan, position)
+
+    def release(self, index: int) -> None:
+        """A unit's gradients are all in: it is not needed again in this backward."""
+        if index not in self.resident:
+            self.units[index].reshard()
+
+    def end_backward(self) -> None:
+        self.backward_trace.end_pass()
+        self.release_all()
+        if self.forward_plan is None and self.forward_trace.recorded and self.backward_trace.recorded:
+            self._build_plans()
+
+    # -- inspection -----------------------------------------------------------------------------------
+    def unsharded_units(self) -> list[int]:
+        return [i for i, u in enumerate(self.units) if u.state is not ParamState.SHARDED]
