@@ -67,7 +67,8 @@ class Case:
     clip: float | None = None
     overflow_step: int | None = None  # fp16: multiply that step's loss by inf
     initial_scale: float = 1024.0  # fp16 loss scale at step 0
-    overrides: tuple[tuple[str, object], ...] = ()  # further Config fields, e.g. (("max_live_bytes", 1),)
+    overrides: tuple[tuple[str, object], ...] = ()
+    model: str = "tiny_gpt"  # or "zoo" (tests/_zoo.py)  # further Config fields, e.g. (("max_live_bytes", 1),)
     steps: int = 10
     weight_decay: float = 0.1
 
@@ -78,14 +79,18 @@ def global_batch(step: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tenso
     return data[:, :-1], data[:, 1:]
 
 
-def build_model(seed: int = 0) -> TinyGPT:
+def build_model(name: str = "tiny_gpt", seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if name == "zoo":
+        from tests._zoo import Zoo
+
+        return Zoo()
     return TinyGPT()
 
 
 def train_reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch: fp32 masters + (for bf16/fp16) a low-precision compute copy; whole global batch."""
-    master = build_model()
+    master = build_model(case.model)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
     compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
@@ -124,7 +129,7 @@ def train_zeroinf(case: Case, rank: int, world_size: int) -> dict:
         sync_every_micro_step=case.sync_every_micro_step, grad_clip_norm=case.clip,
         loss_scale=zeroinf.LossScaleConfig(initial_scale=case.initial_scale), **dict(case.overrides),
     )
-    model = zeroinf.shard(build_model(), cfg)
+    model = zeroinf.shard(build_model(case.model), cfg)
     opt = zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
     per_rank = GLOBAL_BATCH // world_size
     micro = per_rank // case.accum

@@ -1,29 +1,36 @@
 """zeroinf: ZeRO stages 1-3 and ZeRO-Infinity offload for ordinary PyTorch training loops.
 
-    cfg = zeroinf.Config(stage=2, param_dtype="bf16")
+    cfg = zeroinf.Config(stage=3, param_dtype="bf16")
+    with zeroinf.init():                         # optional: parameters are created without memory
+        model = MyModel()
     model = zeroinf.shard(model, cfg)            # units, hooks, shards; the module keeps its class
     opt = zeroinf.AdamW(model, lr=3e-4)          # torch.optim.Optimizer protocol
+    for batch in loader:
+        loss = model(batch); opt.backward(loss); opt.step(); opt.zero_grad()
 """
 
 from zeroinf.config import Config, ConfigError, LossScaleConfig, OffloadConfig
+from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
+from zeroinf.optim.adamw import AdamW
+from zeroinf.partition.init import init
+from zeroinf.tiling import TiledLinear, tile_linears
 from zeroinf.topology import Topology, init_distributed
 
 __all__ = [
+    "AdamW",
     "Config",
     "ConfigError",
+    "Ledger",
     "LossScaleConfig",
     "OffloadConfig",
-    "Ledger",
     "Tier",
+    "TiledLinear",
     "Topology",
+    "engine_of",
+    "init",
     "init_distributed",
+    "memory_report",
+    "shard",
+    "tile_linears",
 ]
-
-try:  # the engine lands in pieces; keep the package importable meanwhile
-    from zeroinf.engine import memory_report, shard  # noqa: F401
-    from zeroinf.optim.adamw import AdamW  # noqa: F401
-
-    __all__ += ["shard", "memory_report", "AdamW"]
-except ImportError:  # pragma: no cover
-    pass

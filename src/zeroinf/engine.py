@@ -57,7 +57,8 @@ class Engine:
         if not specs:
             raise ValueError("zeroinf.shard: the model has no trainable parameters")
         self.specs = specs
-        if has_meta_state(module):
+        self._built_from_meta = has_meta_state(module)
+        if self._built_from_meta:
             self.units: list[ShardedUnit] = materialize_and_build(  # type: ignore[assignment]
                 module, specs, self._build_unit, topo.device, init_fn
             )
@@ -87,6 +88,7 @@ class Engine:
         unit = ShardedUnit(
             spec.name, list(spec.params), self.topo, self.policy, self.cfg.param_torch_dtype,
             self.cfg.reduce_torch_dtype, self.ledger, self.cfg.bucket_bytes, self.counter,
+            keep_fp32_master=not self._built_from_meta,
         )
         if self.policy.shard_params and (spec.name == "" or unit.unsharded_bytes < self.cfg.persist_threshold_bytes):
             unit.resident = True  # the root unit and tiny units stay unsharded
@@ -153,10 +155,15 @@ class Engine:
 
     def _unit_pre_forward(self, index: int) -> None:
         assert self.scheduler is not None
+        if self._in_backward:  # activation-checkpoint recompute: the unit stays until its grads are in
+            self.units[index].wait_unshard()
+            return
         self.scheduler.pre_forward(index)
 
     def _unit_post_forward(self, index: int, output: Any) -> None:
         assert self.scheduler is not None
+        if self._in_backward:
+            return
         self.scheduler.post_forward(index)
         if torch.is_grad_enabled():
             hooks.register_pre_backward(output, lambda: self._pre_backward(index))
@@ -229,14 +236,20 @@ class Engine:
             self.scheduler.end_backward()
 
     def _reduce_all(self) -> None:
-        has_grad = torch.tensor(
-            [u.grad_state is not GradState.EMPTY for u in self.units], dtype=torch.int32, device=self.topo.device
+        """Agree across ranks on which parameters got gradients, then reduce every unit that has any."""
+        flags = torch.tensor(
+            [had for u in self.units for had in u.param_had_grad], dtype=torch.int32, device=self.topo.device
         )
         if self.topo.is_distributed:
-            all_reduce(has_grad, self.topo, async_op=False)
+            all_reduce(flags, self.topo, async_op=False)
             self.counter.add("all_reduce")
-        for unit, anyone in zip(self.units, has_grad.tolist(), strict=True):
-            if anyone and unit.grad_state is GradState.EMPTY:
+        agreed = (flags > 0).tolist()
+        offset = 0
+        for unit in self.units:
+            n = len(unit.params)
+            unit.param_had_grad = agreed[offset : offset + n]
+            offset += n
+            if any(unit.param_had_grad) and unit.grad_state is GradState.EMPTY:
                 unit.materialize_zero_grad()  # this rank had no gradient, others did: contribute zeros
             unit.start_reduce_grads()
         for unit in self.units:

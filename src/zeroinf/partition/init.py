@@ -21,6 +21,9 @@ Peak memory while building is one unit (plus the root unit, which stays unsharde
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -37,6 +40,25 @@ def init() -> Iterator[None]:
     """Create modules without memory (on the meta device); `zeroinf.shard` materializes them."""
     with torch.device("meta"):
         yield
+
+
+@functools.cache
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def return_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc). Materializing unit after unit frees
+    megabytes at a time in an order the allocator cannot coalesce; without this the process keeps
+    about a third of the model as fragmented heap (measured: 119 MiB RSS for 72 MiB of shards, 75 with it).
+    """
+    trim = _libc_malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def has_meta_state(module: nn.Module) -> bool:
@@ -93,6 +115,7 @@ def materialize_and_build(
                 init_fn(m)
         for k in sorted(ready_at.get(mi, [])):
             built[k] = build_unit(specs[k])
+            return_freed_memory()
     missing = [specs[k].name for k, u in enumerate(built) if u is None]
     if missing:
         raise RuntimeError(f"zeroinf.init: units {missing} were never materialized (internal error)")

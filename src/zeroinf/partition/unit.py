@@ -86,6 +86,7 @@ class ShardedUnit:
         ledger: Ledger,
         bucket_bytes: int,
         counter: CollectiveCounter,
+        keep_fp32_master: bool = True,
     ) -> None:
         self.name = name or "<root>"
         self.param_names = [n for n, _ in params]
@@ -97,15 +98,18 @@ class ShardedUnit:
             self.layout.shard_range(topo.rank) if policy.shard_optimizer else (0, self.layout.padded_numel)
         )
         self.resident = not policy.shard_params  # stage 3 sets this for the root and tiny units
-        self._build_buffers(param_dtype)
+        self._build_buffers(param_dtype, keep_fp32_master)
         self.grad_flat: torch.Tensor | None = None  # unsharded, reduce dtype
         self.grad_shard: torch.Tensor | None = None  # stages 2-3: owned shard, reduce dtype
         self.grad_state = GradState.EMPTY
         self._arrived = [False] * len(self.params)
+        # Per parameter: did any rank produce a gradient since zero_grad? (set by the engine after
+        # its agreement all-reduce). Like torch.optim, the optimizer skips parameters without one.
+        self.param_had_grad = [False] * len(self.params)
         self._grad_handles: list[Handle] = []
         self._gather_handle: Handle | None = None
 
-    def _build_buffers(self, param_dtype: torch.dtype) -> None:
+    def _build_buffers(self, param_dtype: torch.dtype, keep_fp32_master: bool) -> None:
         """Lay the current parameter values into the flat buffer (same on every rank), keep the shard."""
         device = self.topo.device
         full = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
@@ -113,8 +117,12 @@ class ShardedUnit:
             full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
         if self.topo.is_distributed:  # every rank starts from rank 0's weights (as DDP does)
             torch.distributed.broadcast(full, src=0, group=self.topo.group)
-        # fp32 masters start from the unrounded weights, not from their compute-dtype copy.
-        self.initial_master: torch.Tensor | None = full[self.owned_start : self.owned_end].clone()
+        # fp32 masters start from the unrounded weights, not from their compute-dtype copy, unless
+        # building under zeroinf.init, where holding fp32 copies would defeat bounded construction.
+        self.initial_master: torch.Tensor | None = (
+            full[self.owned_start : self.owned_end].clone() if keep_fp32_master else None
+        )
+        self._master_taken = False
         self.param_flat = full.to(param_dtype)
         self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_flat), "param_unsharded")
         self.param_shard: torch.Tensor | None = None
@@ -138,9 +146,15 @@ class ShardedUnit:
 
     def take_initial_master(self) -> torch.Tensor:
         """The fp32 owned range at build time (the optimizer's master weights); handed over once."""
-        if self.initial_master is None:
+        if self._master_taken:
             raise RuntimeError(f"unit {self.name}: the initial master weights were already taken by an optimizer")
+        self._master_taken = True
         master, self.initial_master = self.initial_master, None
+        if master is None:  # built under zeroinf.init: start from the compute-dtype values
+            source = self.param_shard if self.param_shard is not None else self.param_flat
+            if self.param_shard is None:
+                source = source[self.owned_start : self.owned_end]
+            master = source.float().clone()
         return master
 
     # -- unshard / reshard ----------------------------------------------------------------------------
@@ -204,6 +218,7 @@ class ShardedUnit:
         param.grad = None
         self.grad_state = GradState.ACCUMULATING
         self._arrived[index] = True
+        self.param_had_grad[index] = True
         return all(self._arrived)
 
     def materialize_zero_grad(self) -> None:
@@ -275,6 +290,7 @@ class ShardedUnit:
             self.ledger.release(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
             self.grad_shard = None
         self.grad_state = GradState.EMPTY
+        self.param_had_grad = [False] * len(self.params)
         self.end_backward()
 
     # -- parameters -----------------------------------------------------------------------------------

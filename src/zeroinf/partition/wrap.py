@@ -29,20 +29,38 @@ def _is_repeated_container(module: nn.Module) -> bool:
     return len(children) >= 2 and len({type(c) for c in children}) == 1
 
 
-def _unit_modules(model: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
-    """Outermost modules that form units, in module order (the root itself is never one of them)."""
-    found: list[tuple[str, nn.Module]] = []
+NESTED_UNITS_ATTR = "zeroinf_nested_units"
 
-    def visit(prefix: str, module: nn.Module) -> None:
-        repeated = not unit_classes and _is_repeated_container(module)
+
+def _unit_modules(model: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module, int]]:
+    """Modules that form units as (path, module, depth), in module order; the root is never one.
+
+    Outside any unit, the children of a repeated container are units. Inside a unit, only modules
+    that declare `zeroinf_nested_units = True` (e.g. TiledLinear) turn their repeated children into
+    nested units. With `unit_classes`, instances of those classes are units at any depth.
+    """
+    found: list[tuple[str, nn.Module, int]] = []
+
+    def visit(prefix: str, module: nn.Module, depth: int) -> None:
+        allow_repeated = not unit_classes and (depth == 0 or getattr(module, NESTED_UNITS_ATTR, False))
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            if repeated or type(child).__name__ in unit_classes:
-                found.append((path, child))
+            if allow_repeated and _is_repeated_container(child):
+                for cname, grandchild in child.named_children():
+                    found.append((f"{path}.{cname}", grandchild, depth + 1))
+                    visit(f"{path}.{cname}.", grandchild, depth + 1)
+            elif type(child).__name__ in unit_classes:
+                found.append((path, child, depth + 1))
+                visit(f"{path}.", child, depth + 1)
             else:
-                visit(f"{path}.", child)
+                visit(f"{path}.", child, depth)
 
-    visit("", model)
+    if not unit_classes and _is_repeated_container(model):  # the model itself is a Sequential of blocks
+        for cname, child in model.named_children():
+            found.append((cname, child, 1))
+            visit(f"{cname}.", child, 1)
+    else:
+        visit("", model, 0)
     return found
 
 
@@ -71,10 +89,12 @@ def discover_units(model: nn.Module, unit_classes: tuple[str, ...] = (), trainab
             params.append((name, p))
         return tuple(params)
 
-    for path, module in _unit_modules(model, unit_classes):
-        params = take(f"{path}.", module)
-        if params:
-            specs.append(UnitSpec(path, module, params))
+    found = _unit_modules(model, unit_classes)
+    # Nested units take their parameters before the unit around them; specs keep module order.
+    taken = {path: take(f"{path}.", module) for path, module, _ in sorted(found, key=lambda f: -f[2])}
+    for path, module, _ in found:
+        if taken[path]:
+            specs.append(UnitSpec(path, module, taken[path]))
     root_params = take("", model)
     if root_params:
         specs.append(UnitSpec("", model, root_params))

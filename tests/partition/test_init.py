@@ -1,0 +1,128 @@
+"""Partition at construction: `zeroinf.init()` + `zeroinf.shard` build the model unit by unit.
+
+- the weights equal a plain build after the same seed (init through reset_parameters),
+- `init_fn` runs on every module while its unit is unsharded,
+- on 2 ranks, a model whose fp32 size is 3x the memory the build may add to a process is built
+  (peak RSS measured with the kernel's high-water mark, reset before the build) and trains a step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+import zeroinf
+from tests._harness import run_ranks
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 32, n_blocks: int = 4, vocab: int = 50) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n_blocks)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_init_matches_plain_construction_for_every_stage() -> None:
+    torch.manual_seed(7)
+    plain = _full_state(Net())
+    for stage in (0, 2, 3):
+        torch.manual_seed(7)
+        with zeroinf.init():
+            model = Net()
+        assert all(p.is_meta for p in model.parameters())
+        zeroinf.shard(model, zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+        got = _full_state(model)
+        assert got.keys() == plain.keys()
+        for k in plain:
+            torch.testing.assert_close(got[k], plain[k], rtol=0, atol=0, msg=f"stage {stage}: {k}")
+
+
+def test_init_fn_runs_per_module_while_unsharded() -> None:
+    seen: list[str] = []
+
+    def init_fn(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.fill_(0.5)  # must be the real, unsharded weight
+            seen.append(type(module).__name__)
+
+    with zeroinf.init():
+        model = Net()
+    zeroinf.shard(model, zeroinf.Config(stage=3, persist_threshold_bytes=0), init_fn=init_fn)
+    state = model.state_dict()
+    assert len(seen) == 9  # 4 blocks x 2 Linear + head
+    assert all(bool((state[k] == 0.5).all()) for k in state if k.endswith("weight") and "norm" not in k and "emb" not in k)
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size to the current one
+
+
+def _build_big(rank: int, world: int, d: int, n_blocks: int) -> dict:
+    model_fp32_bytes = (n_blocks * (2 * d * 2 * d + 5 * d) + 2 * 50 * d + 50) * 4
+    with zeroinf.init():  # warm-up: first-use costs (lazy imports, kernels) are not the model's
+        warm = Net(d=8, n_blocks=2)
+    zeroinf.shard(warm, zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=0))
+    del warm
+    _reset_peak_rss()
+    before = _peak_rss_bytes()
+    with zeroinf.init():
+        model = Net(d=d, n_blocks=n_blocks)
+    zeroinf.shard(model, zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=0))
+    build_peak = _peak_rss_bytes() - before
+    opt = zeroinf.AdamW(model, lr=1e-3)
+    idx = torch.randint(0, 50, (2, 8))
+    loss = model(idx).float().logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    step_peak = _peak_rss_bytes() - before
+    return {"model_fp32_bytes": model_fp32_bytes, "build_peak": build_peak, "step_peak": step_peak,
+            "loss": loss.item()}
+
+
+def test_build_under_init_bounded_memory_two_ranks() -> None:
+    if not os.path.exists("/proc/self/clear_refs"):
+        import pytest
+
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    d, n_blocks = 384, 64  # 64 units of 0.6M params: the fp32 model is 151 MB
+    results = run_ranks(_build_big, 2, d, n_blocks, timeout_s=240)
+    for rank, r in enumerate(results):
+        limit = r["model_fp32_bytes"] / 3
+        assert r["build_peak"] < limit, (
+            f"rank {rank}: building added {r['build_peak'] / 2**20:.0f} MiB of RSS, more than a third of the "
+            f"{r['model_fp32_bytes'] / 2**20:.0f} MiB fp32 model"
+        )
+        assert torch.isfinite(torch.tensor(r["loss"]))
+    print({k: round(v / 2**20, 1) for k, v in results[0].items() if k.endswith(("bytes", "peak"))})
