@@ -111,7 +111,7 @@ def train_reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
         losses.append(loss.item())
         if compute is not master:
             for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-                m.grad = c.grad.float() / scale
+                m.grad = None if c.grad is None else c.grad.float() / scale  # unused/frozen: no grad
                 c.grad = None
         if case.clip is not None:
             torch.nn.utils.clip_grad_norm_(master.parameters(), case.clip)

@@ -29,6 +29,8 @@ from tests._harness import run_ranks
 from tests._parity import LR, Case, run_cases, train_reference
 
 S3 = (("persist_threshold_bytes", 0),)
+CKPT = (("activation_checkpointing", True),)
+CKPT_OFFLOAD = CKPT + (("offload_activations", True),)
 BLOCK_BYTES = 12 * 32 * 32 * 4 + 4096  # one block's unsharded fp32 bytes, rounded up
 
 CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] + [
@@ -45,6 +47,18 @@ CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] +
     Case("s3-fp32-accum2", 3, accum=2, overrides=S3),
     Case("s3-bf16-clip-live2", 3, "bf16", clip=0.05, overrides=S3 + (("max_live_bytes", 2 * BLOCK_BYTES),)),
     Case("s3-fp16-overflow", 3, "fp16", overflow_step=4, overrides=S3),
+    # models we did not write (tests/_zoo.py): cross-unit ties, reuse, external module use, unused
+    # and frozen parameters, buffers, nested depths, kwargs and dict outputs
+    Case("zoo-s2-fp32", 2, model="zoo"),
+    Case("zoo-s3-fp32", 3, model="zoo", overrides=S3),
+    Case("zoo-s3-bf16", 3, "bf16", model="zoo", overrides=S3),
+    Case("zoo-s3-fp32-accum2", 3, accum=2, model="zoo", overrides=S3 + (("max_live_bytes", BLOCK_BYTES),)),
+    # activation checkpointing, and checkpointing with the kept inputs offloaded to host memory
+    Case("s2-fp32-ckpt", 2, overrides=CKPT),
+    Case("s2-bf16-ckpt-offload", 2, "bf16", overrides=CKPT_OFFLOAD),
+    Case("s3-fp32-ckpt", 3, overrides=S3 + CKPT),
+    Case("s3-fp32-ckpt-offload", 3, overrides=S3 + CKPT_OFFLOAD),
+    Case("zoo-s3-bf16-ckpt-offload", 3, "bf16", model="zoo", overrides=S3 + CKPT_OFFLOAD),
 ]
 TOLERANCES = {  # (loss rtol, weight atol)
     "fp32": (1e-5, 5e-5),

@@ -81,35 +81,22 @@ class LossScaleConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Where each kind of model state lives: `device`, `host` or `nvme`, and how states on `nvme` move.
-
-    With `optimizer = "nvme"` the fp32 master weights and Adam moments live in per-rank swap files
-    in `nvme_dir`; the step swaps them in and out in sub-groups of at most `sub_group_numel`
-    elements through `buffer_count` host staging buffers, so host memory stays bounded whatever
-    the model size. The defaults need no tuning.
-    """
+    """Where each kind of model state lives (`device`, `host` or `nvme`), and how `nvme` states move."""
 
     params: str = "device"
     """Tier of the compute-dtype parameter shards."""
     optimizer: str = "device"
-    """Tier of the fp32 master weights and Adam moments: `device`, `host` (CPU RAM; the step runs
-    on the CPU) or `nvme` (swap files in `nvme_dir`; the step runs on the CPU)."""
+    """Tier of the fp32 master weights and Adam moments; with `host` or `nvme` the update runs on the CPU."""
     gradients: str = "device"
     """Tier of the fp32 gradient shards."""
     nvme_dir: str | None = None
-    """Folder for the swap files when any tier is `nvme` (required then). It must exist, be
-    writable and have room for the files; this is checked before training starts."""
+    """Folder for the swap files, required when any tier is `nvme`; checked for room before training."""
     sub_group_numel: int = 2**22
-    """Most elements of one optimizer sub-group swapped from `nvme` (a unit's owned range is cut
-    into pieces of at most this size). Each staging buffer holds 12 bytes per element (master and
-    two moments), 48 MiB at the default: large enough for full-speed 1 MiB disk requests."""
+    """Most elements per optimizer sub-group on `nvme`; staging takes 12 B/element (48 MiB per buffer)."""
     buffer_count: int = 3
-    """Host staging buffers for `nvme` optimizer sub-groups (at least 2). Three let the read of
-    sub-group k+1 and the write of k-1 overlap the update of k; more read further ahead."""
+    """Host staging buffers for `nvme` sub-groups (>= 2); 3 overlap reading k+1 and writing k-1 with k."""
     max_host_bytes: int | None = None
-    """Cap on the host bytes the offload may hold (staging buffers, or the states themselves when
-    `optimizer = "host"`); None means no cap. Accepts a size string such as "16GiB". Checked
-    before training starts."""
+    """Cap on host bytes for offload (staging, or the states on `host`), e.g. "16GiB"; None: no cap."""
     io_timeout_s: float = 600.0
     """Seconds one swap may take before the step fails with an error naming the file."""
 
@@ -125,17 +112,18 @@ class OffloadConfig:
                 )
         if self.nvme_dir is not None:
             if not isinstance(self.nvme_dir, (str, Path)) or not str(self.nvme_dir):
-                raise ConfigError("offload.nvme_dir", self.nvme_dir, "use the path of a folder on a local disk")
+                raise ConfigError("offload.nvme_dir", self.nvme_dir, "use the path of a local folder")
             object.__setattr__(self, "nvme_dir", str(self.nvme_dir))
         nvme_tiers = [n for n in ("params", "optimizer", "gradients") if getattr(self, n) == "nvme"]
         if nvme_tiers and self.nvme_dir is None:
             raise ConfigError(
                 "offload.nvme_dir", None,
-                f"offload.{nvme_tiers[0]} is 'nvme': set nvme_dir to a folder on a local disk for the swap files",
+                f"offload.{nvme_tiers[0]} is 'nvme': set nvme_dir to a local folder for the swap files",
             )
         _positive_int("offload.sub_group_numel", self.sub_group_numel)
-        if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
-            raise ConfigError("offload.buffer_count", self.buffer_count, "use an integer >= 2 (3 overlaps reads and writes)")
+        count = self.buffer_count
+        if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+            raise ConfigError("offload.buffer_count", count, "use an integer >= 2 (3 overlaps reads, writes)")
         if isinstance(self.max_host_bytes, str):
             from zeroinf.memory import parse_bytes
 
@@ -143,7 +131,7 @@ class OffloadConfig:
                 object.__setattr__(self, "max_host_bytes", parse_bytes(self.max_host_bytes))
             except ValueError:
                 raise ConfigError(
-                    "offload.max_host_bytes", self.max_host_bytes, 'use a byte count or a size such as "16GiB"'
+                    "offload.max_host_bytes", self.max_host_bytes, 'use a byte count or a size like "16GiB"'
                 ) from None
         if self.max_host_bytes is not None:
             _positive_int("offload.max_host_bytes", self.max_host_bytes)
@@ -182,6 +170,12 @@ class Config:
     """Stage 3: cap on unsharded bytes of non-resident units alive at once; None means no cap."""
     persist_threshold_bytes: int = 2**18
     """Stage 3: units whose unsharded size is below this stay unsharded (like the root unit)."""
+    activation_checkpointing: bool = False
+    """Recompute each checkpointed unit's forward in backward, keeping only its inputs."""
+    checkpoint_every: int = 1
+    """With activation checkpointing: checkpoint every k-th unit (1 = all units but the root)."""
+    offload_activations: bool = False
+    """Move the inputs kept by activation checkpointing to host memory until backward needs them."""
     collective_timeout_s: float = 600.0
     """Seconds a collective may wait before the run fails with a timeout naming the rank."""
 
@@ -215,6 +209,14 @@ class Config:
             or self.persist_threshold_bytes < 0
         ):
             raise ConfigError("persist_threshold_bytes", self.persist_threshold_bytes, "use a byte count >= 0")
+        for name in ("activation_checkpointing", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "use true or false")
+        _positive_int("checkpoint_every", self.checkpoint_every)
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ConfigError(
+                "offload_activations", True, "it offloads the inputs kept by checkpointing: also set activation_checkpointing"
+            )
         _number("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
         if not self.collective_timeout_s > 0:
             raise ConfigError("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")

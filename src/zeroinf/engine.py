@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing
 from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger
@@ -68,9 +69,15 @@ class Engine:
                     module.apply(init_fn)
             self.units = [self._build_unit(spec) for spec in specs]
         module.to(topo.device)  # buffers and frozen parameters; unit parameters are already there
-        for p in module.parameters():  # frozen parameters: cast in place, not sharded
+        # Frozen parameters and floating-point buffers take the compute dtype in place (as
+        # `module.to(param_dtype)` would), so mixed-dtype arithmetic does not upcast activations.
+        for p in module.parameters():
             if p.dtype != cfg.param_torch_dtype and p.numel() > 0:
                 p.data = p.data.to(cfg.param_torch_dtype)
+        for sub in module.modules():
+            for name, b in sub._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != cfg.param_torch_dtype:
+                    sub._buffers[name] = b.to(cfg.param_torch_dtype)
         self.micro_step = 0  # backward passes since the last optimizer step
         self._in_backward = False
         self._sync_this_backward = False
@@ -83,6 +90,9 @@ class Engine:
         self.scheduler: UnshardScheduler | None = None
         if self.policy.shard_params:
             self._setup_stage3()
+        self.activation_offloader: ActivationOffloader | None = None
+        if cfg.activation_checkpointing:
+            self._setup_activation_checkpointing()
 
     def _build_unit(self, spec: UnitSpec) -> ShardedUnit:
         unit = ShardedUnit(
@@ -93,6 +103,16 @@ class Engine:
         if self.policy.shard_params and (spec.name == "" or unit.unsharded_bytes < self.cfg.persist_threshold_bytes):
             unit.resident = True  # the root unit and tiny units stay unsharded
         return unit
+
+    def _setup_activation_checkpointing(self) -> None:
+        paths = [spec.name for spec in self.specs if spec.name]
+        outermost = [
+            spec.module for spec in self.specs
+            if spec.name and not any(spec.name.startswith(f"{other}.") for other in paths)
+        ]
+        if self.cfg.offload_activations:
+            self.activation_offloader = ActivationOffloader(self.ledger)
+        apply_activation_checkpointing(outermost, self.cfg.checkpoint_every, self.activation_offloader)
 
     # -- stage 3 wiring -------------------------------------------------------------------------------
     def _setup_stage3(self) -> None:

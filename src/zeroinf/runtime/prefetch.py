@@ -79,8 +79,11 @@ def plan_prefetch(
             live.add(nxt)
             ahead += sizes[nxt]
         peak = max(peak, live_bytes())
-        upcoming = order[i + 1 : i + 1 + reuse_window]
+        upcoming = [u for u in order[i + 1 :] if u not in resident][:reuse_window]
         release = unit not in upcoming or live_bytes() > max_live_bytes
+        if not release:  # keeping it must leave room for the units gathered before its reuse
+            between = set(upcoming[: upcoming.index(unit)]) - live
+            release = live_bytes() + sum(sizes[u] for u in between) > max_live_bytes
         if release and release_lag == 0:
             live.discard(unit)
         elif release:
