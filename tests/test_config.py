@@ -75,8 +75,15 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "offload.params",
         "use one of ['device', 'host', 'nvme']",
     ),
-    ("offload-optimizer-nvme", {"offload": {"optimizer": "nvme"}}, "offload.optimizer", "not supported yet"),
-    ("offload-gradients-host", {"offload": {"gradients": "host"}}, "offload.gradients", "use 'device'"),
+    ("offload-optimizer-nvme-no-dir", {"offload": {"optimizer": "nvme"}}, "offload.nvme_dir", "set nvme_dir"),
+    ("offload-gradients-nvme", {"offload": {"gradients": "nvme"}}, "offload.gradients", "not supported yet"),
+    ("offload-params-stage2", {"offload": {"params": "host"}}, "offload.params", "use stage 3"),
+    (
+        "offload-gradients-host-device-optimizer",
+        {"offload": {"gradients": "host"}},
+        "offload.gradients",
+        "set offload.optimizer to 'host' or 'nvme'",
+    ),
     ("unknown-top-level", {"stages": 2}, "stages", "unknown field; known fields are"),
     (
         "unknown-nested",

@@ -105,11 +105,11 @@ class OffloadConfig:
             value = getattr(self, name)
             if value not in TIERS:
                 raise ConfigError(f"offload.{name}", value, f"use one of {list(TIERS)}")
-            if name != "optimizer" and value != "device":
-                raise ConfigError(
-                    f"offload.{name}", value,
-                    "offload to host/nvme is not supported yet in this version; use 'device'",
-                )
+        if self.gradients == "nvme":
+            raise ConfigError(
+                "offload.gradients", self.gradients,
+                "gradient shards on nvme are not supported yet; use 'host' (they are small next to the states)",
+            )
         if self.nvme_dir is not None:
             if not isinstance(self.nvme_dir, (str, Path)) or not str(self.nvme_dir):
                 raise ConfigError("offload.nvme_dir", self.nvme_dir, "use the path of a local folder")
@@ -223,6 +223,19 @@ class Config:
         for name, cls in (("loss_scale", LossScaleConfig), ("offload", OffloadConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(name, getattr(self, name), f"pass a {cls.__name__} or a table of its fields")
+        if self.offload.params != "device" and self.stage != 3:
+            raise ConfigError(
+                "offload.params", self.offload.params, "parameters move to host/nvme only when sharded: use stage 3"
+            )
+        if self.offload.gradients != "device" and self.stage < 2:
+            raise ConfigError(
+                "offload.gradients", self.offload.gradients, "gradient shards exist from stage 2 on: use stage 2 or 3"
+            )
+        if self.offload.gradients == "host" and self.offload.optimizer == "device":
+            raise ConfigError(
+                "offload.gradients", "host",
+                "host gradients feed a CPU optimizer step: set offload.optimizer to 'host' or 'nvme' too",
+            )
 
     @property
     def param_torch_dtype(self) -> torch.dtype:

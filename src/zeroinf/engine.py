@@ -20,6 +20,7 @@ unsharded gradients of every unit across micro-steps would undo the point of sha
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any
 
@@ -29,9 +30,12 @@ from torch import nn
 from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing
 from zeroinf.comm import all_reduce
 from zeroinf.config import Config
-from zeroinf.memory import Ledger
+from zeroinf.memory import Ledger, Tier
+from zeroinf.partition.flat_buffer import FlatLayout
+from zeroinf.partition.offload import open_param_files
+from zeroinf.partition.shard_home import MemoryHome, NvmeHome, NvmeParamFiles
 from zeroinf.partition.init import InitFn, has_meta_state, materialize_and_build
-from zeroinf.partition.unit import GradState, ParamState, ShardedUnit, ShardingPolicy
+from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
@@ -58,6 +62,9 @@ class Engine:
         if not specs:
             raise ValueError("zeroinf.shard: the model has no trainable parameters")
         self.specs = specs
+        self._resident_names = {spec.name for spec in specs if self._is_resident(spec)}
+        self.param_files: NvmeParamFiles | None = None
+        self._home_factory = self._make_home_factory(specs) if self.policy.shard_params else None
         self._built_from_meta = has_meta_state(module)
         if self._built_from_meta:
             self.units: list[ShardedUnit] = materialize_and_build(  # type: ignore[assignment]
@@ -76,6 +83,8 @@ class Engine:
                 p.data = p.data.to(cfg.param_torch_dtype)
         for sub in module.modules():
             for name, b in sub._buffers.items():
+                if name in sub._non_persistent_buffers_set:
+                    continue  # derived tables (e.g. rotary inv_freq) keep the precision they were built in
                 if b is not None and b.is_floating_point() and b.dtype != cfg.param_torch_dtype:
                     sub._buffers[name] = b.to(cfg.param_torch_dtype)
         self.micro_step = 0  # backward passes since the last optimizer step
@@ -94,15 +103,37 @@ class Engine:
         if cfg.activation_checkpointing:
             self._setup_activation_checkpointing()
 
+    def _is_resident(self, spec: UnitSpec) -> bool:
+        """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded."""
+        if not self.policy.shard_params:
+            return True
+        layout = FlatLayout.build([(n, p.shape) for n, p in spec.params], self.topo.world_size)
+        unsharded_bytes = layout.padded_numel * self.cfg.param_torch_dtype.itemsize
+        return spec.name == "" or unsharded_bytes < self.cfg.persist_threshold_bytes
+
+    def _make_home_factory(self, specs: list[UnitSpec]) -> HomeFactory:
+        """Where each stage-3 shard lives: resident units on the device, the others on offload.params."""
+        tier, device, ledger = Tier(self.cfg.offload.params), self.topo.device, self.ledger
+        if tier is Tier.NVME:
+            self.param_files = open_param_files(
+                specs, self._resident_names, self.cfg, self.topo, ledger
+            )
+            files = self.param_files
+            weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
+            return lambda name, initial, resident: (
+                MemoryHome(initial, Tier.DEVICE, device, ledger) if resident else NvmeHome(name, initial, files, device)
+            )
+        return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE if resident else tier, device, ledger)
+
     def _build_unit(self, spec: UnitSpec) -> ShardedUnit:
-        unit = ShardedUnit(
+        return ShardedUnit(
             spec.name, list(spec.params), self.topo, self.policy, self.cfg.param_torch_dtype,
             self.cfg.reduce_torch_dtype, self.ledger, self.cfg.bucket_bytes, self.counter,
             keep_fp32_master=not self._built_from_meta,
+            resident=spec.name in self._resident_names,
+            home_factory=self._home_factory,
+            grad_tier=Tier(self.cfg.offload.gradients),
         )
-        if self.policy.shard_params and (spec.name == "" or unit.unsharded_bytes < self.cfg.persist_threshold_bytes):
-            unit.resident = True  # the root unit and tiny units stay unsharded
-        return unit
 
     def _setup_activation_checkpointing(self) -> None:
         paths = [spec.name for spec in self.specs if spec.name]
@@ -294,6 +325,11 @@ class Engine:
             unit.zero_grad()
         for p in self.module.parameters():
             p.grad = None
+
+    def close(self) -> None:
+        """Finish pending I/O and remove this rank's parameter swap files (also done at exit)."""
+        if self.param_files is not None:
+            self.param_files.close()
 
     def memory_report(self) -> dict[str, Any]:
         report: dict[str, Any] = self.ledger.snapshot()

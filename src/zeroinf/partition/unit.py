@@ -25,6 +25,7 @@ for bf16 compute, and the unit knows exactly when all its gradients of a backwar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -34,6 +35,7 @@ from torch import nn
 from zeroinf.comm import DoneHandle, Handle, all_gather_into, all_reduce, reduce_scatter_into
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
+from zeroinf.partition.shard_home import MemoryHome, ShardHome
 from zeroinf.telemetry import CollectiveCounter
 from zeroinf.topology import Topology
 
@@ -59,6 +61,7 @@ class ShardingPolicy:
 
 class ParamState(Enum):
     SHARDED = "sharded"  # only this rank's shard exists; params point at empty placeholders
+    FETCHING = "fetching"  # the shard is being read from its tier (NVMe), no collective yet
     UNSHARDING = "unsharding"  # all-gather in flight into the unsharded buffer
     UNSHARDED = "unsharded"  # params are views into the full unsharded buffer
 
@@ -68,6 +71,14 @@ class GradState(Enum):
     ACCUMULATING = "accumulating"  # unsharded buffer holds local gradients
     REDUCING = "reducing"  # a collective is in flight
     REDUCED = "reduced"  # the owned range holds the global mean gradient
+
+
+HomeFactory = Callable[[str, torch.Tensor, bool], ShardHome]
+
+
+def default_home_factory(device: torch.device, ledger: Ledger) -> HomeFactory:
+    """Every shard on the device (stage 3 without parameter offload)."""
+    return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE, device, ledger)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -87,6 +98,9 @@ class ShardedUnit:
         bucket_bytes: int,
         counter: CollectiveCounter,
         keep_fp32_master: bool = True,
+        resident: bool | None = None,
+        home_factory: HomeFactory | None = None,
+        grad_tier: Tier = Tier.DEVICE,
     ) -> None:
         self.name = name or "<root>"
         self.param_names = [n for n, _ in params]
@@ -97,7 +111,11 @@ class ShardedUnit:
         self.owned_start, self.owned_end = (
             self.layout.shard_range(topo.rank) if policy.shard_optimizer else (0, self.layout.padded_numel)
         )
-        self.resident = not policy.shard_params  # stage 3 sets this for the root and tiny units
+        # Stage 3 keeps the root and tiny units unsharded ("resident"); stages 0-2 keep every unit.
+        self.resident = (not policy.shard_params) if resident is None else resident or not policy.shard_params
+        self.home_factory = home_factory or default_home_factory(topo.device, ledger)
+        self.grad_tier = grad_tier
+        self.grad_device = torch.device("cpu") if grad_tier is Tier.HOST else topo.device
         self._build_buffers(param_dtype, keep_fp32_master)
         self.grad_flat: torch.Tensor | None = None  # unsharded, reduce dtype
         self.grad_shard: torch.Tensor | None = None  # stages 2-3: owned shard, reduce dtype
@@ -125,12 +143,11 @@ class ShardedUnit:
         self._master_taken = False
         self.param_flat = full.to(param_dtype)
         self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_flat), "param_unsharded")
-        self.param_shard: torch.Tensor | None = None
+        self.home: ShardHome | None = None  # stage 3: where the compute-dtype shard lives between uses
         self._placeholders = [torch.empty(0, dtype=param_dtype, device=device) for _ in self.params]
         if self.policy.shard_params:
             start, end = self.layout.shard_range(self.topo.rank)
-            self.param_shard = self.param_flat[start:end].clone()
-            self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_shard), "param_shard")
+            self.home = self.home_factory(self.name, self.param_flat[start:end], self.resident)
         self.state = ParamState.UNSHARDED
         self._point_params_at_flat()
         if self.policy.shard_params:
@@ -151,10 +168,11 @@ class ShardedUnit:
         self._master_taken = True
         master, self.initial_master = self.initial_master, None
         if master is None:  # built under zeroinf.init: start from the compute-dtype values
-            source = self.param_shard if self.param_shard is not None else self.param_flat
-            if self.param_shard is None:
-                source = source[self.owned_start : self.owned_end]
-            master = source.float().clone()
+            if self.home is not None:
+                master = self.home.finish_load().float().clone()
+                self.home.end_load()
+            else:
+                master = self.param_flat[self.owned_start : self.owned_end].float().clone()
         return master
 
     # -- unshard / reshard ----------------------------------------------------------------------------
@@ -162,16 +180,29 @@ class ShardedUnit:
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             p.data = self.param_flat[slot.offset : slot.end].view(slot.shape)
 
+    @property
+    def loads_from_storage(self) -> bool:
+        """True when bringing the shard in is I/O worth starting an event before the all-gather."""
+        return self.home is not None and self.home.tier is Tier.NVME
+
+    def start_fetch(self) -> None:
+        """Start bringing this rank's shard in from its tier (an NVMe read); no collective yet."""
+        if self.state is ParamState.SHARDED:
+            assert self.home is not None
+            self.home.start_load()
+            self.state = ParamState.FETCHING
+
     def start_unshard(self) -> None:
         """Allocate the unsharded buffer and start the all-gather of the shards (idempotent)."""
-        if self.state is not ParamState.SHARDED:
+        if self.state not in (ParamState.SHARDED, ParamState.FETCHING):
             return
-        assert self.param_shard is not None
+        assert self.home is not None
+        shard = self.home.finish_load()
         storage = self.param_flat.untyped_storage()
         storage.resize_(self.unsharded_bytes)
         self.ledger.reserve(Tier.DEVICE, self.unsharded_bytes, "param_unsharded")
         with torch.autograd._unsafe_preserve_version_counter(self.param_flat):
-            self._gather_handle = all_gather_into(self.param_flat, self.param_shard, self.topo)
+            self._gather_handle = all_gather_into(self.param_flat, shard, self.topo)
         self.counter.add("all_gather")
         self.state = ParamState.UNSHARDING
 
@@ -184,12 +215,20 @@ class ShardedUnit:
         with torch.autograd._unsafe_preserve_version_counter(self.param_flat):
             self._gather_handle.wait()
         self._gather_handle = None
+        assert self.home is not None
+        self.home.end_load()
         self._point_params_at_flat()
         self.state = ParamState.UNSHARDED
 
     def reshard(self) -> None:
         """Free the unsharded buffer (all aliases at once) and point params at empty placeholders."""
         if self.state is ParamState.SHARDED:
+            return
+        if self.state is ParamState.FETCHING:  # read but never gathered: drop the staged shard
+            assert self.home is not None
+            self.home.finish_load()
+            self.home.end_load()
+            self.state = ParamState.SHARDED
             return
         if self.state is ParamState.UNSHARDING:
             self.wait_unshard()
@@ -236,12 +275,14 @@ class ShardedUnit:
             return  # no gradient this step (frozen/unused unit), or already reducing
         assert self.grad_flat is not None
         if self.policy.shard_grads:
+            numel, device = self.layout.shard_numel, self.topo.device
             if self.grad_shard is None:
-                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.topo.device)
-                self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
-                self._rs_out = self.grad_shard
+                self.grad_shard = torch.zeros(numel, dtype=self.reduce_dtype, device=self.grad_device)
+                self.ledger.reserve(self.grad_tier, _nbytes(self.grad_shard), "grad_shard")
+                fresh_on_device = self.grad_device == device
+                self._rs_out = self.grad_shard if fresh_on_device else torch.empty(numel, dtype=self.reduce_dtype, device=device)
             else:  # accumulate onto an earlier micro-step's reduced shard
-                self._rs_out = torch.empty_like(self.grad_shard)
+                self._rs_out = torch.empty(numel, dtype=self.reduce_dtype, device=device)
             self._grad_handles = [reduce_scatter_into(self._rs_out, self.grad_flat, self.topo, average=True)]
             self.counter.add("reduce_scatter")
         else:
@@ -260,8 +301,8 @@ class ShardedUnit:
         self._grad_handles = []
         if self.policy.shard_grads:
             assert self.grad_shard is not None and self.grad_flat is not None
-            if self._rs_out is not self.grad_shard:
-                self.grad_shard.add_(self._rs_out)
+            if self._rs_out is not self.grad_shard:  # onto the shard's tier (host: a device-to-host copy)
+                self.grad_shard.add_(self._rs_out.to(self.grad_device, non_blocking=True))
             self._rs_out = None
             # The unsharded buffer is dead once scattered: free it (only the shard is kept).
             self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
@@ -287,7 +328,7 @@ class ShardedUnit:
             self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
             self.grad_flat = None
         if self.grad_shard is not None:
-            self.ledger.release(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
+            self.ledger.release(self.grad_tier, _nbytes(self.grad_shard), "grad_shard")
             self.grad_shard = None
         self.grad_state = GradState.EMPTY
         self.param_had_grad = [False] * len(self.params)
@@ -296,12 +337,12 @@ class ShardedUnit:
     # -- parameters -----------------------------------------------------------------------------------
     def start_update_params(self, master_owned: torch.Tensor) -> Handle:
         """Write the new master weights (owned range) into the compute params; all-gather where needed."""
-        if self.param_shard is not None:
-            self.param_shard.copy_(master_owned)
-            if self.state is ParamState.SHARDED:
+        if self.home is not None:
+            if self.state is not ParamState.UNSHARDED:
+                self.home.store(master_owned)
                 return DoneHandle()  # the next unshard gathers the new values
-            self.wait_unshard()
-            source = self.param_shard
+            self.home.store(master_owned)
+            source = self.home.finish_load()  # a resident unit: refresh its unsharded copy now
         else:
             self.param_flat[self.owned_start : self.owned_end].copy_(master_owned)
             if not self.policy.shard_optimizer:

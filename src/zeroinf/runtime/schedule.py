@@ -38,6 +38,7 @@ class UnshardScheduler:
         self.backward_plan: PrefetchPlan | None = None
         self._forward_step_of: dict[int, int | None] = {}
         self._training_pass = False
+        self._to_gather: list[int] = []  # read from NVMe at the previous event, gathered at the next
 
     # -- plans ----------------------------------------------------------------------------------------
     def _build_plans(self) -> None:
@@ -50,13 +51,26 @@ class UnshardScheduler:
         self.backward_plan = plan_prefetch(self.backward_trace.order, release_lag=1, **args)  # type: ignore[arg-type]
 
     def _prefetch(self, plan: PrefetchPlan | None, position: int | None) -> None:
+        """Start the plan's prefetches. A shard on NVMe is read now and gathered at the next event:
+        the collective's moment then depends on the event count, never on when the read finished,
+        so every rank issues its collectives in the same order."""
         if plan is None or position is None:
             return
         for unit in plan.steps[position].prefetch:
+            if self.units[unit].loads_from_storage:
+                self.units[unit].start_fetch()
+                self._to_gather.append(unit)
+            else:
+                self.units[unit].start_unshard()
+
+    def _gather_fetched(self) -> None:
+        for unit in self._to_gather:
             self.units[unit].start_unshard()
+        self._to_gather.clear()
 
     def release_all(self) -> None:
         """Reshard every non-resident unit (end of a pass, before an optimizer step)."""
+        self._to_gather.clear()
         for i, unit in enumerate(self.units):
             if i not in self.resident:
                 unit.reshard()
@@ -75,6 +89,7 @@ class UnshardScheduler:
     def pre_forward(self, index: int) -> None:
         position = self.forward_trace.observe(index)
         self._forward_step_of[index] = position
+        self._gather_fetched()
         self.units[index].wait_unshard()
         self._prefetch(self.forward_plan, position)
 
@@ -100,6 +115,7 @@ class UnshardScheduler:
 
     def pre_backward(self, index: int) -> None:
         position = self.backward_trace.observe(index)
+        self._gather_fetched()
         self.units[index].wait_unshard()
         self._prefetch(self.backward_plan, position)
 

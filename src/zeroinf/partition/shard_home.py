@@ -1,0 +1,153 @@
+"""Where a stage-3 unit's compute-dtype parameter shard lives between uses: device, host or NVMe.
+
+The unit asks its home to `start_load` the shard (asynchronous for NVMe: an O_DIRECT read of this
+rank's slice only, into a buffer of a fixed pool; bandwidth-centric partitioning), then
+`finish_load` for a tensor on the device that the all-gather takes as input, then `end_load` once
+the gather has consumed it. After the optimizer step, `store` writes the new values (asynchronous
+for NVMe; a later load of the same shard waits for that write first).
+
+On CUDA the host and NVMe homes copy the shard to the device before the all-gather; on a CPU
+device the host buffer is the all-gather input itself (host and device are the same memory).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Protocol
+
+import torch
+
+from zeroinf.aio import AioEngine, AioHandle, BufferPool
+from zeroinf.aio.buffers import PoolBuffer
+from zeroinf.memory import Ledger, Tier
+from zeroinf.tiers.host import host_zeros
+from zeroinf.tiers.nvme import NvmeSwap
+
+PARAM_KIND = "param_shard"
+
+
+class ShardHome(Protocol):
+    tier: Tier
+
+    def start_load(self) -> None: ...
+    def finish_load(self) -> torch.Tensor: ...
+    def end_load(self) -> None: ...
+    def store(self, values: torch.Tensor) -> None: ...
+
+
+class MemoryHome:
+    """The shard stays in memory: on the device (ledger DEVICE) or on the host (ledger HOST)."""
+
+    def __init__(self, initial: torch.Tensor, tier: Tier, device: torch.device, ledger: Ledger) -> None:
+        self.tier, self.device = tier, device
+        if tier is Tier.HOST:
+            self.shard = host_zeros(initial.numel(), initial.dtype, ledger, "param_shard")
+            self.shard.copy_(initial)
+        else:
+            self.shard = initial.clone()
+            ledger.reserve(Tier.DEVICE, self.shard.numel() * self.shard.element_size(), "param_shard")
+
+    def start_load(self) -> None:
+        return None
+
+    def finish_load(self) -> torch.Tensor:
+        return self.shard if self.shard.device == self.device else self.shard.to(self.device, non_blocking=True)
+
+    def end_load(self) -> None:
+        return None
+
+    def store(self, values: torch.Tensor) -> None:
+        self.shard.copy_(values)
+
+
+class NvmeParamFiles:
+    """What every unit's NVMe home shares: the swap file, the aio engine, the staging pool, telemetry."""
+
+    def __init__(self, swap: NvmeSwap, engine: AioEngine, pool: BufferPool, timeout_s: float) -> None:
+        self.swap, self.engine, self.pool, self.timeout_s = swap, engine, pool, timeout_s
+        self.pending_writes: deque[tuple[AioHandle, PoolBuffer]] = deque()
+        self.io_wait_s = 0.0  # time the training thread blocked on parameter I/O
+
+    def reserve(self) -> PoolBuffer:
+        # Writes return their buffer only when waited on: wait the oldest before blocking on the pool.
+        while self.pool.free_count == 0 and self.pending_writes:
+            self.retire_oldest_write()
+        return self.pool.reserve(timeout_s=self.timeout_s)
+
+    def retire_oldest_write(self) -> None:
+        handle, buf = self.pending_writes.popleft()
+        self.wait(handle)
+        self.pool.release(buf)
+
+    def drain(self) -> None:
+        while self.pending_writes:
+            self.retire_oldest_write()
+
+    def wait(self, handle: AioHandle) -> None:
+        t0 = time.perf_counter()
+        handle.wait(self.timeout_s)
+        self.io_wait_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.drain()
+        self.swap.close()
+
+
+class NvmeHome:
+    """The shard lives in this rank's parameter swap file; only this rank's slice is ever read."""
+
+    tier = Tier.NVME
+
+    def __init__(self, unit_name: str, initial: torch.Tensor, files: NvmeParamFiles, device: torch.device) -> None:
+        self.unit_name, self.files, self.device = unit_name, files, device
+        self.numel, self.dtype = initial.numel(), initial.dtype
+        self._loading: tuple[AioHandle, PoolBuffer] | None = None
+        self._loaded: PoolBuffer | None = None
+        self._write: AioHandle | None = None
+        self.store(initial)
+
+    def _view(self, buf: PoolBuffer) -> torch.Tensor:
+        return buf.tensor[: self.numel * self.dtype.itemsize].view(self.dtype)
+
+    def start_load(self) -> None:
+        if self._loading is not None or self._loaded is not None:
+            return
+        self._finish_own_write()
+        buf = self.files.reserve()
+        handle = self.files.swap.swap_in(self.unit_name, PARAM_KIND, self._view(buf))
+        self._loading = (handle, buf)
+
+    def finish_load(self) -> torch.Tensor:
+        self.start_load()
+        if self._loading is not None:
+            handle, buf = self._loading
+            self.files.wait(handle)
+            self._loading, self._loaded = None, buf
+        assert self._loaded is not None
+        shard = self._view(self._loaded)
+        return shard if self.device.type == "cpu" else shard.to(self.device, non_blocking=True)
+
+    def end_load(self) -> None:
+        if self._loaded is not None:
+            self.files.pool.release(self._loaded)
+            self._loaded = None
+
+    def store(self, values: torch.Tensor) -> None:
+        self._finish_own_write()
+        buf = self.files.reserve()
+        self._view(buf).copy_(values)
+        handle = self.files.swap.swap_out(self.unit_name, PARAM_KIND, self._view(buf))
+        self.files.pending_writes.append((handle, buf))
+        self._write = handle
+
+    def _finish_own_write(self) -> None:
+        """A read of the shard must see the last write: retire writes up to and including ours."""
+        if self._write is None:
+            return
+        while self.files.pending_writes and not self._write_retired():
+            self.files.retire_oldest_write()
+        self._write = None
+
+    def _write_retired(self) -> bool:
+        return all(handle is not self._write for handle, _ in self.files.pending_writes)
