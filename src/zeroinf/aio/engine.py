@@ -31,6 +31,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -182,6 +183,15 @@ class AioHandle:
         self.op, self.path, self.offset, self.nbytes = op, path, offset, nbytes
         self._event = threading.Event()
         self._error: BaseException | None = None
+        # Monotonic times, for telemetry: how long the request was in flight vs how long anyone waited.
+        self.issued_at = time.perf_counter()
+        self.finished_at: float | None = None
+
+    @property
+    def in_flight_s(self) -> float:
+        """Seconds from issue to completion (to now while still running)."""
+        end = self.finished_at if self.finished_at is not None else time.perf_counter()
+        return end - self.issued_at
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -202,6 +212,7 @@ class AioHandle:
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
+        self.finished_at = time.perf_counter()
         self._event.set()
 
 

@@ -68,6 +68,7 @@ class NvmeParamFiles:
         self.swap, self.engine, self.pool, self.timeout_s = swap, engine, pool, timeout_s
         self.pending_writes: deque[tuple[AioHandle, PoolBuffer]] = deque()
         self.io_wait_s = 0.0  # time the training thread blocked on parameter I/O
+        self.io_busy_s = 0.0  # time parameter requests were in flight (hidden or not)
 
     def reserve(self) -> PoolBuffer:
         # Writes return their buffer only when waited on: wait the oldest before blocking on the pool.
@@ -88,6 +89,7 @@ class NvmeParamFiles:
         t0 = time.perf_counter()
         handle.wait(self.timeout_s)
         self.io_wait_s += time.perf_counter() - t0
+        self.io_busy_s += handle.in_flight_s
 
     def close(self) -> None:
         self.drain()

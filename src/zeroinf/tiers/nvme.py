@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import os
 import re
 from collections.abc import Mapping
@@ -127,8 +126,8 @@ class NvmeSwap:
             raise AioError("create", path, 0, nbytes, f"the swap folder {folder!r} is not writable")
 
     def _check_leftovers(self) -> None:
-        pattern = os.path.join(glob.escape(self.layout.folder), swap_file_name(self.layout.rank, "*"))
-        found = sorted(glob.glob(pattern))
+        # Only this layout's kinds: the parameter and optimizer swaps of one run share a folder.
+        found = sorted(p for p in (self.layout.path(kind) for kind in self.layout.file_bytes) if os.path.exists(p))
         if not found:
             return
         in_use = [p for p in found if _locked_by_another(p)]

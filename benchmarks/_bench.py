@@ -1,0 +1,101 @@
+"""Shared pieces of the offload benchmarks: build the demo GPT, time steps, read memory figures.
+
+Benchmarks print one JSON object; they are run by hand (never by the test suite) and their
+results are recorded with the command that made them.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import zeroinf
+from zeroinf.models.gpt import EMBEDDING_INIT_STD, GPT, GPTConfig
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def gpt_init_fn(module: nn.Module) -> None:
+    """The demo GPT's own init for its embeddings (GPT.reset_parameters), applied per module."""
+    if isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=EMBEDDING_INIT_STD)
+
+
+@dataclass
+class Run:
+    model: GPT
+    opt: zeroinf.AdamW
+    gpt: GPTConfig
+    batch: int
+
+
+def build(gpt: GPTConfig, cfg: zeroinf.Config, batch: int, seed: int = 0, lr: float = 1e-4) -> Run:
+    torch.manual_seed(seed)
+    with zeroinf.init():
+        model = GPT(gpt)
+    zeroinf.shard(model, cfg, init_fn=gpt_init_fn)
+    opt = zeroinf.AdamW(model, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return Run(model, opt, gpt, batch)
+
+
+def batch_for(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, run.gpt.vocab_size, (run.batch, run.gpt.seq_len + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def train_step(run: Run, step: int) -> tuple[float, float]:
+    """One optimizer step; returns (seconds, loss)."""
+    x, y = batch_for(run, step)
+    t0 = time.perf_counter()
+    loss = run.model(x, y)
+    run.opt.backward(loss)
+    run.opt.step()
+    run.opt.zero_grad()
+    return time.perf_counter() - t0, loss.item()
+
+
+def close(run: Run) -> None:
+    zeroinf.engine_of(run.model).close()
+    states = getattr(run.opt, "states", None)
+    if states is not None and hasattr(states, "close"):
+        states.close()
+    del run.model, run.opt
+    gc.collect()
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
