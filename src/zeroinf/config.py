@@ -105,11 +105,6 @@ class OffloadConfig:
             value = getattr(self, name)
             if value not in TIERS:
                 raise ConfigError(f"offload.{name}", value, f"use one of {list(TIERS)}")
-        if self.gradients == "nvme":
-            raise ConfigError(
-                "offload.gradients", self.gradients,
-                "gradient shards on nvme are not supported yet; use 'host' (they are small next to the states)",
-            )
         if self.nvme_dir is not None:
             if not isinstance(self.nvme_dir, (str, Path)) or not str(self.nvme_dir):
                 raise ConfigError("offload.nvme_dir", self.nvme_dir, "use the path of a local folder")
@@ -231,10 +226,10 @@ class Config:
             raise ConfigError(
                 "offload.gradients", self.offload.gradients, "gradient shards exist from stage 2 on: use stage 2 or 3"
             )
-        if self.offload.gradients == "host" and self.offload.optimizer == "device":
+        if self.offload.gradients != "device" and self.offload.optimizer == "device":
             raise ConfigError(
-                "offload.gradients", "host",
-                "host gradients feed a CPU optimizer step: set offload.optimizer to 'host' or 'nvme' too",
+                "offload.gradients", self.offload.gradients,
+                "offloaded gradients feed a CPU optimizer step: set offload.optimizer to 'host' or 'nvme' too",
             )
 
     @property

@@ -32,8 +32,8 @@ from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
-from zeroinf.partition.offload import open_param_files
-from zeroinf.partition.shard_home import MemoryHome, NvmeHome, NvmeParamFiles
+from zeroinf.partition.offload import open_grad_files, open_param_files
+from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles
 from zeroinf.partition.init import InitFn, has_meta_state, materialize_and_build
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
@@ -65,6 +65,10 @@ class Engine:
         self._resident_names = {spec.name for spec in specs if self._is_resident(spec)}
         self.param_files: NvmeParamFiles | None = None
         self._home_factory = self._make_home_factory(specs) if self.policy.shard_params else None
+        self.grad_files: NvmeGradFiles | None = None
+        if cfg.offload.gradients == "nvme":
+            self.grad_files = open_grad_files(specs, cfg, topo, self.ledger)
+            weakref.finalize(self, self.grad_files.close)
         self._built_from_meta = has_meta_state(module)
         if self._built_from_meta:
             self.units: list[ShardedUnit] = materialize_and_build(  # type: ignore[assignment]
@@ -133,6 +137,7 @@ class Engine:
             resident=spec.name in self._resident_names,
             home_factory=self._home_factory,
             grad_tier=Tier(self.cfg.offload.gradients),
+            grad_files=self.grad_files,
         )
 
     def _setup_activation_checkpointing(self) -> None:
@@ -283,6 +288,8 @@ class Engine:
         if self._sync_this_backward:
             self._reduce_all()
         self._reducing.clear()
+        if self.grad_files is not None:
+            self.grad_files.drain()
         if self.scheduler is not None:
             self.scheduler.end_backward()
 
@@ -330,6 +337,8 @@ class Engine:
         """Finish pending I/O and remove this rank's parameter swap files (also done at exit)."""
         if self.param_files is not None:
             self.param_files.close()
+        if self.grad_files is not None:
+            self.grad_files.close()
 
     def memory_report(self) -> dict[str, Any]:
         report: dict[str, Any] = self.ledger.snapshot()

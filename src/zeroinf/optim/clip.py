@@ -15,10 +15,14 @@ from zeroinf.topology import Topology
 CLIP_EPS = 1e-6  # the same epsilon as torch.nn.utils.clip_grad_norm_
 
 
-def global_grad_norm(owned_grads: list[torch.Tensor], topo: Topology, sharded: bool) -> torch.Tensor:
-    """L2 norm of all gradients, as an fp32 scalar tensor; `sharded` says the ranges differ per rank."""
+def global_grad_norm(
+    owned_grads: list[torch.Tensor], topo: Topology, sharded: bool, extra_sq: float = 0.0
+) -> torch.Tensor:
+    """L2 norm of all gradients, as an fp32 scalar tensor; `sharded` says the ranges differ per rank.
+
+    `extra_sq` adds squared norms computed earlier (gradient shards already written to NVMe)."""
     device = owned_grads[0].device if owned_grads else topo.device
-    sq = torch.zeros((), dtype=torch.float32, device=device)
+    sq = torch.full((), extra_sq, dtype=torch.float32, device=device)
     for g in owned_grads:
         sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
     if sharded:

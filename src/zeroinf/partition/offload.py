@@ -18,7 +18,7 @@ from zeroinf.aio.buffers import round_up
 from zeroinf.config import Config
 from zeroinf.memory import Ledger
 from zeroinf.partition.flat_buffer import FlatLayout
-from zeroinf.partition.shard_home import PARAM_KIND, NvmeParamFiles
+from zeroinf.partition.shard_home import GRAD_KIND, PARAM_KIND, NvmeGradFiles, NvmeParamFiles
 from zeroinf.partition.wrap import UnitSpec
 from zeroinf.tiers.host import check_host_cap
 from zeroinf.tiers.nvme import NvmeSwap, plan_swap_layout
@@ -60,3 +60,20 @@ def open_param_files(
         raise
     pool = BufferPool(count, buffer_bytes, alignment_bytes=ALIGN_BYTES, ledger=ledger, tag="param_staging")
     return NvmeParamFiles(swap, engine, pool, cfg.offload.io_timeout_s)
+
+
+def open_grad_files(specs: list[UnitSpec], cfg: Config, topo: Topology, ledger: Ledger) -> NvmeGradFiles:
+    """The gradient swap file: room for every unit's fp32 gradient shard."""
+    shard_bytes = {
+        (spec.name or "<root>", GRAD_KIND): FlatLayout.build([(n, p.shape) for n, p in spec.params], topo.world_size).shard_numel * 4
+        for spec in specs
+    }
+    folder = cfg.offload.nvme_dir
+    assert folder is not None
+    engine = AioEngine(AioConfig(), ledger=ledger)
+    try:
+        swap = NvmeSwap(plan_swap_layout(shard_bytes, folder, topo.rank, alignment_bytes=ALIGN_BYTES), engine, ledger=ledger)
+    except BaseException:
+        engine.close()
+        raise
+    return NvmeGradFiles(swap, cfg.offload.io_timeout_s)

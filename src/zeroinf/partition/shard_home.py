@@ -153,3 +153,49 @@ class NvmeHome:
 
     def _write_retired(self) -> bool:
         return all(handle is not self._write for handle, _ in self.files.pending_writes)
+
+
+GRAD_KIND = "grad_shard"
+MAX_GRAD_WRITES_IN_FLIGHT = 2
+
+
+class NvmeGradFiles:
+    """fp32 gradient shards of every unit in this rank's gradient swap file.
+
+    A unit's reduced shard is written as soon as its reduce-scatter finishes (added to what an
+    earlier micro-step wrote, read back first); at most two writes are in flight, each holding
+    its unit's shard until the disk has it. The optimizer reads one unit's shard at a time, so
+    host memory for gradients is a couple of unit shards whatever the model size.
+    """
+
+    def __init__(self, swap: NvmeSwap, timeout_s: float) -> None:
+        self.swap, self.timeout_s = swap, timeout_s
+        self._writes: deque[tuple[AioHandle, torch.Tensor]] = deque()
+        self.io_wait_s = 0.0
+        self.io_busy_s = 0.0
+
+    def _wait(self, handle: AioHandle) -> None:
+        t0 = time.perf_counter()
+        handle.wait(self.timeout_s)
+        self.io_wait_s += time.perf_counter() - t0
+        self.io_busy_s += handle.in_flight_s
+
+    def drain(self) -> None:
+        while self._writes:
+            self._wait(self._writes.popleft()[0])
+
+    def write(self, unit_name: str, shard: torch.Tensor) -> None:
+        while len(self._writes) >= MAX_GRAD_WRITES_IN_FLIGHT:
+            self._wait(self._writes.popleft()[0])
+        cpu = shard if shard.device.type == "cpu" else shard.to("cpu")
+        self._writes.append((self.swap.swap_out(unit_name, GRAD_KIND, cpu), cpu))
+
+    def read(self, unit_name: str, numel: int) -> torch.Tensor:
+        self.drain()  # a read must see every write before it
+        out = torch.empty(numel, dtype=torch.float32)
+        self._wait(self.swap.swap_in(unit_name, GRAD_KIND, out))
+        return out
+
+    def close(self) -> None:
+        self.drain()
+        self.swap.close()

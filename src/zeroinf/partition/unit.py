@@ -35,7 +35,7 @@ from torch import nn
 from zeroinf.comm import DoneHandle, Handle, all_gather_into, all_reduce, reduce_scatter_into
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
-from zeroinf.partition.shard_home import MemoryHome, ShardHome
+from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, ShardHome
 from zeroinf.telemetry import CollectiveCounter
 from zeroinf.topology import Topology
 
@@ -101,6 +101,7 @@ class ShardedUnit:
         resident: bool | None = None,
         home_factory: HomeFactory | None = None,
         grad_tier: Tier = Tier.DEVICE,
+        grad_files: NvmeGradFiles | None = None,
     ) -> None:
         self.name = name or "<root>"
         self.param_names = [n for n, _ in params]
@@ -115,6 +116,9 @@ class ShardedUnit:
         self.resident = (not policy.shard_params) if resident is None else resident or not policy.shard_params
         self.home_factory = home_factory or default_home_factory(topo.device, ledger)
         self.grad_tier = grad_tier
+        self.grad_files = grad_files  # gradient shards on NVMe (grad_tier NVME)
+        self._grad_on_disk = False  # this step's shard has been written at least once
+        self.grad_sq_norm: float | None = None  # NVMe shards: squared L2 norm, kept at write time
         self.grad_device = torch.device("cpu") if grad_tier is Tier.HOST else topo.device
         self._build_buffers(param_dtype, keep_fp32_master)
         self.grad_flat: torch.Tensor | None = None  # unsharded, reduce dtype
@@ -276,7 +280,9 @@ class ShardedUnit:
         assert self.grad_flat is not None
         if self.policy.shard_grads:
             numel, device = self.layout.shard_numel, self.topo.device
-            if self.grad_shard is None:
+            if self.grad_files is not None:  # the shard goes to disk once reduced
+                self._rs_out = torch.empty(numel, dtype=self.reduce_dtype, device=device)
+            elif self.grad_shard is None:
                 self.grad_shard = torch.zeros(numel, dtype=self.reduce_dtype, device=self.grad_device)
                 self.ledger.reserve(self.grad_tier, _nbytes(self.grad_shard), "grad_shard")
                 fresh_on_device = self.grad_device == device
@@ -299,7 +305,17 @@ class ShardedUnit:
         for handle in self._grad_handles:
             handle.wait()
         self._grad_handles = []
-        if self.policy.shard_grads:
+        if self.policy.shard_grads and self.grad_files is not None:
+            assert self.grad_flat is not None
+            shard = self._rs_out.float()
+            if self._grad_on_disk:  # an earlier micro-step's shard: read, add, write back
+                shard.add_(self.grad_files.read(self.name, shard.numel()))
+            self.grad_files.write(self.name, shard)
+            self.grad_sq_norm = float(torch.linalg.vector_norm(shard) ** 2)
+            self._grad_on_disk, self._rs_out = True, None
+            self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
+            self.grad_flat = None
+        elif self.policy.shard_grads:
             assert self.grad_shard is not None and self.grad_flat is not None
             if self._rs_out is not self.grad_shard:  # onto the shard's tier (host: a device-to-host copy)
                 self.grad_shard.add_(self._rs_out.to(self.grad_device, non_blocking=True))
@@ -315,6 +331,8 @@ class ShardedUnit:
             return None
         if self.grad_state is not GradState.REDUCED:
             raise RuntimeError(f"unit {self.name}: gradients are {self.grad_state.value}, not reduced")
+        if self.grad_files is not None:
+            return self.grad_files.read(self.name, self.layout.shard_numel)
         if self.policy.shard_grads:
             return self.grad_shard
         assert self.grad_flat is not None
@@ -331,6 +349,7 @@ class ShardedUnit:
             self.ledger.release(self.grad_tier, _nbytes(self.grad_shard), "grad_shard")
             self.grad_shard = None
         self.grad_state = GradState.EMPTY
+        self._grad_on_disk, self.grad_sq_norm = False, None
         self.param_had_grad = [False] * len(self.params)
         self.end_backward()
 
