@@ -2,8 +2,11 @@
 
 Each unit's owned range has an fp32 master copy and two fp32 moments (the optimizer states).
 At stage 0 the owned range is the whole flat buffer; from stage 1 on it is this rank's shard, so
-the optimizer-state bytes fall as 1/world_size. The update itself is PyTorch's fused AdamW kernel
-(the memory-bandwidth bound on CPU) run over views of the owned ranges, one call per param group.
+the optimizer-state bytes fall as 1/world_size. The states live on the tier `offload.optimizer`
+names (`device`, `host` or `nvme`, see optim/states.py) and are stepped in sub-groups by the
+swap pipeline (optim/pipeline.py). The update itself is PyTorch's fused AdamW kernel (the
+memory-bandwidth bound on CPU) run over views of a sub-group, one call per param group; it runs
+where the states are: on the device, or on the CPU for host and nvme states.
 
 A param group may hold any subset of the model's parameters (e.g. no weight decay for norms): the
 owned range of each unit is cut into contiguous runs of parameters of one group. `param_groups`
@@ -11,7 +14,9 @@ hold the user's nn.Parameter objects and their hyperparameters, so LR schedulers
 
 Step: the reduced gradients of the owned ranges -> one norm (all-reduced when sharded) that serves
 both the fp16 overflow check and exact global clipping -> unscale and clip in one multiply ->
-fused AdamW on the masters -> cast into the compute params -> all-gather (stages 1-2).
+per sub-group: swap in, fused AdamW on the masters, cast into the compute params (once a unit's
+whole owned range is updated), swap out -> all-gather (stages 1-2). Nothing touches the states
+before the norm is known, so an fp16 overflow skips the step without any I/O.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
 from zeroinf.engine import Engine, engine_of
-from zeroinf.memory import Tier
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
+from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline
+from zeroinf.optim.states import MasterSource, build_state_store
+from zeroinf.partition.unit import GradState, ShardedUnit
 from zeroinf.precision import DynamicLossScaler
 
 
@@ -36,8 +43,29 @@ class Run:
     """A contiguous run of one param group's elements inside a unit's owned range (owned-local)."""
 
     unit_index: int
+    slot_index: int  # the parameter this run belongs to
     start: int
     end: int
+
+
+class _GradOnDisk:
+    """A unit's reduced gradient shard on NVMe: read when its first sub-group is updated, kept
+    for that unit's other sub-groups, then dropped (one unit's shard in memory at a time)."""
+
+    def __init__(self, unit: ShardedUnit) -> None:
+        self.unit, self.coef = unit, 1.0
+        self._loaded: torch.Tensor | None = None
+
+    def load(self) -> torch.Tensor:
+        if self._loaded is None:
+            self._loaded = self.unit.owned_grad()
+            assert self._loaded is not None
+            if self.coef != 1.0:
+                self._loaded.mul_(self.coef)
+        return self._loaded
+
+    def drop(self) -> None:
+        self._loaded = None
 
 
 class AdamW(torch.optim.Optimizer):
@@ -62,7 +90,8 @@ class AdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(groups, defaults)
         self._check_groups_cover(trainable)
-        self.scaler = DynamicLossScaler(self.engine.cfg.loss_scale) if self.engine.cfg.param_dtype == "fp16" else None
+        fp16 = self.engine.cfg.param_dtype == "fp16"
+        self.scaler = DynamicLossScaler(self.engine.cfg.loss_scale) if fp16 else None
         self.last_step_skipped = False
         self.step_count = 0
         self._allocate_states()
@@ -80,25 +109,32 @@ class AdamW(torch.optim.Optimizer):
     def _allocate_states(self) -> None:
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self.runs: list[list[Run]] = [[] for _ in self.param_groups]
-        self.master: list[torch.Tensor] = []
-        self.exp_avg: list[torch.Tensor] = []
-        self.exp_avg_sq: list[torch.Tensor] = []
         for ui, unit in enumerate(self.engine.units):
-            master = unit.take_initial_master()
-            self.master.append(master)
-            self.exp_avg.append(torch.zeros_like(master))
-            self.exp_avg_sq.append(torch.zeros_like(master))
-            self.engine.ledger.reserve(Tier.DEVICE, 3 * master.numel() * 4, "optimizer_state")
             for piece in unit.layout.pieces(unit.owned_start, unit.owned_end):
                 gi = group_of[id(unit.params[piece.slot_index])]
                 start, end = piece.start - unit.owned_start, piece.end - unit.owned_start
-                runs = self.runs[gi]
-                if runs and runs[-1].unit_index == ui and runs[-1].end == start:
-                    runs[-1] = Run(ui, runs[-1].start, end)  # merge neighbours of the same group
-                else:
-                    runs.append(Run(ui, start, end))
-        # One step counter per run: the fused kernel increments every tensor of its list.
-        self.run_steps = [[torch.zeros((), dtype=torch.float32) for _ in runs] for runs in self.runs]
+                self.runs[gi].append(Run(ui, piece.slot_index, start, end))
+        offload = self.engine.cfg.offload
+        units = self.engine.units
+        masters = MasterSource([u.owned_numel for u in units], lambda i: units[i].take_initial_master())
+        self.states = build_state_store(masters, offload, self.engine.ledger, self.engine.topo.rank)
+        self._pipeline = SubGroupPipeline(self.states, offload.io_timeout_s)
+        # Per sub-group: (param group, [(slot, start, end) relative to the sub-group]) per group it meets.
+        self._sub_group_runs: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
+        for sg in self.states.sub_groups:
+            pieces = []
+            for gi, runs in enumerate(self.runs):
+                cuts = [
+                    (r.slot_index, max(r.start, sg.start) - sg.start, min(r.end, sg.end) - sg.start)
+                    for r in runs
+                    if r.unit_index == sg.unit_index and r.start < sg.end and sg.start < r.end
+                ]
+                if cuts:
+                    pieces.append((gi, cuts))
+            self._sub_group_runs.append(pieces)
+        # Adam's step count per parameter (unit, slot): like torch.optim, a parameter without a
+        # gradient in a step is not stepped at all (no weight decay, no moment decay, no count).
+        self.param_steps = [[0] * len(unit.params) for unit in self.engine.units]
 
     # -- the training-loop protocol ------------------------------------------------------------------
     @property
@@ -118,13 +154,20 @@ class AdamW(torch.optim.Optimizer):
             raise NotImplementedError("zeroinf.AdamW.step does not take a closure")
         engine = self.engine
         engine.require_step_boundary()
-        grads = [self._fp32(unit.owned_grad()) for unit in engine.units]
-        present = [g for g in grads if g is not None]
+        # Gradient shards on NVMe are read one unit at a time during the update (`_GradOnDisk`); their
+        # squared norms were kept when they were written, so the global norm needs no read.
+        grads: list[torch.Tensor | _GradOnDisk | None] = [
+            _GradOnDisk(unit) if unit.grad_files is not None and unit.grad_state is not GradState.EMPTY
+            else self._fp32(unit.owned_grad())
+            for unit in engine.units
+        ]
+        present = [g for g in grads if isinstance(g, torch.Tensor)]
+        on_disk_sq = sum(float(g.unit.grad_sq_norm or 0.0) for g in grads if isinstance(g, _GradOnDisk))
         sharded = engine.policy.shard_optimizer and engine.topo.is_distributed
         need_norm = self.scaler is not None or engine.cfg.grad_clip_norm is not None
         self.last_step_skipped = False
         if need_norm:
-            total_norm = float(global_grad_norm(present, engine.topo, sharded))
+            total_norm = float(global_grad_norm(present, engine.topo, sharded, extra_sq=on_disk_sq))
             if sharded:
                 engine.counter.add("all_reduce")
             scale = self.loss_scale
@@ -133,6 +176,7 @@ class AdamW(torch.optim.Optimizer):
                 self.scaler.update(overflow, self.step_count + 1)
                 if overflow:
                     self.last_step_skipped = True
+                    self.states.traffic.end_step()
                     engine.end_step()
                     return
             total_norm /= scale
@@ -142,30 +186,70 @@ class AdamW(torch.optim.Optimizer):
             if coef != 1.0:
                 for g in present:
                     g.mul_(coef)
+                for g in grads:
+                    if isinstance(g, _GradOnDisk):
+                        g.coef = coef
             self.last_grad_norm = total_norm
-        self._adamw(grads)
-        handles = [unit.start_update_params(m) for unit, m in zip(engine.units, self.master, strict=True)]
-        for handle in handles:
-            handle.wait()
+        self._update_states(grads)
         self.step_count += 1
+        self.states.traffic.end_step()
         engine.end_step()
 
     def _fp32(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         return grad if grad is None or grad.dtype == torch.float32 else grad.float()
 
-    def _adamw(self, grads: list[torch.Tensor | None]) -> None:
-        for group, runs, steps in zip(self.param_groups, self.runs, self.run_steps, strict=True):
-            live = [(r, s) for r, s in zip(runs, steps, strict=True) if grads[r.unit_index] is not None]
-            if not live:
+    def _update_states(self, grads: list[torch.Tensor | None]) -> None:
+        """Swap in, update and swap out every sub-group with a gradient; write the new params."""
+        units, store = self.engine.units, self.states
+        handles = []
+        on_disk: list[_GradOnDisk | None] = [None]
+
+        def update(staged: Staged) -> None:
+            sg = staged.sub_group
+            grad = grads[sg.unit_index]
+            assert grad is not None
+            if isinstance(grad, _GradOnDisk):
+                if on_disk[0] is not None and on_disk[0] is not grad:
+                    on_disk[0].drop()  # sub-groups come unit by unit: the previous unit is done
+                on_disk[0] = grad
+                grad = grad.load()
+            grad = grad[sg.start : sg.end].to(staged.views.master.device)  # host/nvme states step on the CPU
+            self._adamw(sg, staged.views, grad)
+            master = store.collect_master(staged)
+            if master is not None:
+                handles.append(units[sg.unit_index].start_update_params(master))
+
+        store.check("read")
+        self._pipeline.run([sg.index for sg in store.sub_groups if grads[sg.unit_index] is not None], update)
+        for handle in handles:
+            handle.wait()
+        store.check("write")
+        for unit, steps, grad in zip(units, self.param_steps, grads, strict=True):
+            if grad is not None:
+                for slot, had in enumerate(unit.param_had_grad):
+                    steps[slot] += int(had)
+
+    def _adamw(self, sg: SubGroup, views: StateViews, grad: torch.Tensor) -> None:
+        """The fused AdamW kernel over one sub-group, one call per param group it holds."""
+        had_grad, steps = self.engine.units[sg.unit_index].param_had_grad, self.param_steps[sg.unit_index]
+        for gi, all_cuts in self._sub_group_runs[sg.index]:
+            cuts = [(slot, a, b) for slot, a, b in all_cuts if had_grad[slot]]
+            if not cuts:
                 continue
+            group = self.param_groups[gi]
             beta1, beta2 = group["betas"]
+            # The kernel increments the step tensors it gets: fresh ones, at each parameter's count.
+            step_tensors = [
+                torch.full((), float(steps[slot]), dtype=torch.float32, device=grad.device)
+                for slot, _, _ in cuts
+            ]
             functional_adamw(
-                [self.master[r.unit_index][r.start : r.end] for r, _ in live],
-                [grads[r.unit_index][r.start : r.end] for r, _ in live],  # type: ignore[index]
-                [self.exp_avg[r.unit_index][r.start : r.end] for r, _ in live],
-                [self.exp_avg_sq[r.unit_index][r.start : r.end] for r, _ in live],
+                [views.master[a:b] for _, a, b in cuts],
+                [grad[a:b] for _, a, b in cuts],
+                [views.exp_avg[a:b] for _, a, b in cuts],
+                [views.exp_avg_sq[a:b] for _, a, b in cuts],
                 [],
-                [s for _, s in live],
+                step_tensors,
                 fused=True,
                 amsgrad=False,
                 beta1=beta1,
@@ -178,13 +262,15 @@ class AdamW(torch.optim.Optimizer):
 
     # -- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (owned ranges), hyperparameters and loss-scaler state."""
+        """This rank's optimizer state (owned ranges, as CPU or device tensors), hyperparameters and
+        loss-scaler state. States on nvme are read one unit at a time."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        units = [self.states.read_unit(ui) for ui in range(len(self.engine.units))]
         return {
-            "master": [t.clone() for t in self.master],
-            "exp_avg": [t.clone() for t in self.exp_avg],
-            "exp_avg_sq": [t.clone() for t in self.exp_avg_sq],
-            "run_steps": [[float(s) for s in steps] for steps in self.run_steps],
+            "master": [u.master for u in units],
+            "exp_avg": [u.exp_avg for u in units],
+            "exp_avg_sq": [u.exp_avg_sq for u in units],
+            "param_steps": [list(steps) for steps in self.param_steps],
             "step_count": self.step_count,
             "param_groups": groups,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -200,17 +286,20 @@ class AdamW(torch.optim.Optimizer):
                 f"optimizer state was saved at (world_size, stage) = {there} but this run is {here}; "
                 "use zeroinf checkpoints to reshard"
             )
-        for mine, theirs in (("master", state["master"]), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
-            for dst, src in zip(getattr(self, mine), theirs, strict=True):
-                dst.copy_(src)
-        for steps, values in zip(self.run_steps, state["run_steps"], strict=True):
-            for s, v in zip(steps, values, strict=True):
-                s.fill_(v)
+        units = self.engine.units
+        masters = state["master"]
+        for ui in range(len(units)):
+            self.states.write_unit(ui, StateViews(masters[ui], state["exp_avg"][ui], state["exp_avg_sq"][ui]))
+        self.param_steps = [[int(n) for n in steps] for steps in state["param_steps"]]
         self.step_count = state["step_count"]
         for group, saved in zip(self.param_groups, state["param_groups"], strict=True):
             group.update(saved)
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
-        handles = [unit.start_update_params(m) for unit, m in zip(self.engine.units, self.master, strict=True)]
+        handles = [unit.start_update_params(m) for unit, m in zip(units, masters, strict=True)]
         for handle in handles:
             handle.wait()
+
+    def close(self) -> None:
+        """Free the optimizer states (for nvme: remove the swap files). Also done at exit."""
+        self.states.close()

@@ -10,6 +10,8 @@ all-gathering now, ahead of use, and whether u_i may be released after it runs. 
 - `release_lag` 1 models backward, where a unit's pre-backward hook fires (through the residual
   path) while the unit after it is still finishing its backward: a release takes effect only once
   the next unit has been gathered.
+- a unit that encloses nested units (a block around its TiledLinear's tiles) stays gathered while
+  the nested units that follow it run: its release takes effect only after the last of them.
 The runtime only executes the plan, so the memory bound is a property of this function, tested
 without processes: the simulated live bytes never exceed `max_live_bytes`, except that the unit
 about to run is always allowed (a single unit larger than the budget still runs, alone).
@@ -45,11 +47,13 @@ def plan_prefetch(
     max_live_bytes: int,
     reuse_window: int = 2,
     release_lag: int = 0,
+    nested: dict[int, frozenset[int]] | None = None,
 ) -> PrefetchPlan:
     """Plan one pass (forward or backward) over `order` (unit ids as they ran when traced)."""
     live: set[int] = set()
     steps: list[Step] = []
     pending: list[tuple[int, int]] = []  # (unit, step index at which the release takes effect)
+    closing: dict[int, list[int]] = {}  # step index -> enclosing units released once that step ran
     peak = 0
 
     def live_bytes() -> int:
@@ -84,9 +88,19 @@ def plan_prefetch(
         if not release:  # keeping it must leave room for the units gathered before its reuse
             between = set(upcoming[: upcoming.index(unit)]) - live
             release = live_bytes() + sum(sizes[u] for u in between) > max_live_bytes
-        if release and release_lag == 0:
+        span_end = i  # the nested units running right after `unit` keep it gathered
+        inner = nested.get(unit, frozenset()) if nested else frozenset()
+        while span_end + 1 < len(order) and order[span_end + 1] in inner:
+            span_end += 1
+        if release and span_end > i and release_lag == 0:
+            closing.setdefault(span_end, []).append(unit)
+        elif release and span_end > i:
+            pending.append((unit, span_end + release_lag))
+        elif release and release_lag == 0:
             live.discard(unit)
         elif release:
             pending.append((unit, i + release_lag))
         steps.append(Step(unit, tuple(prefetch), release))
+        for done in closing.pop(i, []):  # its last nested unit ran: the enclosing unit's post-forward
+            live.discard(done)
     return PrefetchPlan(tuple(steps), peak)

@@ -43,9 +43,15 @@ class UnshardScheduler:
     # -- plans ----------------------------------------------------------------------------------------
     def _build_plans(self) -> None:
         sizes = {i: u.unsharded_bytes for i, u in enumerate(self.units)}
+        # a unit stays gathered while the units nested in it run (its hooks fire around theirs)
+        nested = {
+            i: frozenset(j for j, v in enumerate(self.units) if v.name.startswith(f"{u.name}."))
+            for i, u in enumerate(self.units)
+        }
         args = dict(
             sizes=sizes, resident=self.resident, prefetch_bytes=self.budget.prefetch_bytes,
             max_live_bytes=self.budget.max_live_bytes, reuse_window=self.budget.reuse_window,
+            nested={i: js for i, js in nested.items() if js},
         )
         self.forward_plan = plan_prefetch(self.forward_trace.order, release_lag=0, **args)  # type: ignore[arg-type]
         self.backward_plan = plan_prefetch(self.backward_trace.order, release_lag=1, **args)  # type: ignore[arg-type]

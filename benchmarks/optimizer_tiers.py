@@ -1,0 +1,141 @@
+"""Optimizer step time with the states on device, host and nvme (and nvme sub-group sizes).
+
+    python benchmarks/optimizer_tiers.py --params 50e6 --dir /tmp --rounds 5
+
+One model per setting (a stack of square Linear units, stage 0, world 1) gets a gradient once per
+round from a one-token backward, then only `optimizer.step()` is timed. Settings alternate within
+each round (A B C A B C ...) so that all see the same background load. The JSON printed at the end
+holds every timing, the medians, the optimizer-state bytes moved per step and tier, the effective
+update rate (params/s) and, for nvme, the disk throughput the step reached (read + written bytes
+over the step time), the host bytes the offload held, the time of the same swaps with no update
+(`io_only_median_s`) and the overlap of update and I/O: (io + update - step) / min(io, update),
+with the host setting's step as the update time (1: the shorter one fully hidden; 0: in sequence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import zeroinf  # noqa: E402
+from zeroinf.memory import Tier  # noqa: E402
+from zeroinf.topology import Topology  # noqa: E402
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def build(name: str, offload: zeroinf.OffloadConfig, layers: int, width: int) -> dict:
+    torch.manual_seed(0)
+    cfg = zeroinf.Config(stage=0, offload=offload)
+    model = zeroinf.shard(Stack(layers, width), cfg, Topology.single(torch.device("cpu")))
+    opt = zeroinf.AdamW(model, lr=1e-4)
+    return {"name": name, "model": model, "opt": opt, "x": torch.randn(1, width), "times_s": []}
+
+
+def timed_step(run: dict) -> None:
+    run["model"](run["x"]).backward()
+    t0 = time.perf_counter()
+    run["opt"].step()
+    run["times_s"].append(time.perf_counter() - t0)
+    run["moved"] = dict(run["opt"].states.traffic.last_step)
+    run["opt"].zero_grad()
+    if run["opt"].states.tier is Tier.NVME:  # the same swaps with no update: the I/O alone
+        order = range(len(run["opt"].states.sub_groups))
+        t0 = time.perf_counter()
+        run["opt"]._pipeline.run(order, lambda staged: None)
+        run.setdefault("io_only_s", []).append(time.perf_counter() - t0)
+        run["opt"].states.traffic.this_step.clear()  # not part of any step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--params", type=float, default=50e6, help="approximate parameter count")
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--dir", default="/tmp", help="a folder on the disk to swap to")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--sub-groups", default="1048576,4194304,16777216", help="nvme sub_group_numel values"
+    )
+    args = parser.parse_args()
+    layers = max(1, round(args.params / args.width**2))
+    swap_root = Path(tempfile.mkdtemp(prefix="zeroinf-bench-opt-", dir=args.dir))
+    settings = [("device", zeroinf.OffloadConfig()), ("host", zeroinf.OffloadConfig(optimizer="host"))]
+    for numel in (int(n) for n in args.sub_groups.split(",")):
+        folder = swap_root / f"sg{numel}"
+        folder.mkdir()
+        settings.append(
+            (
+                f"nvme sub_group_numel={numel}",
+                zeroinf.OffloadConfig(optimizer="nvme", nvme_dir=str(folder), sub_group_numel=numel),
+            )
+        )
+    runs = [build(name, offload, layers, args.width) for name, offload in settings]
+    for run in runs:  # warm-up: first touch of every buffer and file
+        timed_step(run)
+        run["times_s"].clear()
+        run.pop("io_only_s", None)
+    for _ in range(args.rounds):
+        for run in runs:
+            timed_step(run)
+    results = []
+    numel = sum(p.numel() for p in runs[0]["model"].parameters())
+    for run in runs:
+        opt, ledger = run["opt"], zeroinf.engine_of(run["model"]).ledger
+        median = statistics.median(run["times_s"])
+        moved = run["moved"]
+        entry = {
+            "setting": run["name"],
+            "median_step_s": round(median, 4),
+            "times_s": [round(t, 4) for t in run["times_s"]],
+            "params_per_s": round(numel / median),
+            "state_bytes_moved_last_step": moved,
+            "host_bytes": ledger.live_bytes(Tier.HOST),
+            "sub_groups": len(opt.states.sub_groups),
+        }
+        if opt.states.tier is Tier.NVME:
+            entry["disk_GBps"] = round(
+                (moved["nvme_read_bytes"] + moved["nvme_written_bytes"]) / median / 1e9, 3
+            )
+            # The update (the host setting's step) and the I/O alone, against the step doing both:
+            # overlap 1 means the shorter of the two is fully hidden, 0 means they ran in sequence.
+            io_s, update_s = statistics.median(run["io_only_s"]), results[1]["median_step_s"]
+            entry["io_only_median_s"] = round(io_s, 4)
+            entry["overlap"] = round((io_s + update_s - median) / min(io_s, update_s), 2)
+        results.append(entry)
+        opt.close()
+    print(
+        json.dumps(
+            {
+                "command": " ".join(sys.argv),
+                "params": numel,
+                "threads": torch.get_num_threads(),
+                "results": results,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The sub-group pipeline: swap in sub-group k+1 and swap out k-1 while k is updated.
+
+The optimizer step walks its sub-groups in order. For each one it needs the states in memory
+(`start_swap_in`), runs the update, and puts them back (`start_swap_out`). With states on NVMe
+those swaps are disk reads and writes, so the pipeline issues them early and waits for them late:
+
+    k-1: ---- update ---- | swap_out ...........
+    k  :  swap_in ....... | ---- update ---- | swap_out .........
+    k+1:                    swap_in ........ | ---- update ---- | ...
+
+A store lends at most `staging_slots` sub-groups of memory at once. A slot is taken by a swap-in
+and given back when the matching swap-out finishes. Before a swap-in needs a slot and none is
+free, the pipeline waits for the oldest swap-out. With 3 slots that is the swap-out of k-2 while
+k is about to be updated, so the write of k-1 and the read of k+1 stay in flight during the
+update of k; with more slots the reads run further ahead (`staging_slots - 2` sub-groups). In-memory
+stores (`staging_slots` None) complete every swap at once and run the same code.
+
+Errors: a failed or timed-out transfer raises from `run` after every other transfer in flight has
+finished (a buffer is never handed back while the disk may still write into it) and the store is
+told (`store.fail`), since its states are now a mix of old and new.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+from torch.profiler import record_function
+
+from zeroinf.aio.buffers import PoolBuffer, round_up
+from zeroinf.aio.engine import AioHandle
+
+_ALIGN_NUMEL = 1024  # split points of a unit fall on 4 KiB of fp32
+
+
+class StateViews(NamedTuple):
+    """The three fp32 states of one sub-group (1-D, same numel, same device)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """A contiguous piece [start, end) of one unit's owned range (owned-local), stepped as one."""
+
+    index: int
+    unit_index: int
+    start: int
+    end: int
+    unit_numel: int  # the unit's whole owned numel
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def key(self) -> str:
+        """Its name in the swap layout."""
+        return f"unit{self.unit_index}@{self.start}"
+
+    @property
+    def whole_unit(self) -> bool:
+        return self.start == 0 and self.end == self.unit_numel
+
+
+def plan_sub_groups(owned_numels: Sequence[int], max_numel: int | None) -> list[SubGroup]:
+    """Cut each unit's owned range into near-equal pieces of at most `max_numel` (None: whole units).
+
+    Pure. Units with nothing owned get no sub-group. Split points are multiples of 1024 elements
+    (4 KiB of fp32) when `max_numel` allows.
+    """
+    groups: list[SubGroup] = []
+    align = _ALIGN_NUMEL if max_numel is not None and max_numel >= _ALIGN_NUMEL else 1
+    cap = None if max_numel is None else max_numel // align * align
+    for ui, numel in enumerate(owned_numels):
+        pieces = 1 if cap is None else math.ceil(numel / cap)
+        step = numel if pieces <= 1 else round_up(math.ceil(numel / pieces), align)  # <= cap
+        for start in range(0, numel, max(step, 1)):
+            groups.append(SubGroup(len(groups), ui, start, min(start + step, numel), numel))
+    return groups
+
+
+class Staged:
+    """A sub-group's states in memory, ready to update; owns its staging buffer (nvme) until swapped out."""
+
+    def __init__(self, sub_group: SubGroup, views: StateViews, buffer: PoolBuffer | None = None) -> None:
+        self.sub_group, self.views, self.buffer = sub_group, views, buffer
+
+    def release(self) -> None:
+        """Give the staging buffer back to its pool (idempotent; no-op for resident states)."""
+        if self.buffer is not None:
+            self.buffer.pool.release(self.buffer)
+            self.buffer = None
+
+
+class Pending:
+    """Swaps in flight for one sub-group; `wait()` finishes them and returns the `Staged` states.
+
+    When the transfers end, the staging buffer goes back to its pool if `release_when_done` (a
+    swap-out) or if one of them failed; a transfer that timed out keeps it out of the pool for
+    good, since the disk may still write into it.
+    """
+
+    def __init__(
+        self, op: str, staged: Staged, handles: Sequence[AioHandle] = (), release_when_done: bool = False
+    ) -> None:
+        self.op, self.staged, self.handles, self.release_when_done = (
+            op,
+            staged,
+            list(handles),
+            release_when_done,
+        )
+        self.finished = False
+        self._error: BaseException | None = None
+
+    def wait(self, timeout_s: float | None = None) -> Staged:
+        if not self.finished:
+            self._finish(timeout_s)
+        if self._error is not None:
+            raise self._error
+        return self.staged
+
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """Finish without raising (cleanup after another failure); True when every transfer ended."""
+        if not self.finished and self._error is None:
+            self._finish(timeout_s)
+        return self.finished
+
+    def _finish(self, timeout_s: float | None) -> None:
+        for handle in self.handles:
+            try:
+                handle.wait(timeout_s)
+            except TimeoutError as exc:
+                self._error = exc
+                return
+            except BaseException as exc:  # noqa: BLE001 - the first error is raised, the rest finish
+                self._error = self._error or exc
+        self.finished = True
+        if self.release_when_done or self._error is not None:
+            self.staged.release()
+
+
+class SwapStore(Protocol):
+    """The part of an optimizer state store the pipeline drives (see optim/states.py)."""
+
+    sub_groups: list[SubGroup]
+    staging_slots: int | None
+
+    def start_swap_in(self, index: int) -> Pending: ...
+
+    def start_swap_out(self, staged: Staged) -> Pending: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+
+class SubGroupPipeline:
+    """Runs `update(staged)` over sub-groups with swaps overlapped (module docstring).
+
+    `trace`, when a list, receives (event, sub-group index) in the order things happen:
+    "swap_in" and "swap_out" when issued, "update" when the update starts, "swap_out_done" when
+    a swap-out has been waited for (its slot is free again).
+    """
+
+    def __init__(self, store: SwapStore, timeout_s: float | None = None, trace: list | None = None) -> None:
+        self.store, self.timeout_s, self.trace = store, timeout_s, trace
+        slots = store.staging_slots
+        if slots is not None and slots < 2:
+            raise ValueError(f"the sub-group pipeline needs at least 2 staging slots, the store has {slots}")
+        self.lookahead = 1 if slots is None else max(1, slots - 2)
+
+    def _note(self, event: str, index: int) -> None:
+        if self.trace is not None:
+            self.trace.append((event, index))
+
+    def run(self, order: Sequence[int], update: Callable[[Staged], None]) -> None:
+        """Update the sub-groups `order` (indices into store.sub_groups) in that order."""
+        reads: dict[int, Pending] = {}  # position in `order` -> swap-in in flight
+        writes: deque[tuple[int, Pending]] = deque()
+        held = 0  # slots taken: swapping in, being updated, or swapping out
+        issued = 0  # positions whose swap-in was issued
+        current: Staged | None = None  # the sub-group being updated
+
+        def finish_oldest_write() -> None:
+            nonlocal held
+            index, pending = writes.popleft()
+            pending.wait(self.timeout_s)
+            held -= 1
+            self._note("swap_out_done", index)
+
+        def issue_read() -> None:
+            nonlocal held, issued
+            if self.store.staging_slots is not None and held >= self.store.staging_slots:
+                finish_oldest_write()
+            index = order[issued]
+            reads[issued] = self.store.start_swap_in(index)
+            held += 1
+            issued += 1
+            self._note("swap_in", index)
+
+        try:
+            for pos, index in enumerate(order):
+                while issued < min(len(order), pos + 1 + self.lookahead):
+                    issue_read()
+                with record_function("zeroinf::optimizer_swap_in_wait"):
+                    current = reads.pop(pos).wait(self.timeout_s)
+                self._note("update", index)
+                with record_function("zeroinf::optimizer_update"):
+                    update(current)
+                writes.append((index, self.store.start_swap_out(current)))
+                current = None
+                self._note("swap_out", index)
+            with record_function("zeroinf::optimizer_swap_out_wait"):
+                while writes:
+                    finish_oldest_write()
+        except BaseException as error:
+            self._drain(reads.values(), [p for _, p in writes], current)
+            self.store.fail(error)
+            raise
+
+    def _drain(self, reads: Iterable[Pending], writes: Iterable[Pending], current: Staged | None) -> None:
+        """After an error: let every transfer in flight finish (without raising) and free its slot."""
+        for pending in [*reads, *writes]:
+            if pending.settle(self.timeout_s):  # a timed-out transfer keeps its buffer out of the pool
+                pending.staged.release()
+        if current is not None:
+            current.release()

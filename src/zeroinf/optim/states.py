@@ -1,0 +1,410 @@
+"""Where the optimizer states live: fp32 master weights and Adam moments on `device`, `host` or `nvme`.
+
+An `OptimizerStateStore` holds, for every unit, the three fp32 states of the unit's owned range,
+and hands them to the step one sub-group at a time: `start_swap_in(k)` gives a `Pending` whose
+`wait()` returns the sub-group's `Staged` views, and `start_swap_out(staged)` puts them back.
+The step never knows the tier; the pipeline (optim/pipeline.py) drives both calls.
+
+- `ResidentStateStore` (`device`, `host`): the states stay in memory for the whole run, one tensor
+  per unit and state; a sub-group is a whole unit and its swaps are views that complete at once.
+- `NvmeStateStore`: the states live in three per-rank swap files (tiers/nvme.py, one per state
+  kind). A sub-group is a piece of one unit of at most `offload.sub_group_numel` elements; swapping
+  it in reserves one staging buffer of a fixed `BufferPool` (`offload.buffer_count` buffers, each
+  holding a sub-group's master, exp_avg and exp_avg_sq at aligned offsets, so every transfer is
+  direct O_DIRECT I/O with no copy), and swapping it out releases that buffer once the writes
+  finish. Host memory is therefore bounded by the pool whatever the model size.
+
+[Note: master weights of a unit split into several sub-groups]
+`ShardedUnit.start_update_params` takes the whole owned master of a unit. When a unit is split,
+the updated pieces are copied into one unit-sized fp32 assembly buffer (host, reused by every
+unit, tag "optimizer_assembly") and the unit's parameters are written once its last piece is
+updated. That adds 4 bytes per element of the largest split unit to the host bound; a slice API
+on the unit would remove it.
+
+[Note: fresh swap files read as zeros]
+The swap files are preallocated with posix_fallocate, after which reads of the allocated range
+return zeros, so only the master weights are written at start; the moments start at zero for free.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import weakref
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from zeroinf.aio import AioConfig, AioEngine, BufferPool
+from zeroinf.aio.buffers import round_up
+from zeroinf.aio.errors import AioError
+from zeroinf.config import OffloadConfig
+from zeroinf.memory import Ledger, Tier, format_bytes
+from zeroinf.optim.pipeline import Pending, Staged, StateViews, SubGroup, plan_sub_groups
+from zeroinf.tiers.host import check_host_cap, host_zeros, release_host
+from zeroinf.tiers.nvme import NvmeSwap, plan_swap_layout
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+SWAP_KINDS = tuple(f"optimizer_{kind}" for kind in STATE_KINDS)  # swap file kinds and NVME ledger tags
+_FP32_BYTES = 4
+
+
+class StepTraffic:
+    """Bytes of optimizer state read and written per tier (keys "<tier>_read_bytes",
+    "<tier>_written_bytes"), for the current step, the last finished step and in total."""
+
+    def __init__(self) -> None:
+        self.total: Counter[str] = Counter()
+        self.this_step: Counter[str] = Counter()
+        self.last_step: Counter[str] = Counter()
+
+    def add(self, tier: Tier, direction: str, nbytes: int) -> None:
+        key = f"{tier.value}_{direction}_bytes"
+        self.total[key] += nbytes
+        self.this_step[key] += nbytes
+
+    def end_step(self) -> None:
+        self.last_step, self.this_step = self.this_step, Counter()
+
+
+class OptimizerStateStore(Protocol):
+    """What the step and the pipeline need from a store; see the module docstring."""
+
+    tier: Tier
+    sub_groups: list[SubGroup]
+    staging_slots: int | None  # sub-groups that may be in memory at once (None: all)
+    traffic: StepTraffic
+
+    def start_swap_in(self, index: int) -> Pending: ...
+
+    def start_swap_out(self, staged: Staged) -> Pending: ...
+
+    def collect_master(self, staged: Staged) -> torch.Tensor | None: ...
+
+    def read_unit(self, unit_index: int) -> StateViews: ...  # fresh CPU or device tensors
+
+    def write_unit(self, unit_index: int, states: StateViews) -> None: ...
+
+    def check(self, op: str) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ResidentStateStore:
+    """States that stay in memory on `device` or `host`: one tensor per unit and state kind."""
+
+    staging_slots = None
+
+    def __init__(
+        self, masters: list[torch.Tensor], tier: Tier, ledger: Ledger, max_host_bytes: int | None
+    ) -> None:
+        self.tier, self.ledger, self.traffic = tier, ledger, StepTraffic()
+        self.sub_groups = plan_sub_groups([m.numel() for m in masters], None)
+        self._nbytes = 3 * _FP32_BYTES * sum(m.numel() for m in masters)
+        self.states: list[StateViews] = []
+        if tier is Tier.HOST:
+            check_host_cap(
+                self._nbytes,
+                max_host_bytes,
+                "optimizer states on host",
+                'use offload.optimizer = "nvme" or raise the cap',
+            )
+            for master in masters:
+                views = StateViews(
+                    *(
+                        host_zeros(master.numel(), torch.float32, ledger, "optimizer_state")
+                        for _ in STATE_KINDS
+                    )
+                )
+                views.master.copy_(master)
+                self.states.append(views)
+        else:
+            for master in masters:
+                self.states.append(StateViews(master, torch.zeros_like(master), torch.zeros_like(master)))
+            ledger.reserve(Tier.DEVICE, self._nbytes, "optimizer_state")
+        self._closed = False
+
+    def start_swap_in(self, index: int) -> Pending:
+        sg = self.sub_groups[index]
+        self.traffic.add(self.tier, "read", 3 * _FP32_BYTES * sg.numel)
+        unit = self.states[sg.unit_index]
+        return Pending("swap_in", Staged(sg, StateViews(*(t[sg.start : sg.end] for t in unit))))
+
+    def start_swap_out(self, staged: Staged) -> Pending:
+        self.traffic.add(self.tier, "written", 3 * _FP32_BYTES * staged.sub_group.numel)
+        return Pending("swap_out", staged)
+
+    def collect_master(self, staged: Staged) -> torch.Tensor | None:
+        return self.states[staged.sub_group.unit_index].master  # sub-groups are whole units
+
+    def read_unit(self, unit_index: int) -> StateViews:
+        return StateViews(*(t.clone() for t in self.states[unit_index]))
+
+    def write_unit(self, unit_index: int, states: StateViews) -> None:
+        for dst, src in zip(self.states[unit_index], states, strict=True):
+            dst.copy_(src)
+
+    def check(self, op: str) -> None:
+        return None
+
+    def fail(self, error: BaseException) -> None:
+        return None  # in-memory states cannot be left half-written by an I/O error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.tier is Tier.HOST:
+            for views in self.states:
+                for t in views:
+                    release_host(t, self.ledger, "optimizer_state")
+        else:
+            self.ledger.release(Tier.DEVICE, self._nbytes, "optimizer_state")
+        self.states = []
+
+
+class SwapFolderError(OSError):
+    """The swap folder is missing, not writable or too small; the message names it and the bytes."""
+
+
+def preflight_swap_folder(folder: str, needed_bytes: int, rank: int) -> None:
+    """Check before training that `folder` exists, is writable and has room for `needed_bytes`."""
+    what = f"the optimizer swap files of rank {rank} need {needed_bytes} bytes ({format_bytes(needed_bytes)})"
+    if not os.path.isdir(folder):
+        raise SwapFolderError(
+            f"offload.nvme_dir {folder!r} does not exist: create it or choose another; {what}"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SwapFolderError(
+            f"offload.nvme_dir {folder!r} is not writable: choose a writable folder; {what}"
+        )
+    free = shutil.disk_usage(folder).free
+    if free < needed_bytes:
+        raise SwapFolderError(
+            f"offload.nvme_dir {folder!r} has {free} bytes ({format_bytes(free)}) free but {what}: "
+            "free space, choose a bigger disk, or shard over more ranks"
+        )
+
+
+class NvmeStateStore:
+    """States in per-rank swap files, staged through a fixed pool of host buffers (module docstring)."""
+
+    tier = Tier.NVME
+
+    def __init__(
+        self,
+        masters: Sequence[torch.Tensor] | MasterSource,
+        cfg: OffloadConfig,
+        ledger: Ledger,
+        rank: int,
+        aio: AioConfig | None = None,
+    ) -> None:
+        assert cfg.nvme_dir is not None  # OffloadConfig requires it for nvme
+        source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
+        self.ledger, self.traffic = ledger, StepTraffic()
+        self.sub_groups = plan_sub_groups(source.numels, cfg.sub_group_numel)
+        self.staging_slots = cfg.buffer_count
+        aio = aio or AioConfig()
+        slot_numel = max((sg.numel for sg in self.sub_groups), default=1)
+        self._state_bytes = round_up(slot_numel * _FP32_BYTES, aio.alignment_bytes)
+        split = [sg.unit_numel for sg in self.sub_groups if not sg.whole_unit]
+        assembly_numel = max(split, default=0)
+        staging_bytes = cfg.buffer_count * 3 * self._state_bytes
+        check_host_cap(
+            staging_bytes + assembly_numel * _FP32_BYTES + aio.workers * aio.block_bytes,
+            cfg.max_host_bytes,
+            f"the optimizer's nvme staging ({cfg.buffer_count} buffers of {3 * self._state_bytes} bytes, "
+            f"a {assembly_numel * _FP32_BYTES}-byte assembly buffer, {aio.workers} I/O buffers)",
+            "raise the cap, or lower offload.sub_group_numel or offload.buffer_count",
+        )
+        layout = plan_swap_layout(
+            {(sg.key, kind): sg.numel * _FP32_BYTES for kind in SWAP_KINDS for sg in self.sub_groups},
+            cfg.nvme_dir,
+            rank,
+            aio.alignment_bytes,
+        )
+        preflight_swap_folder(layout.folder, sum(layout.file_bytes.values()), rank)
+        self._paths = [layout.path(kind) for kind in SWAP_KINDS]
+        self.failure: BaseException | None = None
+        self._unit_groups: dict[int, list[SubGroup]] = {}
+        for sg in self.sub_groups:
+            self._unit_groups.setdefault(sg.unit_index, []).append(sg)
+        self._swap: NvmeSwap | None = None
+        self._pool: BufferPool | None = None
+        self._assembly: torch.Tensor | None = None
+        self.engine = AioEngine(aio, ledger=ledger)
+        self._finalizer = weakref.finalize(self, _close_nvme, self.__dict__)
+        try:
+            self._swap = NvmeSwap(layout, self.engine, ledger=ledger)
+            self._pool = BufferPool(
+                cfg.buffer_count,
+                3 * self._state_bytes,
+                alignment_bytes=aio.alignment_bytes,
+                ledger=ledger,
+                tag="optimizer_staging",
+            )
+            if assembly_numel:
+                self._assembly = host_zeros(assembly_numel, torch.float32, ledger, "optimizer_assembly")
+            # Only the masters are written; see [Note: fresh swap files read as zeros].
+            # One unit's master in memory at a time: written, then dropped (bounded host memory).
+            for ui in range(len(source.numels)):
+                self._write_pieces(ui, (source.take(ui),), SWAP_KINDS[:1])
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def _views(self, flat: torch.Tensor, numel: int) -> StateViews:
+        """The three states of a `numel` sub-group inside a staging buffer, each at an aligned offset."""
+        return StateViews(
+            *(
+                flat[i * self._state_bytes : i * self._state_bytes + numel * _FP32_BYTES].view(torch.float32)
+                for i in range(3)
+            )
+        )
+
+    def start_swap_in(self, index: int) -> Pending:
+        """Reserve a staging buffer (the pipeline guarantees one is free) and start the three reads."""
+        self._require_healthy()
+        assert self._pool is not None and self._swap is not None
+        sg = self.sub_groups[index]
+        buffer = self._pool.reserve(timeout_s=0)
+        staged = Staged(sg, self._views(buffer.tensor, sg.numel), buffer)
+        try:
+            handles = [
+                self._swap.swap_in(sg.key, kind, t) for kind, t in zip(SWAP_KINDS, staged.views, strict=True)
+            ]
+        except BaseException:
+            staged.release()
+            raise
+        self.traffic.add(Tier.NVME, "read", 3 * _FP32_BYTES * sg.numel)
+        return Pending("swap_in", staged, handles)
+
+    def start_swap_out(self, staged: Staged) -> Pending:
+        """Start the three writes; the staging buffer returns to the pool when they finish."""
+        assert self._swap is not None
+        sg = staged.sub_group
+        try:
+            handles = [
+                self._swap.swap_out(sg.key, kind, t) for kind, t in zip(SWAP_KINDS, staged.views, strict=True)
+            ]
+        except BaseException:
+            staged.release()
+            raise
+        self.traffic.add(Tier.NVME, "written", 3 * _FP32_BYTES * sg.numel)
+        return Pending("swap_out", staged, handles, release_when_done=True)
+
+    def collect_master(self, staged: Staged) -> torch.Tensor | None:
+        """The unit's whole updated master once its last sub-group is in ([Note: master weights ...])."""
+        sg = staged.sub_group
+        if sg.whole_unit:
+            return staged.views.master
+        assert self._assembly is not None
+        self._assembly[sg.start : sg.end].copy_(staged.views.master)
+        return self._assembly[: sg.unit_numel] if sg.end == sg.unit_numel else None
+
+    # -- whole units (state_dict / load_state_dict), streamed through one staging buffer ---------------
+    def read_unit(self, unit_index: int) -> StateViews:
+        self._require_healthy()
+        assert self._pool is not None and self._swap is not None
+        groups = self._unit_groups.get(unit_index, [])
+        numel = groups[-1].end if groups else 0
+        out = StateViews(*(torch.empty(numel, dtype=torch.float32) for _ in STATE_KINDS))
+        with self._pool.reserve() as flat:
+            for sg in groups:
+                views = self._views(flat, sg.numel)
+                for kind, t in zip(SWAP_KINDS, views, strict=True):
+                    self._swap.swap_in(sg.key, kind, t).wait()
+                for dst, src in zip(out, views, strict=True):
+                    dst[sg.start : sg.end].copy_(src)
+        return out
+
+    def write_unit(self, unit_index: int, states: StateViews) -> None:
+        self._require_healthy()
+        self._write_pieces(unit_index, states, SWAP_KINDS)
+
+    def _write_pieces(self, unit_index: int, sources: Sequence[torch.Tensor], kinds: Sequence[str]) -> None:
+        assert self._pool is not None and self._swap is not None
+        with self._pool.reserve() as flat:
+            for sg in self._unit_groups.get(unit_index, []):
+                views = self._views(flat, sg.numel)
+                for kind, src, view in zip(kinds, sources, views, strict=False):
+                    view.copy_(src[sg.start : sg.end])
+                    self._swap.swap_out(sg.key, kind, view).wait()
+
+    # -- health and lifetime ------------------------------------------------------------------------------
+    def check(self, op: str) -> None:
+        """Raise AioError naming the file if a swap file was removed (e.g. its folder deleted).
+
+        Open files survive their removal, so the I/O itself keeps working on a nameless file; this
+        one fstat per file per step turns that silent state into an error.
+        """
+        for path in self._paths:
+            if os.fstat(self.engine.open_file(path)).st_nlink == 0:
+                error = AioError(
+                    op,
+                    path,
+                    0,
+                    0,
+                    "the swap file was removed during training (folder deleted?); "
+                    "the optimizer states can no longer be trusted: restore from a checkpoint",
+                )
+                self.failure = self.failure or error
+                raise error
+
+    def fail(self, error: BaseException) -> None:
+        """Record that a step stopped midway: the files hold a mix of old and new states."""
+        self.failure = self.failure or error
+
+    def _require_healthy(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(
+                f"the optimizer states in {self._paths[0]!r} and its sibling files are inconsistent after an "
+                f"earlier error ({self.failure}); restore from a checkpoint"
+            ) from self.failure
+
+    def close(self) -> None:
+        """Remove the swap files and free the buffers (also run at garbage collection and exit)."""
+        self._finalizer()
+
+
+def _close_nvme(state: dict) -> None:
+    """Release an NvmeStateStore's resources given its attribute dict (a finalizer must not hold self)."""
+    if state.get("_assembly") is not None:
+        release_host(state["_assembly"], state["ledger"], "optimizer_assembly")
+        state["_assembly"] = None
+    if state.get("_swap") is not None:
+        state["_swap"].close()
+        state["_swap"] = None
+    if state.get("_pool") is not None:
+        pool = state["_pool"]
+        if pool.free_count == pool.count:  # a buffer kept after a timed-out transfer stays out
+            pool.close()
+        state["_pool"] = None
+    state["engine"].close()
+
+
+class MasterSource:
+    """The initial fp32 masters, one per unit, produced on demand (`take(i)`, once each), so that
+    an NVMe store can write them out one at a time instead of holding them all."""
+
+    def __init__(self, numels: list[int], take: Callable[[int], torch.Tensor]) -> None:
+        self.numels, self.take = numels, take
+
+    @classmethod
+    def of(cls, masters: list[torch.Tensor]) -> MasterSource:
+        return cls([m.numel() for m in masters], masters.__getitem__)
+
+
+def build_state_store(
+    masters: MasterSource, cfg: OffloadConfig, ledger: Ledger, rank: int
+) -> ResidentStateStore | NvmeStateStore:
+    """The store for `cfg.optimizer`, taking ownership of the initial fp32 masters (one per unit)."""
+    if cfg.optimizer == "nvme":
+        return NvmeStateStore(masters, cfg, ledger, rank)
+    resident = [masters.take(i) for i in range(len(masters.numels))]
+    return ResidentStateStore(resident, Tier(cfg.optimizer), ledger, cfg.max_host_bytes)

@@ -1,0 +1,237 @@
+"""The sub-group swap pipeline: order of swaps around updates, bounded staging, I/O errors mid-step."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zeroinf
+from zeroinf.aio import AioError
+from zeroinf.memory import Tier
+from zeroinf.optim.pipeline import Pending, Staged, StateViews, SubGroup, SubGroupPipeline
+from zeroinf.topology import Topology
+
+
+# -- the schedule, on a fake store whose swaps complete when waited ------------------------------------
+class FakeStore:
+    def __init__(self, n: int, slots: int | None) -> None:
+        self.sub_groups = [SubGroup(i, i, 0, 4, 4) for i in range(n)]
+        self.staging_slots = slots
+        self.lent = self.max_lent = 0
+        self.failed: BaseException | None = None
+
+    def start_swap_in(self, index: int) -> Pending:
+        self.lent += 1
+        self.max_lent = max(self.max_lent, self.lent)
+        assert self.staging_slots is None or self.lent <= self.staging_slots, "slot overcommitted"
+        views = StateViews(*(torch.zeros(4) for _ in range(3)))
+        return Pending("swap_in", Staged(self.sub_groups[index], views))
+
+    def start_swap_out(self, staged: Staged) -> Pending:
+        return _Returning(self, staged)
+
+    def fail(self, error: BaseException) -> None:
+        self.failed = error
+
+
+class _Returning(Pending):
+    def __init__(self, store: FakeStore, staged: Staged) -> None:
+        super().__init__("swap_out", staged, release_when_done=True)
+        self.store = store
+
+    def _finish(self, timeout_s: float | None) -> None:
+        super()._finish(timeout_s)
+        self.store.lent -= 1
+
+
+def _run(n: int, slots: int | None) -> tuple[list[tuple[str, int]], FakeStore]:
+    store, trace = FakeStore(n, slots), []
+    SubGroupPipeline(store, timeout_s=5, trace=trace).run(range(n), lambda staged: None)
+    return trace, store
+
+
+@pytest.mark.parametrize("slots", [3, 4, None])
+def test_swap_in_of_next_and_swap_out_of_previous_overlap_each_update(slots: int | None) -> None:
+    n = 7
+    trace, store = _run(n, slots)
+    at = {event: i for i, event in enumerate(trace)}
+    for k in range(n):
+        if k + 1 < n:
+            assert at[("swap_in", k + 1)] < at[("update", k)], (
+                f"swap-in of {k + 1} not issued before update {k}"
+            )
+        assert at[("swap_out", k)] > at[("update", k)]
+        if k >= 1 and store.staging_slots is not None:
+            # the write of k-1 is issued before, and waited for only after, the update of k
+            assert at[("swap_out", k - 1)] < at[("update", k)] < at[("swap_out_done", k - 1)]
+    assert [e for e in trace if e[0] == "update"] == [("update", k) for k in range(n)]
+    assert store.lent == 0
+    if slots is not None:
+        assert store.max_lent == slots  # the pool is used fully and never exceeded
+
+
+def test_two_slots_still_overlap_the_read_with_the_update() -> None:
+    trace, store = _run(5, 2)
+    at = {event: i for i, event in enumerate(trace)}
+    for k in range(4):
+        assert at[("swap_out_done", k)] < at[("swap_in", k + 2)] if k + 2 < 5 else True
+        assert at[("swap_in", k + 1)] < at[("update", k)]
+    assert store.max_lent == 2
+
+
+def test_an_update_error_frees_every_slot_and_marks_the_store() -> None:
+    store = FakeStore(6, 3)
+
+    def update(staged: Staged) -> None:
+        if staged.sub_group.index == 3:
+            raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        SubGroupPipeline(store, timeout_s=5).run(range(6), update)
+    assert isinstance(store.failed, ValueError)
+
+
+# -- the nvme store under a real optimizer -----------------------------------------------------------
+_OPEN: list[zeroinf.AdamW] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_optimizers() -> Iterator[None]:
+    """Close every optimizer a test built, also when it fails (their I/O threads must not outlive it)."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _nvme_optimizer(folder: Path, layers: int = 4, **offload: object) -> tuple[nn.Module, zeroinf.AdamW]:
+    folder.mkdir(exist_ok=True)
+    cfg = zeroinf.Config(
+        stage=1,
+        offload=zeroinf.OffloadConfig(optimizer="nvme", nvme_dir=str(folder), **offload),  # type: ignore[arg-type]
+    )
+    model = zeroinf.shard(Stack(layers), cfg, Topology.single(torch.device("cpu")))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    _OPEN.append(opt)
+    return model, opt
+
+
+def _train_step(model: nn.Module, opt: zeroinf.AdamW) -> None:
+    model(torch.randn(8, 64, generator=torch.Generator().manual_seed(1))).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_host_memory_is_bounded_by_the_staging_pool_whatever_the_model_size(tmp_path: Path) -> None:
+    peaks = {}
+    for layers in (2, 12):
+        model, opt = _nvme_optimizer(tmp_path / f"l{layers}", layers, sub_group_numel=1024, buffer_count=3)
+        ledger = zeroinf.engine_of(model).ledger
+        _train_step(model, opt)
+        before = ledger.live_bytes(Tier.HOST)
+        ledger.reset_peak()
+        _train_step(model, opt)
+        assert ledger.peak_bytes(Tier.HOST) == before  # the step allocates nothing on the host
+        staging = ledger.live_bytes(Tier.HOST, "optimizer_staging")
+        assert staging == 3 * 3 * 4096  # 3 buffers x 3 states x 1024 fp32 (4 KiB aligned)
+        peaks[layers] = ledger.peak_bytes(Tier.HOST)
+        assert ledger.live_bytes(Tier.NVME) >= 3 * 4 * sum(
+            u.owned_numel for u in zeroinf.engine_of(model).units
+        )
+        opt.close()
+        assert ledger.live_bytes(Tier.HOST) == 0 and ledger.live_bytes(Tier.NVME) == 0
+    assert peaks[2] == peaks[12]
+
+
+def _step_in_thread(model: nn.Module, opt: zeroinf.AdamW, timeout_s: float = 60) -> BaseException | None:
+    """Run one training step in a thread; fail the test if it hangs; return what it raised."""
+    outcome: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            _train_step(model, opt)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, name="zeroinf-test-step", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), "the optimizer step hung after an I/O error"
+    return outcome[0]
+
+
+def test_disk_full_during_a_swap_out_fails_the_step_with_file_and_op(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _nvme_optimizer(tmp_path / "swap", sub_group_numel=1024)
+    _train_step(model, opt)
+    real_pwritev, calls = os.pwritev, []
+
+    def pwritev_then_enospc(fd: int, buffers: list, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) > 4:  # a few sub-groups go out, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev_then_enospc)
+    error = _step_in_thread(model, opt)
+    monkeypatch.undo()
+    assert isinstance(error, AioError), error
+    assert error.op == "write" and error.errno == errno.ENOSPC
+    assert "zeroinf-rank0-optimizer_" in error.path and "disk full" in str(error)
+    # No silent continue: the states are half old, half new; stepping again refuses.
+    with pytest.raises(RuntimeError, match="inconsistent after an earlier error"):
+        opt.step()
+    opt.close()
+    ledger = zeroinf.engine_of(model).ledger
+    assert ledger.live_bytes(Tier.HOST) == 0 and not list((tmp_path / "swap").iterdir())
+
+
+def test_removing_the_swap_folder_fails_the_next_step_with_file_and_op(tmp_path: Path) -> None:
+    model, opt = _nvme_optimizer(tmp_path / "swap")
+    _train_step(model, opt)
+    shutil.rmtree(tmp_path / "swap")
+    error = _step_in_thread(model, opt)
+    assert isinstance(error, AioError), error
+    assert error.op == "read" and error.path.endswith("zeroinf-rank0-optimizer_master.swap")
+    assert "removed during training" in str(error)
+    opt.close()  # nothing left to remove: no error
+
+
+def test_removing_the_swap_folder_during_a_step_fails_that_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _nvme_optimizer(tmp_path / "swap", sub_group_numel=1024)
+    _train_step(model, opt)
+    real_update = opt._adamw
+
+    def update_then_remove(sub_group: SubGroup, *args: object) -> None:
+        real_update(sub_group, *args)  # type: ignore[arg-type]
+        if sub_group.index == 1 and (tmp_path / "swap").exists():
+            shutil.rmtree(tmp_path / "swap")
+
+    monkeypatch.setattr(opt, "_adamw", update_then_remove)
+    error = _step_in_thread(model, opt)
+    assert isinstance(error, AioError) and error.op == "write", error
+    assert "zeroinf-rank0-optimizer_" in error.path
+    opt.close()

@@ -1,0 +1,77 @@
+"""Parity with plain single-process PyTorch with the optimizer states offloaded: stage {0,1,2} x
+optimizer {host, nvme} x {fp32, bf16} at world 1 and 2, with the tolerances of tests/test_parity.py.
+
+One spawned group per world size runs every case. The nvme cases use a small `sub_group_numel`, so
+every unit is split into several sub-groups (the pipeline, the staging pool and the master
+assembly are all exercised), and each case gets its own swap folder under pytest's tmp path.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._harness import run_ranks
+from tests._parity import Case, run_cases
+from tests.test_parity import TOLERANCES, reference
+from zeroinf import OffloadConfig
+
+SUB_GROUP_NUMEL = 5000  # the tiny model's units own 2.6k-12.6k elements: most are split
+NAMES = [f"s{s}-{tier}-{d}" for s in (0, 1, 2) for tier in ("host", "nvme") for d in ("fp32", "bf16")]
+
+
+def make_cases(root: Path) -> list[Case]:
+    cases = []
+    for name in NAMES:
+        stage, tier, dtype = name.split("-")
+        folder = root / name
+        folder.mkdir()
+        offload = OffloadConfig(optimizer=tier, nvme_dir=str(folder), sub_group_numel=SUB_GROUP_NUMEL)
+        cases.append(Case(name, int(stage[1]), dtype, overrides=(("offload", offload),)))
+    return cases
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
+def world_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, dict[str, Case], dict[str, list[dict]], Path]:
+    world = request.param
+    root = tmp_path_factory.mktemp(f"swap-world{world}")
+    cases = make_cases(root)
+    per_rank = run_ranks(run_cases, world, cases, timeout_s=300)
+    return world, {c.name: c for c in cases}, {c.name: [r[c.name] for r in per_rank] for c in cases}, root
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_matches_plain_pytorch(world_results: tuple, name: str) -> None:
+    world, cases, results, _ = world_results
+    case = cases[name]
+    ours = results[name][0]
+    ref_losses, ref_weights = reference(Case(f"s{case.stage}-{case.dtype}", case.stage, case.dtype))
+    loss_rtol, weight_atol = TOLERANCES[case.dtype]
+    for step, (a, b) in enumerate(zip(ours["losses"], ref_losses, strict=True)):
+        if not math.isnan(b):
+            assert a == pytest.approx(b, rel=loss_rtol), (
+                f"{name} world {world}: loss at step {step}: {a} vs {b}"
+            )
+    for pname, ref in ref_weights.items():
+        torch.testing.assert_close(
+            ours["weights"][pname],
+            ref,
+            rtol=loss_rtol if case.dtype == "fp32" else 0,
+            atol=weight_atol,
+            msg=lambda m, pname=pname: f"{name} world {world}: weight {pname}: {m}",
+        )
+    for r, other in enumerate(results[name][1:], start=1):
+        assert other["losses"] == pytest.approx(ours["losses"]), f"rank {r} disagrees with rank 0"
+
+
+def test_states_leave_the_device_and_swap_files_are_removed(world_results: tuple) -> None:
+    """No optimizer state is accounted on the device; the finished runs removed their swap files."""
+    _, _, results, root = world_results
+    for name in NAMES:
+        assert all(r["optimizer_state_bytes"] == 0 for r in results[name]), name
+    assert not list(root.rglob("*.swap"))
