@@ -1,5 +1,7 @@
-"""Parity with plain single-process PyTorch with the optimizer states offloaded: stage {0,1,2} x
-optimizer {host, nvme} x {fp32, bf16} at world 1 and 2, with the tolerances of tests/test_parity.py.
+"""Parity with plain single-process PyTorch with model states offloaded, at world 1 and 2, with the
+tolerances of tests/test_parity.py: stage {0,1,2} x optimizer {host, nvme} x {fp32, bf16}, and
+stage 3 x params {host, nvme} x optimizer {host, nvme} x {fp32, bf16} (gradient shards on host or
+nvme alternately), every block sharded.
 
 One spawned group per world size runs every case. The nvme cases use a small `sub_group_numel`, so
 every unit is split into several sub-groups (the pipeline, the staging pool and the master
@@ -20,17 +22,31 @@ from tests.test_parity import TOLERANCES, reference
 from zeroinf import OffloadConfig
 
 SUB_GROUP_NUMEL = 5000  # the tiny model's units own 2.6k-12.6k elements: most are split
-NAMES = [f"s{s}-{tier}-{d}" for s in (0, 1, 2) for tier in ("host", "nvme") for d in ("fp32", "bf16")]
+OFFLOADS: dict[str, tuple[int, str, dict[str, str]]] = {
+    f"s{s}-{tier}-{d}": (s, d, {"optimizer": tier})
+    for s in (0, 1, 2)
+    for tier in ("host", "nvme")
+    for d in ("fp32", "bf16")
+}
+for i, (p_tier, o_tier, d) in enumerate(
+    (p, o, d) for p in ("host", "nvme") for o in ("host", "nvme") for d in ("fp32", "bf16")
+):
+    OFFLOADS[f"s3-p{p_tier}-o{o_tier}-{d}"] = (
+        3,
+        d,
+        {"params": p_tier, "optimizer": o_tier, "gradients": ("host", "nvme")[i % 2]},
+    )
+NAMES = list(OFFLOADS)
 
 
 def make_cases(root: Path) -> list[Case]:
     cases = []
-    for name in NAMES:
-        stage, tier, dtype = name.split("-")
+    for name, (stage, dtype, tiers) in OFFLOADS.items():
         folder = root / name
         folder.mkdir()
-        offload = OffloadConfig(optimizer=tier, nvme_dir=str(folder), sub_group_numel=SUB_GROUP_NUMEL)
-        cases.append(Case(name, int(stage[1]), dtype, overrides=(("offload", offload),)))
+        offload = OffloadConfig(**tiers, nvme_dir=str(folder), sub_group_numel=SUB_GROUP_NUMEL)
+        extra = (("persist_threshold_bytes", 0),) if stage == 3 else ()
+        cases.append(Case(name, stage, dtype, overrides=(("offload", offload),) + extra))
     return cases
 
 
