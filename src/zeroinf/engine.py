@@ -32,9 +32,9 @@ from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
+from zeroinf.partition.init import InitFn, has_meta_state, materialize_and_build
 from zeroinf.partition.offload import open_grad_files, open_param_files
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles
-from zeroinf.partition.init import InitFn, has_meta_state, materialize_and_build
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.runtime import hooks
