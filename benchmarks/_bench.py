@@ -99,3 +99,34 @@ def median(xs: list[float]) -> float:
 
 def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def offloaded_run(n_layer: int, d_model: int, seq_len: int, batch: int, steps: int, nvme_dir: str) -> dict[str, Any]:
+    """Build (under zeroinf.init) and train a fully offloaded demo GPT; memory and time figures.
+
+    Stage 3, bf16, activation checkpointing; parameters, gradient shards and optimizer states on NVMe.
+    Run it in a fresh process: the peak RSS is the process's high-water mark.
+    """
+    gpt = GPTConfig(seq_len=seq_len, n_layer=n_layer, n_head=max(1, d_model // 64), d_model=d_model)
+    cfg = zeroinf.Config(
+        stage=3, param_dtype="bf16", activation_checkpointing=True, persist_threshold_bytes=0,
+        offload=zeroinf.OffloadConfig(params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=nvme_dir),
+    )
+    t0 = time.perf_counter()
+    run = build(gpt, cfg, batch)
+    build_s = time.perf_counter() - t0
+    build_peak = peak_rss_bytes()
+    step_s, losses = [], []
+    for step in range(steps):
+        seconds, loss = train_step(run, step)
+        step_s.append(seconds)
+        losses.append(loss)
+    report = zeroinf.memory_report(run.model)
+    out = {
+        "params": gpt.param_count, "n_layer": n_layer, "d_model": d_model, "tokens_per_step": batch * seq_len,
+        "build_s": build_s, "step_s": step_s, "losses": losses,
+        "peak_rss_bytes": peak_rss_bytes(), "build_peak_rss_bytes": build_peak, "rss_after_bytes": rss_bytes(),
+        "ledger": {t: report[t] for t in ("device", "host", "nvme")},
+    }
+    close(run)
+    return out
