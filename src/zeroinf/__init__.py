@@ -9,6 +9,7 @@
         loss = model(batch); opt.backward(loss); opt.step(); opt.zero_grad()
 """
 
+from zeroinf.checkpoint import consolidate, load, save
 from zeroinf.config import Config, ConfigError, LossScaleConfig, OffloadConfig
 from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
@@ -27,10 +28,13 @@ __all__ = [
     "Tier",
     "TiledLinear",
     "Topology",
+    "consolidate",
     "engine_of",
     "init",
     "init_distributed",
+    "load",
     "memory_report",
+    "save",
     "shard",
     "tile_linears",
 ]

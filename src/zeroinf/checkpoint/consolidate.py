@@ -1,0 +1,184 @@
+"""Consolidate a sharded checkpoint into full model weights as safetensors, with no process group.
+
+`consolidate(ckpt, out_dir, dtype="bf16")` writes `model-0000k-of-0000n.safetensors` files of at
+most `max_shard_bytes` each (a tensor larger than that gets a file of its own) and an HF-style
+`model.safetensors.index.json`. The safetensors header is known from the manifest before any data
+is read, so each file is written header first and then tensor by tensor, each tensor streamed in
+checkpoint chunks (at most 8 MiB of fp32 at a time): the peak memory does not grow with the model
+or even with its largest tensor. Only the fp32 masters are read; their checksums are verified.
+Tied parameters are written once, under the first name; the index lists the others under
+`metadata.tied`. Files are written under temporary names and renamed, the index last.
+
+CLI: `zeroinf consolidate CKPT --out DIR [--dtype bf16|fp32|fp16] [--max-shard-size 5GB]`
+(`add_arguments` + `run`, or `main(argv)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+from typing import Any
+
+import torch
+
+from zeroinf.checkpoint.format import (
+    CHUNK_NUMEL,
+    DTYPES,
+    CheckpointError,
+    DataFiles,
+    as_bytes,
+    fsync_dir,
+    read_manifest,
+    resolve,
+    write_atomic,
+)
+from zeroinf.checkpoint.sharded import _ChunkReader
+
+OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+ST_NAMES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+INDEX = "model.safetensors.index.json"
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    num = t.rstrip("KMGIB")
+    return int(float(num) * units[t[len(num):]])
+
+
+def consolidate(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    dtype: str = "bf16",
+    max_shard_bytes: int = 5 * 10**9,
+    include_module_state: bool = True,
+) -> dict[str, Any]:
+    """Write the full weights of a checkpoint as sharded safetensors + index; returns the index dict."""
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"consolidate: dtype {dtype!r}; use one of {sorted(OUT_DTYPES)}")
+    out_dtype = OUT_DTYPES[dtype]
+    ckpt = resolve(os.fspath(ckpt_dir))
+    body = read_manifest(ckpt)
+    data = DataFiles(ckpt, body["files"])
+    reader = _ChunkReader(body, data, kinds=1)
+    # (name, shape, dtype, source) in model order; source: ("param", name) or ("module", meta)
+    entries: list[tuple[str, list[int], torch.dtype, Any]] = [
+        (n, body["params"][n]["shape"], out_dtype, ("param", n)) for n in body["order"]
+    ]
+    if include_module_state:
+        for n, meta in body["module_state"].items():
+            src = DTYPES[meta["dtype"]]
+            entries.append((n, meta["shape"], out_dtype if src.is_floating_point else src, ("module", meta)))
+    shards: list[list[tuple[str, list[int], torch.dtype, Any]]] = [[]]
+    size = 0
+    for e in entries:
+        nbytes = _numel(e[1]) * e[2].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += nbytes
+    out = os.fspath(out_dir)
+    os.makedirs(out, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    try:
+        for k, shard in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            total += _write_shard(os.path.join(out, fname), shard, reader, data)
+            weight_map.update({e[0]: fname for e in shard})
+    finally:
+        data.close()
+    tied = {n: body["params"][n]["aliases"] for n in body["order"] if body["params"][n]["aliases"]}
+    index = {
+        "metadata": {"total_size": total, "step": body["step"], "dtype": dtype, "tied": tied, "source": ckpt},
+        "weight_map": weight_map,
+    }
+    write_atomic(os.path.join(out, INDEX), json.dumps(index, indent=2).encode())
+    return index
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _write_shard(path: str, shard: list, reader: _ChunkReader, data: DataFiles) -> int:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dt, _ in shard:
+        nbytes = _numel(shape) * dt.itemsize
+        header[name] = {"dtype": ST_NAMES[dt], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb", buffering=1024 * 1024) as f:  # chunks are written whole; a small buffer
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        # Two reused buffers (fp32 read, cast) instead of one allocation per chunk: the allocator
+        # would otherwise keep freed chunks around and the peak would grow with the tensor count.
+        scratch = torch.empty(CHUNK_NUMEL, dtype=torch.float32)
+        cast = torch.empty(CHUNK_NUMEL, dtype=torch.float32 if not shard else shard[0][2])
+        for name, shape, dt, (kind, src) in shard:
+            if kind == "param":
+                numel = _numel(shape)
+                if cast.dtype != dt:
+                    cast = torch.empty(CHUNK_NUMEL, dtype=dt)
+                for a in range(0, numel, CHUNK_NUMEL):
+                    b = min(numel, a + CHUNK_NUMEL)
+                    buf = scratch[: b - a]
+                    reader.fill(src, a, b, [buf])
+                    if dt != torch.float32:
+                        buf = cast[: b - a].copy_(buf)
+                    f.write(as_bytes(buf))
+            else:
+                t = torch.empty(src["shape"], dtype=DTYPES[src["dtype"]])
+                data.read_into(src["f"], src["b"], t, src["h"], f"module state {name}")
+                f.write(as_bytes(t.to(dt)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return offset
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint folder, or a root holding a `latest` pointer")
+    parser.add_argument("--out", required=True, help="output folder for the safetensors files and index")
+    parser.add_argument("--dtype", choices=sorted(OUT_DTYPES), default="bf16", help="weights dtype (default bf16)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB; e.g. 500MB)")
+    parser.add_argument("--no-buffers", action="store_true", help="weights only: leave out buffers and frozen params")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        index = consolidate(
+            args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=_parse_bytes(args.max_shard_size),
+            include_module_state=not args.no_buffers,
+        )
+    except CheckpointError as e:
+        print(f"zeroinf consolidate: {e}")
+        return 1
+    files = sorted(set(index["weight_map"].values()))
+    print(f"wrote {len(index['weight_map'])} tensors, {index['metadata']['total_size']} bytes, "
+          f"in {len(files)} files to {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zeroinf consolidate", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

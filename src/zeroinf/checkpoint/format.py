@@ -1,0 +1,242 @@
+"""The on-disk format of a zeroinf checkpoint: manifest, data files, checksums, atomic writes.
+
+A checkpoint root holds one folder per saved step and a `latest` pointer:
+
+    ROOT/latest                  text: the folder name of the newest complete checkpoint
+    ROOT/step_00000010/          one complete checkpoint
+        manifest.json            every parameter: name, shape, dtype, and where its pieces lie
+        rank00000.bin ...        raw fp32 states, written by each rank for its owned ranges
+        module_state.bin         buffers and parameters outside units (rank 0)
+    ROOT/.tmp-step_00000012/     a save in progress (or a crashed one): never read
+
+Data files are raw little-endian bytes with no header. A *chunk* is at most `CHUNK_NUMEL`
+consecutive elements of one parameter as the saving rank owned them; it is stored as its fp32
+master, exp_avg and exp_avg_sq one after the other, each with its own xxh3-64 checksum, so a
+reader can take just the chunks that intersect its own owned range and verify exactly what it
+read (and consolidation can read only the masters). Every file also has a whole-file size and
+xxh3-64 in the manifest (`verify()` checks those).
+
+The manifest is `{"body": {...}, "xxh3": hex}` where the hash is over the canonical JSON of the
+body (sorted keys, no spaces), so a flipped byte inside it is caught too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import xxhash
+
+FORMAT = "zeroinf-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+MODULE_STATE_FILE = "module_state.bin"
+TMP_PREFIX = ".tmp-"
+CHUNK_NUMEL = 2 * 1024 * 1024  # 8 MiB per fp32 state: bounds the memory of one read
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, truncated, corrupted or does not fit the model.
+
+    The message names the file and what is wrong with it."""
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_filename(rank: int) -> str:
+    return f"rank{rank:05d}.bin"
+
+
+def digest(*buffers: Any) -> str:
+    h = xxhash.xxh3_64()
+    for b in buffers:
+        h.update(b)
+    return h.hexdigest()
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, any shape)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write `data` to `path` via a temporary name, fsync, rename, fsync the folder."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+class HashingWriter:
+    """Buffered appends to one data file; tracks the offset and the whole-file xxh3."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.f = open(path, "wb", buffering=8 * 1024 * 1024)  # noqa: SIM115 - closed in close()
+        self.offset = 0
+        self._hash = xxhash.xxh3_64()
+
+    def write(self, buf: memoryview) -> tuple[int, str]:
+        """Append; return (byte offset, xxh3 of this buffer)."""
+        at = self.offset
+        self.f.write(buf)
+        self._hash.update(buf)
+        self.offset += buf.nbytes
+        return at, xxhash.xxh3_64_hexdigest(buf)
+
+    def close(self) -> dict[str, Any]:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return {"size": self.offset, "xxh3": self._hash.hexdigest()}
+
+
+def encode_manifest(body: dict[str, Any]) -> bytes:
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"body": body, "xxh3": xxhash.xxh3_64_hexdigest(canon.encode())}, indent=1).encode()
+
+
+def read_manifest(ckpt_dir: str) -> dict[str, Any]:
+    path = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: no such checkpoint folder")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete: a save did not finish)")
+    try:
+        with open(path, "rb") as f:
+            outer = json.loads(f.read())
+        body = outer["body"]
+        expected = outer["xxh3"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a valid manifest (truncated or corrupted: {e})") from None
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    if xxhash.xxh3_64_hexdigest(canon.encode()) != expected:
+        raise CheckpointError(f"{path}: checksum mismatch (the manifest is corrupted)")
+    if body.get("format") != FORMAT or body.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: format {body.get('format')!r} version {body.get('version')!r}; "
+            f"this zeroinf reads {FORMAT!r} version {VERSION}"
+        )
+    return body
+
+
+def resolve(path: str) -> str:
+    """A checkpoint folder from a root (through `latest`) or a checkpoint folder itself."""
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.exists(latest):
+        with open(latest) as f:
+            name = f.read().strip()
+        target = os.path.join(path, name)
+        if not name or not os.path.isdir(target):
+            raise CheckpointError(f"{latest}: points at {name!r}, which does not exist")
+        return target
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    raise CheckpointError(
+        f"{path}: neither a checkpoint (no {MANIFEST}) nor a checkpoint root (no {LATEST} pointer); "
+        "an interrupted save leaves only a .tmp- folder, which is never loaded"
+    )
+
+
+class DataFiles:
+    """Read-side access to a checkpoint's data files: size checks on open, checksummed reads."""
+
+    def __init__(self, ckpt_dir: str, files: dict[str, dict[str, Any]]) -> None:
+        self.dir, self.files = ckpt_dir, files
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd
+        path = os.path.join(self.dir, name)
+        meta = self.files.get(name)
+        if meta is None:
+            raise CheckpointError(f"{path}: not listed in the manifest's files")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing (the manifest lists it with {meta['size']} bytes)") from None
+        size = os.fstat(fd).st_size
+        if size != meta["size"]:
+            os.close(fd)
+            what = "truncated" if size < meta["size"] else "longer than recorded"
+            raise CheckpointError(f"{path}: {what}: {size} bytes, the manifest says {meta['size']}")
+        self._fds[name] = fd
+        return fd
+
+    def check_all_present(self) -> None:
+        for name in self.files:
+            self._fd(name)
+
+    def read_into(self, name: str, offset: int, out: torch.Tensor, expected: str, what: str) -> None:
+        """Fill contiguous CPU tensor `out` from `name` at `offset`; verify its xxh3."""
+        buf = as_bytes(out)
+        n = os.preadv(self._fd(name), [buf], offset) if buf.nbytes else 0
+        path = os.path.join(self.dir, name)
+        if n != buf.nbytes:
+            raise CheckpointError(f"{path}: truncated: {what} needs bytes [{offset}, {offset + buf.nbytes})")
+        got = xxhash.xxh3_64_hexdigest(buf)
+        if got != expected:
+            raise CheckpointError(
+                f"{path}: checksum mismatch in {what} (bytes [{offset}, {offset + buf.nbytes})): "
+                "the file is corrupted"
+            )
+
+    def verify_file(self, name: str) -> None:
+        """Whole-file size and checksum (reads the whole file, 64 MiB at a time)."""
+        fd = self._fd(name)
+        h = xxhash.xxh3_64()
+        offset, block = 0, 64 * 1024 * 1024
+        while True:
+            data = os.pread(fd, block, offset)
+            if not data:
+                break
+            h.update(data)
+            offset += len(data)
+        if h.hexdigest() != self.files[name]["xxh3"]:
+            raise CheckpointError(f"{os.path.join(self.dir, name)}: checksum mismatch: the file is corrupted")
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
