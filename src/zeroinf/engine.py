@@ -20,6 +20,7 @@ unsharded gradients of every unit across micro-steps would undo the point of sha
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from typing import Any
@@ -180,7 +181,7 @@ class Engine:
             if owned and id(m) not in unit_modules:
                 handles += hooks.register_forward_hooks(
                     m,
-                    lambda m, owned=tuple(sorted(owned)): self._external_pre_forward(m, owned),
+                    functools.partial(self._external_pre_forward, owned=tuple(sorted(owned))),
                     self._external_post_forward,
                 )
         self._hook_handles += handles
@@ -340,14 +341,41 @@ class Engine:
         if self.grad_files is not None:
             self.grad_files.close()
 
+    def io_report(self) -> dict[str, float]:
+        """Cumulative NVMe traffic and timing of this rank: bytes read and written (what the SSD
+        wears), seconds blocked on I/O and seconds I/O was in flight; overlap is the share of I/O
+        time hidden behind other work."""
+        read = written = wait = busy = 0.0
+        for files, engine in (
+            (self.param_files, self.param_files.engine if self.param_files else None),
+            (self.grad_files, self.grad_files.swap.engine if self.grad_files else None),
+        ):
+            if files is None or engine is None:
+                continue
+            stats = engine.stats()
+            read, written = read + stats.bytes_read, written + stats.bytes_written
+            wait, busy = wait + files.io_wait_s, busy + files.io_busy_s
+        optimizer_io = getattr(self, "optimizer_io", None)
+        if optimizer_io is not None:
+            states, pipeline = optimizer_io
+            read += states.traffic.total.get("nvme_read_bytes", 0)
+            written += states.traffic.total.get("nvme_written_bytes", 0)
+            wait, busy = wait + pipeline.io_wait_s, busy + pipeline.io_busy_s
+        return {
+            "nvme_read_bytes": read, "nvme_written_bytes": written, "io_wait_s": wait, "io_busy_s": busy,
+            "overlap_pct": 100.0 * (1 - wait / busy) if busy > 0 else 0.0,
+        }
+
     def memory_report(self) -> dict[str, Any]:
         report: dict[str, Any] = self.ledger.snapshot()
+        report["io"] = self.io_report()
         report["collectives_last_step"] = dict(self.counter.last_step)
         report["collectives_total"] = dict(self.counter.total)
         report["units"] = len(self.units)
         report["resident_units"] = sum(u.resident for u in self.units)
         if self.scheduler is not None:
-            report["trace_departures"] = self.scheduler.forward_trace.departures + self.scheduler.backward_trace.departures
+            traces = (self.scheduler.forward_trace, self.scheduler.backward_trace)
+            report["trace_departures"] = sum(t.departures for t in traces)
         return report
 
 

@@ -119,6 +119,7 @@ class AdamW(torch.optim.Optimizer):
         masters = MasterSource([u.owned_numel for u in units], lambda i: units[i].take_initial_master())
         self.states = build_state_store(masters, offload, self.engine.ledger, self.engine.topo.rank)
         self._pipeline = SubGroupPipeline(self.states, offload.io_timeout_s)
+        self.engine.optimizer_io = (self.states, self._pipeline)  # for the engine's I/O report
         # Per sub-group: (param group, [(slot, start, end) relative to the sub-group]) per group it meets.
         self._sub_group_runs: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
         for sg in self.states.sub_groups:

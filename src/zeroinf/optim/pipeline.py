@@ -23,6 +23,7 @@ told (`store.fail`), since its states are now a mix of old and new.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -173,6 +174,10 @@ class SubGroupPipeline:
         if slots is not None and slots < 2:
             raise ValueError(f"the sub-group pipeline needs at least 2 staging slots, the store has {slots}")
         self.lookahead = 1 if slots is None else max(1, slots - 2)
+        # Telemetry: seconds the step blocked on swaps, and seconds swaps were in flight (the whole
+        # run of a store that swaps: its transfers are issued back to back).
+        self.io_wait_s = 0.0
+        self.io_busy_s = 0.0
 
     def _note(self, event: str, index: int) -> None:
         if self.trace is not None:
@@ -189,7 +194,9 @@ class SubGroupPipeline:
         def finish_oldest_write() -> None:
             nonlocal held
             index, pending = writes.popleft()
+            t0 = time.perf_counter()
             pending.wait(self.timeout_s)
+            self.io_wait_s += time.perf_counter() - t0
             held -= 1
             self._note("swap_out_done", index)
 
@@ -203,12 +210,15 @@ class SubGroupPipeline:
             issued += 1
             self._note("swap_in", index)
 
+        started = time.perf_counter()
         try:
             for pos, index in enumerate(order):
                 while issued < min(len(order), pos + 1 + self.lookahead):
                     issue_read()
                 with record_function("zeroinf::optimizer_swap_in_wait"):
+                    t0 = time.perf_counter()
                     current = reads.pop(pos).wait(self.timeout_s)
+                    self.io_wait_s += time.perf_counter() - t0
                 self._note("update", index)
                 with record_function("zeroinf::optimizer_update"):
                     update(current)
@@ -218,6 +228,8 @@ class SubGroupPipeline:
             with record_function("zeroinf::optimizer_swap_out_wait"):
                 while writes:
                     finish_oldest_write()
+            if self.store.staging_slots is not None:
+                self.io_busy_s += time.perf_counter() - started
         except BaseException as error:
             self._drain(reads.values(), [p for _, p in writes], current)
             self.store.fail(error)

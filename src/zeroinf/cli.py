@@ -1,0 +1,219 @@
+"""The `zeroinf` command line: `zeroinf train` and `zeroinf bench-io`.
+
+zeroinf train                          # the demo GPT on the standard library's sources
+zeroinf train --nproc 2 --stage 2      # two ranks on this machine (through torch.distributed.run)
+torchrun --nproc-per-node 8 -m zeroinf train --model 125m --config train.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from zeroinf.config import DTYPES, Config, ConfigError, OffloadConfig
+from zeroinf.models.gpt import PRESETS
+from zeroinf.train import DEFAULT_CONFIG, TrainArgs, available_cores, train
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `zeroinf train`; their defaults are those of `zeroinf.train.TrainArgs`."""
+    d = TrainArgs()
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="GPT preset (default: %(default)s)")
+    model.add_argument("--n-layer", type=int, help="override the preset's number of blocks")
+    model.add_argument("--n-head", type=int, help="override the preset's number of attention heads")
+    model.add_argument("--d-model", type=int, help="override the preset's residual width")
+    run = parser.add_argument_group("run")
+    run.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
+    run.add_argument(
+        "--batch",
+        type=int,
+        default=d.global_batch,
+        help="global batch: sequences per step over all ranks (default: %(default)s)",
+    )
+    run.add_argument("--seq-len", type=int, default=d.seq_len, help="bytes per sequence (default: %(default)s)")
+    run.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    run.add_argument("--warmup", type=int, default=d.warmup_steps, help="warm-up steps (default: %(default)s)")
+    run.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
+    run.add_argument("--seed", type=int, default=d.seed, help="seed of init and batches (default: %(default)s)")
+    run.add_argument(
+        "--data",
+        nargs="+",
+        metavar="FILE",
+        help="text files to train on (default: the Python standard library's sources)",
+    )
+    run.add_argument(
+        "--eval-batches",
+        type=int,
+        default=d.eval_batches,
+        help="validation batches at the end, 0 to skip (default: %(default)s)",
+    )
+    engine = parser.add_argument_group("engine (override the fields of --config)")
+    engine.add_argument("--config", metavar="FILE", help="zeroinf config, .toml or .json")
+    engine.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
+    engine.add_argument("--dtype", choices=sorted(DTYPES), help="parameter (compute) dtype")
+    engine.add_argument("--grad-accum", type=int, metavar="N", help="micro-steps per optimizer step")
+    engine.add_argument("--clip", type=float, metavar="NORM", help="clip the global gradient norm to NORM")
+    tiers = ("device", "host", "nvme")
+    engine.add_argument("--offload-params", choices=tiers, help="tier of the parameter shards (host/nvme: stage 3)")
+    engine.add_argument("--offload-optimizer", choices=tiers, help="tier of the fp32 master weights and moments")
+    engine.add_argument("--offload-gradients", choices=tiers, help="tier of the gradient shards (stage 2-3)")
+    engine.add_argument(
+        "--nvme-dir", metavar="DIR", help="folder for the swap files (default: a temporary folder, removed at exit)"
+    )
+    launch = parser.add_argument_group("launch and output")
+    launch.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks to start on this machine through torch.distributed.run (default: 1)",
+    )
+    launch.add_argument("--report", metavar="FILE", help="write the summary as JSON to FILE")
+    launch.add_argument("--no-progress", action="store_true", help="no progress bar and no summary")
+
+
+def engine_config(ns: argparse.Namespace) -> Config:
+    """The config file's settings (or the default ones), with the command-line overrides applied."""
+    cfg = Config.load(ns.config) if ns.config else DEFAULT_CONFIG
+    overrides = {
+        "stage": ns.stage,
+        "param_dtype": ns.dtype,
+        "grad_accum_steps": ns.grad_accum,
+        "grad_clip_norm": ns.clip,
+    }
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    tiers = {"params": ns.offload_params, "optimizer": ns.offload_optimizer, "gradients": ns.offload_gradients}
+    tiers = {k: v for k, v in tiers.items() if v is not None}
+    if tiers or ns.nvme_dir:
+        merged = {**dataclasses.asdict(cfg.offload), **tiers}
+        if ns.nvme_dir:
+            merged["nvme_dir"] = ns.nvme_dir
+        elif "nvme" in (merged["params"], merged["optimizer"], merged["gradients"]) and not merged["nvme_dir"]:
+            merged["nvme_dir"] = temporary_swap_folder()
+        cfg = dataclasses.replace(cfg, offload=OffloadConfig(**merged))
+    return cfg
+
+
+def temporary_swap_folder() -> str:
+    """A fresh folder on the disk under the system temp dir (one per rank), removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    rank = os.environ.get("RANK", "0")
+    folder = tempfile.mkdtemp(prefix=f"zeroinf-swap-rank{rank}-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    if ns.nproc < 1:
+        raise SystemExit(f"zeroinf train: --nproc {ns.nproc} is invalid; use a positive number of ranks")
+    if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return relaunch_with_torchrun(ns.nproc, argv)
+    args = TrainArgs(
+        model=ns.model,
+        n_layer=ns.n_layer,
+        n_head=ns.n_head,
+        d_model=ns.d_model,
+        steps=ns.steps,
+        global_batch=ns.batch,
+        seq_len=ns.seq_len,
+        lr=ns.lr,
+        warmup_steps=ns.warmup,
+        weight_decay=ns.weight_decay,
+        seed=ns.seed,
+        config=engine_config(ns),
+        data=ns.data,
+        eval_batches=ns.eval_batches,
+        progress=not ns.no_progress,
+        report_path=ns.report,
+    )
+    train(args)
+    return 0
+
+
+def without_nproc(argv: Sequence[str]) -> list[str]:
+    """`argv` of the train subcommand without its `--nproc N` / `--nproc=N`."""
+    out: list[str] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg == "--nproc":
+            skip_next = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def relaunch_with_torchrun(nproc: int, train_argv: Sequence[str]) -> int:
+    """Run `zeroinf train` as `nproc` ranks on this machine; returns torchrun's exit code."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "zeroinf",
+        "train",
+        *without_nproc(train_argv),
+    ]
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[1])  # so the ranks import this very zeroinf
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // nproc)))
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+def run_bench_io(rest: Sequence[str]) -> int:
+    from zeroinf.aio.bench import add_arguments, run  # lazily: `train` works without the aio package
+
+    parser = argparse.ArgumentParser(prog="zeroinf bench-io", description="Measure NVMe read/write bandwidth.")
+    add_arguments(parser)
+    result = run(parser.parse_args(list(rest)))
+    return int(result) if isinstance(result, int) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeroinf", description="ZeRO-sharded training for PyTorch.", allow_abbrev=False
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_train_arguments(
+        sub.add_parser("train", help="train the demo GPT (byte-level) on a text corpus", allow_abbrev=False)
+    )
+    bench = sub.add_parser("bench-io", help="measure NVMe read/write bandwidth", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    from zeroinf.checkpoint.consolidate import add_arguments as add_consolidate_arguments
+
+    add_consolidate_arguments(
+        sub.add_parser("consolidate", help="write a checkpoint's full weights as safetensors", allow_abbrev=False)
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `zeroinf` and `python -m zeroinf`; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "bench-io":
+        return run_bench_io(argv[1:])
+    ns = parser.parse_args(argv)
+    if ns.command == "consolidate":
+        from zeroinf.checkpoint.consolidate import run as run_consolidate
+
+        result = run_consolidate(ns)
+        return int(result) if isinstance(result, int) else 0
+    try:
+        return run_train(ns, argv[1:])
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"zeroinf {ns.command}: error: {error}", file=sys.stderr)
+        return 2

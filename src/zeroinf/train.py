@@ -1,0 +1,341 @@
+"""`zeroinf train`: a plain training function for the demo GPT on a byte corpus.
+
+The loop is an ordinary PyTorch loop with the two zeroinf lines (`zeroinf.shard`, `zeroinf.AdamW`);
+it runs unchanged on one process or under torchrun. Rank 0 shows a progress bar and prints the
+summary; every rank returns the same `TrainResult` (losses are averaged across ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import zeroinf
+from zeroinf.config import Config
+from zeroinf.data import DEFAULT_MAX_CORPUS_BYTES, BatchSampler, load_corpus, split_corpus
+from zeroinf.memory import format_bytes
+from zeroinf.models.gpt import GPT, GPTConfig
+from zeroinf.topology import Topology
+
+TIER_NAMES = ("device", "host", "nvme")
+
+DEFAULT_CONFIG = Config(stage=2, param_dtype="bf16", grad_clip_norm=1.0)
+"""The engine settings of `zeroinf train` when no config is given (bf16 compute is the faster here)."""
+
+
+@dataclass
+class TrainArgs:
+    """Settings of one training run; the CLI's defaults are these."""
+
+    model: str = "small"
+    """GPT preset name (see `zeroinf.models.gpt.PRESETS`)."""
+    n_layer: int | None = None
+    """Override the preset's number of blocks."""
+    n_head: int | None = None
+    """Override the preset's number of attention heads."""
+    d_model: int | None = None
+    """Override the preset's residual width."""
+    steps: int = 400
+    """Optimizer steps."""
+    global_batch: int = 32
+    """Sequences per optimizer step, summed over ranks and micro-steps."""
+    seq_len: int = 128
+    """Tokens (bytes) per sequence; also the model's context length."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at `lr * min_lr_ratio`."""
+    warmup_steps: int = 30
+    """Steps of linear warm-up from 0 to `lr`."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the matrices (biases and LayerNorms get none)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    seed: int = 0
+    """Seed of the model init and of the batches."""
+    config: Config | str | None = None
+    """Engine config, or the path of a TOML/JSON file; None means `DEFAULT_CONFIG`."""
+    data: list[str] | None = None
+    """Text files to train on; None means the Python standard library's sources."""
+    max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES
+    """Read at most this many bytes of the corpus."""
+    val_fraction: float = 0.05
+    """Trailing fraction of the corpus held out for validation."""
+    eval_batches: int = 8
+    """Global batches of the validation split evaluated at the end (0 skips evaluation)."""
+    log_interval: int = 10
+    """Steps between progress-bar updates of the loss, throughput and memory."""
+    progress: bool = True
+    """Show the progress bar and print the summary on rank 0."""
+    report_path: str | None = None
+    """Write the summary as JSON to this file (rank 0)."""
+
+    def engine_config(self) -> Config:
+        if self.config is None:
+            return DEFAULT_CONFIG
+        return self.config if isinstance(self.config, Config) else Config.load(self.config)
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig.preset(
+            self.model, n_layer=self.n_layer, n_head=self.n_head, d_model=self.d_model, seq_len=self.seq_len
+        )
+
+
+@dataclass
+class TrainResult:
+    """What a run measured; the same on every rank except `memory` (each rank's own ledger)."""
+
+    losses: list[float]
+    """Training loss of each step (nats per byte), averaged over micro-steps and ranks."""
+    step_times_s: list[float]
+    """Wall time of each step on this rank."""
+    first_loss: float
+    last_loss: float
+    """Mean loss of the last min(10, steps) steps (a single step's loss is noisy)."""
+    val_loss: float | None
+    tokens_per_s: float
+    """Mean global throughput, the first (warm-up) step excluded when there are several."""
+    wall_time_s: float
+    """Time of the whole run: setup, steps and evaluation."""
+    skipped_steps: int
+    """Steps skipped by the fp16 loss scaler."""
+    param_count: int
+    world_size: int
+    memory: dict[str, Any] = field(default_factory=dict)
+    """`zeroinf.memory_report(model)` at the end of the run."""
+
+    def summary(self) -> dict[str, Any]:
+        """Plain data for the JSON report (per-step losses included)."""
+        return dataclasses.asdict(self)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak LR at `step`: linear warm-up, then cosine decay to `min_ratio`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def set_cpu_threads(topo: Topology) -> None:
+    """Give each of the ranks on this machine its share of the cores, so gloo ranks don't oversubscribe."""
+    if topo.device.type != "cpu" or not topo.is_distributed:
+        return
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+    torch.set_num_threads(max(1, available_cores() // local_world))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (Linear weights, embeddings); none on biases and LayerNorm weights."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def mean_over_ranks(value: float, topo: Topology) -> float:
+    """`value` averaged over all ranks (itself in a single process)."""
+    if not topo.is_distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=topo.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=topo.group)
+    return float(tensor.item()) / topo.world_size
+
+
+def format_memory(report: dict[str, Any], all_tiers: bool = False) -> str:
+    """Peak bytes per tier of a memory report, 'device 12.3 MiB, host 1.0 GiB' (empty tiers left out)."""
+    parts = [
+        f"{tier} {format_bytes(report[tier]['peak_bytes'])}"
+        for tier in TIER_NAMES
+        if tier in report and (all_tiers or report[tier]["peak_bytes"])
+    ]
+    return ", ".join(parts) or "0 B"
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, sampler: BatchSampler, n_batches: int, topo: Topology) -> float:
+    """Mean loss over `n_batches` global batches of `sampler`, averaged over ranks; restores train mode."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for step in range(n_batches):
+        for inputs, targets in sampler.micro_batches(step):
+            loss = model(inputs.to(topo.device), targets.to(topo.device))
+            total += float(loss) / sampler.grad_accum_steps
+    model.train(was_training)
+    return mean_over_ranks(total / max(1, n_batches), topo)
+
+
+@dataclass
+class Run:
+    """What one training run is made of, built by `build_run`."""
+
+    topo: Topology
+    cfg: Config
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    train_sampler: BatchSampler
+    val_sampler: BatchSampler | None
+    param_count: int
+    corpus_bytes: int
+
+
+def build_run(args: TrainArgs) -> Run:
+    """Join the ranks, read the corpus, build and shard the model, and make its optimizer and schedule."""
+    topo = zeroinf.init_distributed()
+    set_cpu_threads(topo)
+    cfg = args.engine_config()
+    corpus = load_corpus(args.data, args.max_corpus_bytes)
+    train_bytes, val_bytes = split_corpus(corpus, args.val_fraction)
+
+    def sampler(data: torch.Tensor) -> BatchSampler:
+        return BatchSampler(
+            data,
+            args.seq_len,
+            args.global_batch,
+            seed=args.seed,
+            rank=topo.rank,
+            world_size=topo.world_size,
+            grad_accum_steps=cfg.grad_accum_steps,
+        )
+
+    use_val = args.eval_batches > 0 and len(val_bytes) > args.seq_len
+    torch.manual_seed(args.seed)
+    model = GPT(args.model_config())
+    param_count = model.num_params()
+    model = zeroinf.shard(model, cfg, topology=topo)
+    opt = zeroinf.AdamW(
+        model,
+        lr=args.lr,
+        betas=args.betas,
+        weight_decay=args.weight_decay,
+        param_groups=param_groups(model, args.weight_decay),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_factor(step, args.warmup_steps, args.steps, args.min_lr_ratio)
+    )
+    return Run(
+        topo,
+        cfg,
+        model,
+        opt,
+        sched,
+        sampler(train_bytes),
+        sampler(val_bytes) if use_val else None,
+        param_count,
+        len(corpus),
+    )
+
+
+def train_step(run: Run, step: int) -> float:
+    """One optimizer step over this rank's micro-batches; returns the loss averaged over ranks."""
+    device = run.topo.device
+    loss_sum = torch.zeros((), device=device)
+    for inputs, targets in run.train_sampler.micro_batches(step):
+        loss = run.model(inputs.to(device), targets.to(device)) / run.cfg.grad_accum_steps
+        run.opt.backward(loss)  # type: ignore[attr-defined]
+        loss_sum += loss.detach().float()
+    run.opt.step()
+    run.opt.zero_grad()
+    run.sched.step()
+    return mean_over_ranks(float(loss_sum), run.topo)
+
+
+def train(args: TrainArgs) -> TrainResult:
+    """Train the demo GPT as `args` says; rank 0 shows progress and prints the summary."""
+    start_s = time.perf_counter()
+    run = build_run(args)
+    show = args.progress and run.topo.rank == 0
+    if show:
+        print(describe(args, run), flush=True)
+    losses: list[float] = []
+    step_times_s: list[float] = []
+    skipped_steps = 0
+    run.model.train()
+    bar = tqdm(total=args.steps, disable=not show, unit="step", dynamic_ncols=True)
+    for step in range(args.steps):
+        step_start_s = time.perf_counter()
+        losses.append(train_step(run, step))
+        step_times_s.append(time.perf_counter() - step_start_s)
+        skipped_steps += int(run.opt.last_step_skipped)  # type: ignore[attr-defined]
+        bar.update(1)
+        if show and (step % args.log_interval == 0 or step == args.steps - 1):
+            tokens_per_s = run.train_sampler.tokens_per_step / step_times_s[-1]
+            report = zeroinf.memory_report(run.model)
+            memory = format_memory(report)
+            skipped = f", skipped {skipped_steps}" if skipped_steps else ""
+            io = report["io"]
+            nvme = f", nvme r/w {format_bytes(io['nvme_read_bytes'])}/{format_bytes(io['nvme_written_bytes'])} " \
+                f"{io['overlap_pct']:.0f}% hidden" if io["io_busy_s"] else ""
+            bar.set_postfix_str(f"loss {losses[-1]:.3f}, {tokens_per_s:,.0f} tok/s, mem {memory}{nvme}{skipped}")
+    bar.close()
+
+    val_loss = None
+    if run.val_sampler is not None:
+        val_loss = evaluate(run.model, run.val_sampler, args.eval_batches, run.topo)
+    timed_s = step_times_s[1:] or step_times_s  # the first step includes one-time warm-up
+    tail = losses[-min(10, len(losses)) :]
+    result = TrainResult(
+        losses=losses,
+        step_times_s=step_times_s,
+        first_loss=losses[0],
+        last_loss=sum(tail) / len(tail),
+        val_loss=val_loss,
+        tokens_per_s=run.train_sampler.tokens_per_step * len(timed_s) / sum(timed_s),
+        wall_time_s=time.perf_counter() - start_s,
+        skipped_steps=skipped_steps,
+        param_count=run.param_count,
+        world_size=run.topo.world_size,
+        memory=zeroinf.memory_report(run.model),
+    )
+    if show:
+        print_summary(result)
+    if args.report_path and run.topo.rank == 0:
+        report = {"args": dataclasses.asdict(args), "engine_config": run.cfg.to_dict(), **result.summary()}
+        Path(args.report_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return result
+
+
+def describe(args: TrainArgs, run: Run) -> str:
+    """The one-line header of a run."""
+    return (
+        f"zeroinf train: GPT {args.model} {run.param_count / 1e6:.2f}M params, {run.topo.world_size} "
+        f"rank(s), stage {run.cfg.stage}, {run.cfg.param_dtype}, {args.steps} steps x {args.global_batch} "
+        f"seqs x {args.seq_len} bytes, corpus {format_bytes(run.corpus_bytes)}"
+    )
+
+
+def print_summary(result: TrainResult) -> None:
+    """The end-of-run summary (rank 0)."""
+    lines = [
+        f"loss: {result.first_loss:.3f} at the first step -> {result.last_loss:.3f} "
+        f"(mean of the last {min(10, len(result.losses))} steps) nats/byte",
+        f"val loss: {result.val_loss:.3f} nats/byte" if result.val_loss is not None else "val loss: not evaluated",
+        f"throughput: {result.tokens_per_s:,.0f} tokens/s over {result.world_size} rank(s); "
+        f"wall time {result.wall_time_s:.1f} s",
+        f"peak engine memory per rank: {format_memory(result.memory, all_tiers=True)}",
+        f"skipped steps (fp16 overflow): {result.skipped_steps}",
+    ]
+    io = result.memory.get("io", {})
+    if io.get("nvme_read_bytes") or io.get("nvme_written_bytes"):
+        lines.append(
+            f"nvme: read {format_bytes(io['nvme_read_bytes'])}, written {format_bytes(io['nvme_written_bytes'])} "
+            f"(SSD wear), waited {io['io_wait_s']:.1f} s of {io['io_busy_s']:.1f} s in flight: "
+            f"{io['overlap_pct']:.0f}% of I/O hidden behind compute"
+        )
+    print("\n".join(lines), flush=True)

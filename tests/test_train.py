@@ -1,0 +1,144 @@
+"""`zeroinf train`: the schedule, short runs that learn, two ranks agreeing with one, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests._harness import run_ranks
+from zeroinf import cli
+from zeroinf.config import Config
+from zeroinf.train import TrainArgs, TrainResult, lr_factor, train
+
+TINY_RUN = dict(
+    model="tiny",
+    seq_len=32,
+    global_batch=8,
+    lr=3e-3,
+    warmup_steps=3,
+    eval_batches=2,
+    max_corpus_bytes=2**20,
+    progress=False,
+)
+
+
+def test_lr_factor_warms_up_then_decays_to_the_floor() -> None:
+    assert lr_factor(0, warmup_steps=10, total_steps=100, min_ratio=0.1) == pytest.approx(0.1)
+    assert lr_factor(9, warmup_steps=10, total_steps=100, min_ratio=0.1) == pytest.approx(1.0)
+    assert lr_factor(10, warmup_steps=10, total_steps=100, min_ratio=0.1) == pytest.approx(1.0)
+    assert lr_factor(55, warmup_steps=10, total_steps=100, min_ratio=0.1) == pytest.approx(0.55)
+    assert lr_factor(100, warmup_steps=10, total_steps=100, min_ratio=0.1) == pytest.approx(0.1)
+
+
+def test_short_run_learns_and_reports(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    result = train(TrainArgs(**TINY_RUN, steps=30, config=Config(stage=2), report_path=str(report)))
+    assert len(result.losses) == 30
+    assert result.first_loss == pytest.approx(math.log(256), abs=0.3)
+    assert result.last_loss < result.first_loss - 1.0
+    assert result.val_loss is not None and math.isfinite(result.val_loss)
+    assert result.tokens_per_s > 0 and result.skipped_steps == 0
+    assert result.memory["device"]["peak_bytes"] > 0
+    saved = json.loads(report.read_text())
+    assert saved["losses"] == result.losses and saved["engine_config"]["stage"] == 2
+
+
+def test_user_text_bf16_and_grad_accum(tmp_path: Path) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    config = Config(stage=1, param_dtype="bf16", grad_accum_steps=2, grad_clip_norm=1.0)
+    result = train(TrainArgs(**TINY_RUN, steps=20, data=[str(text)], config=config))
+    assert result.last_loss < result.first_loss - 1.0
+
+
+def _train_on_ranks(rank: int, world_size: int) -> list[float]:
+    args = TrainArgs(**{**TINY_RUN, "eval_batches": 0}, steps=4, config=Config(stage=2))
+    return train(args).losses
+
+
+def test_two_ranks_match_one_process() -> None:
+    """The same global batches on 1 or 2 ranks give the same losses (rank-averaged, fp32)."""
+    single = _train_on_ranks(0, 1)
+    per_rank = run_ranks(_train_on_ranks, 2)
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0] == pytest.approx(single, rel=1e-4)
+
+
+def test_cli_train_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "r.json"
+    argv = [
+        "train",
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--batch",
+        "4",
+        "--seq-len",
+        "32",
+        "--eval-batches",
+        "1",
+        "--dtype",
+        "fp32",
+        "--report",
+        str(report),
+    ]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "loss:" in out and "val loss:" in out and "peak engine memory" in out
+    assert len(json.loads(report.read_text())["losses"]) == 3
+
+
+def test_cli_reports_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--model", "tiny", "--steps", "1", "--no-progress", "--data", str(tmp_path / "nope.txt")]
+    assert cli.main(argv) == 2
+    assert "nope.txt" in capsys.readouterr().err
+
+
+def test_cli_overrides_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "train.toml"
+    path.write_text('stage = 1\nparam_dtype = "fp32"\ngrad_accum_steps = 4\n')
+    ns = cli.build_parser().parse_args(["train", "--config", str(path), "--dtype", "bf16", "--clip", "0.5"])
+    cfg = cli.engine_config(ns)
+    assert (cfg.stage, cfg.param_dtype, cfg.grad_accum_steps, cfg.grad_clip_norm) == (1, "bf16", 4, 0.5)
+
+
+def test_nproc_relaunches_through_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[str]] = []
+
+    def fake_run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 3)
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(cli.subprocess, "run", fake_run)
+    assert cli.main(["train", "--nproc", "2", "--steps", "5", "--nproc=2"]) == 3
+    (command,) = calls
+    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node=2" in command
+    assert command[command.index("zeroinf") - 1 :] == ["-m", "zeroinf", "train", "--steps", "5"]
+
+
+def test_train_result_is_plain_data() -> None:
+    result = TrainResult(
+        losses=[1.0],
+        step_times_s=[0.5],
+        first_loss=1.0,
+        last_loss=1.0,
+        val_loss=None,
+        tokens_per_s=1.0,
+        wall_time_s=1.0,
+        skipped_steps=0,
+        param_count=1,
+        world_size=1,
+    )
+    assert json.loads(json.dumps(result.summary()))["first_loss"] == 1.0
+
+
+def test_cli_bench_io_delegates(tmp_path: Path) -> None:
+    pytest.importorskip("zeroinf.aio.bench")
+    assert cli.main(["bench-io", "--dir", str(tmp_path), "--size", "1MiB", "--json"]) == 0
