@@ -33,7 +33,7 @@ from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
-from zeroinf.partition.init import InitFn, has_meta_state, materialize_and_build
+from zeroinf.partition.init import InitFn, has_meta_state, map_large_buffers, materialize_and_build
 from zeroinf.partition.offload import open_grad_files, open_param_files
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
@@ -63,6 +63,9 @@ class Engine:
         if not specs:
             raise ValueError("zeroinf.shard: the model has no trainable parameters")
         self.specs = specs
+        offload = cfg.offload
+        if "device" != offload.params or "device" != offload.optimizer or "device" != offload.gradients:
+            map_large_buffers()
         self._resident_names = {spec.name for spec in specs if self._is_resident(spec)}
         self.param_files: NvmeParamFiles | None = None
         self._home_factory = self._make_home_factory(specs) if self.policy.shard_params else None

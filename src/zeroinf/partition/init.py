@@ -61,6 +61,27 @@ def return_freed_memory() -> None:
         trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+LARGE_BUFFER_BYTES = 1 << 20
+
+
+def map_large_buffers() -> None:
+    """Serve allocations of 1 MiB and more by mmap, so freeing them returns memory to the OS (glibc).
+
+    glibc raises its mmap threshold as large chunks are freed (up to 32 MiB) and then carves unit
+    buffers out of the heap, where freed ones stay as fragments: with offload, host memory then grew
+    with the number of units instead of staying flat. A fixed threshold stops that. Process-wide,
+    and set only when some state is offloaded (memory-bounded runs are what it is for).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES)
+
+
 def has_meta_state(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
