@@ -194,16 +194,19 @@ class Engine:
 
         A collective: every rank must call it (as `model.state_dict()` does at stage 3).
         """
-        for spec, unit in zip(self.specs, self.units, strict=True):
+        names_of: dict[int, list[str]] = {}  # every name of a parameter (tied ones have several)
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(prefix + name)
+        for unit in self.units:
             was_sharded = unit.state is not ParamState.UNSHARDED
             unit.wait_unshard()
-            full = {id(p): p.detach().clone() for p in unit.params}
+            for p in unit.params:
+                full = p.detach().clone()
+                for name in names_of.get(id(p), []):
+                    if name in state_dict:
+                        state_dict[name] = full
             if was_sharded:
                 unit.reshard()
-            for name, p in self.module.named_parameters(remove_duplicate=False):
-                if id(p) in full and prefix + name in state_dict:
-                    state_dict[prefix + name] = full[id(p)]
-            del spec
 
     def _root_pre_forward(self, _: nn.Module) -> None:
         assert self.scheduler is not None

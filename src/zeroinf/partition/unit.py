@@ -375,10 +375,9 @@ class ShardedUnit:
     def start_update_params(self, master_owned: torch.Tensor) -> Handle:
         """Write the new master weights (owned range) into the compute params; all-gather where needed."""
         if self.home is not None:
-            if self.state is not ParamState.UNSHARDED:
-                self.home.store(master_owned)
-                return DoneHandle()  # the next unshard gathers the new values
             self.home.store(master_owned)
+            if self.state is not ParamState.UNSHARDED:
+                return DoneHandle()  # the next unshard gathers the new values
             source = self.home.finish_load()  # a resident unit: refresh its unsharded copy now
         else:
             self.param_flat[self.owned_start : self.owned_end].copy_(master_owned)
