@@ -97,9 +97,10 @@ def test_kill_during_save_leaves_last_complete_checkpoint(tmp_path) -> None:
         root = str(tmp_path / f"run{seed}")
         proc = ctx.Process(target=_save_forever, args=(root,))
         proc.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # generous: a busy 2-core machine starts the child slowly
         while not os.path.exists(os.path.join(root, "latest")) and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert os.path.exists(os.path.join(root, "latest")), "the saving process wrote no checkpoint in 120 s"
         time.sleep(random.Random(seed).uniform(0.0, 0.5))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()

@@ -34,7 +34,7 @@ from zeroinf.checkpoint.format import (
     resolve,
     write_atomic,
 )
-from zeroinf.checkpoint.sharded import _ChunkReader
+from zeroinf.checkpoint.reader import ChunkReader
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 ST_NAMES = {
@@ -66,7 +66,7 @@ def consolidate(
     ckpt = resolve(os.fspath(ckpt_dir))
     body = read_manifest(ckpt)
     data = DataFiles(ckpt, body["files"])
-    reader = _ChunkReader(body, data, kinds=1)
+    reader = ChunkReader(body, data, kinds=1)
     # (name, shape, dtype, source) in model order; source: ("param", name) or ("module", meta)
     entries: list[tuple[str, list[int], torch.dtype, Any]] = [
         (n, body["params"][n]["shape"], out_dtype, ("param", n)) for n in body["order"]
@@ -111,7 +111,7 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _write_shard(path: str, shard: list, reader: _ChunkReader, data: DataFiles) -> int:
+def _write_shard(path: str, shard: list, reader: ChunkReader, data: DataFiles) -> int:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dt, _ in shard:

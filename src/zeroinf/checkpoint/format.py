@@ -13,8 +13,8 @@ Data files are raw little-endian bytes with no header. A *chunk* is at most `CHU
 consecutive elements of one parameter as the saving rank owned them; it is stored as its fp32
 master, exp_avg and exp_avg_sq one after the other, each with its own xxh3-64 checksum, so a
 reader can take just the chunks that intersect its own owned range and verify exactly what it
-read (and consolidation can read only the masters). Every file also has a whole-file size and
-xxh3-64 in the manifest (`verify()` checks those).
+read (and consolidation can read only the masters). Every file's size is in the manifest, and its
+recorded pieces tile it exactly, so `verify()` checks every byte of it against a checksum.
 
 The manifest is `{"body": {...}, "xxh3": hex}` where the hash is over the canonical JSON of the
 body (sorted keys, no spaces), so a flipped byte inside it is caught too.
@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 FORMAT = "zeroinf-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: pieces written by StreamWriter, files described by their pieces (no whole-file hash)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 MODULE_STATE_FILE = "module_state.bin"
@@ -67,13 +67,6 @@ def rank_filename(rank: int) -> str:
     return f"rank{rank:05d}.bin"
 
 
-def digest(*buffers: Any) -> str:
-    h = xxhash.xxh3_64()
-    for b in buffers:
-        h.update(b)
-    return h.hexdigest()
-
-
 def as_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, any shape)."""
     t = t.detach()
@@ -102,30 +95,6 @@ def write_atomic(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-class HashingWriter:
-    """Buffered appends to one data file; tracks the offset and the whole-file xxh3."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.f = open(path, "wb", buffering=8 * 1024 * 1024)  # noqa: SIM115 - closed in close()
-        self.offset = 0
-        self._hash = xxhash.xxh3_64()
-
-    def write(self, buf: memoryview) -> tuple[int, str]:
-        """Append; return (byte offset, xxh3 of this buffer)."""
-        at = self.offset
-        self.f.write(buf)
-        self._hash.update(buf)
-        self.offset += buf.nbytes
-        return at, xxhash.xxh3_64_hexdigest(buf)
-
-    def close(self) -> dict[str, Any]:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        return {"size": self.offset, "xxh3": self._hash.hexdigest()}
 
 
 def encode_manifest(body: dict[str, Any]) -> bytes:
@@ -177,12 +146,21 @@ def resolve(path: str) -> str:
     )
 
 
+READ_AHEAD_BYTES = 64 * 1024 * 1024
+
+
 class DataFiles:
-    """Read-side access to a checkpoint's data files: size checks on open, checksummed reads."""
+    """Read-side access to a checkpoint's data files: size checks on open, checksummed reads.
+
+    Readers walk a file mostly forward, so after each read the kernel is asked (posix_fadvise
+    WILLNEED) to fetch the next `READ_AHEAD_BYTES` into the page cache in the background: the disk
+    reads the following chunks while this one is hashed and copied into the optimizer's store.
+    """
 
     def __init__(self, ckpt_dir: str, files: dict[str, dict[str, Any]]) -> None:
         self.dir, self.files = ckpt_dir, files
         self._fds: dict[str, int] = {}
+        self._advised: dict[str, int] = {}  # per file: the end of the range already asked for
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
@@ -211,7 +189,12 @@ class DataFiles:
     def read_into(self, name: str, offset: int, out: torch.Tensor, expected: str, what: str) -> None:
         """Fill contiguous CPU tensor `out` from `name` at `offset`; verify its xxh3."""
         buf = as_bytes(out)
-        n = os.preadv(self._fd(name), [buf], offset) if buf.nbytes else 0
+        fd = self._fd(name)
+        end = offset + buf.nbytes
+        if self._advised.get(name, 0) < end + READ_AHEAD_BYTES // 2:  # one syscall per half window
+            self._advised[name] = end + READ_AHEAD_BYTES
+            os.posix_fadvise(fd, end, READ_AHEAD_BYTES, os.POSIX_FADV_WILLNEED)
+        n = os.preadv(fd, [buf], offset) if buf.nbytes else 0
         path = os.path.join(self.dir, name)
         if n != buf.nbytes:
             raise CheckpointError(f"{path}: truncated: {what} needs bytes [{offset}, {offset + buf.nbytes})")
@@ -222,21 +205,7 @@ class DataFiles:
                 "the file is corrupted"
             )
 
-    def verify_file(self, name: str) -> None:
-        """Whole-file size and checksum (reads the whole file, 64 MiB at a time)."""
-        fd = self._fd(name)
-        h = xxhash.xxh3_64()
-        offset, block = 0, 64 * 1024 * 1024
-        while True:
-            data = os.pread(fd, block, offset)
-            if not data:
-                break
-            h.update(data)
-            offset += len(data)
-        if h.hexdigest() != self.files[name]["xxh3"]:
-            raise CheckpointError(f"{os.path.join(self.dir, name)}: checksum mismatch: the file is corrupted")
-
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
-        self._fds = {}
+        self._fds, self._advised = {}, {}

@@ -18,16 +18,18 @@ states into its store, and sets the compute parameters from the masters
 from __future__ import annotations
 
 import base64
-import bisect
+import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroinf.aio import AioConfig, AioEngine, BufferPool
 from zeroinf.checkpoint.format import (
     CHUNK_NUMEL,
     DTYPE_NAMES,
@@ -40,8 +42,6 @@ from zeroinf.checkpoint.format import (
     VERSION,
     CheckpointError,
     DataFiles,
-    HashingWriter,
-    as_bytes,
     encode_manifest,
     fsync_dir,
     rank_filename,
@@ -50,54 +50,15 @@ from zeroinf.checkpoint.format import (
     step_dirname,
     write_atomic,
 )
+from zeroinf.checkpoint.reader import ChunkReader
+from zeroinf.checkpoint.stream import STAGING_BYTES, STAGING_COUNT, StreamWriter
 from zeroinf.engine import Engine, engine_of
+from zeroinf.memory import Tier
 from zeroinf.optim.pipeline import StateViews
 
 __all__ = ["save", "load"]
 
-
-# -- access to one unit's states, a piece at a time -------------------------------------------------
-# These use the store's internals (NvmeStateStore: _unit_groups, _pool, _views, _swap); a public
-# `iter_unit_states(ui)` / `write_unit_range(ui, start, states)` on the stores would replace them.
-
-def _segments(store: Any, ui: int, numel: int) -> list[tuple[int, int, Any]]:
-    """The owned-local ranges [start, end) in which the store keeps unit `ui` (sub-groups on NVMe)."""
-    groups = getattr(store, "_unit_groups", None)
-    if groups is not None:
-        return [(sg.start, sg.end, sg) for sg in groups.get(ui, [])]
-    return [(0, numel, None)]
-
-
-def _iter_states(store: Any, ui: int, numel: int) -> Iterator[tuple[int, int, StateViews]]:
-    """Yield (start, end, CPU views) of unit `ui`'s states; NVMe: one sub-group in memory at a time."""
-    if getattr(store, "_unit_groups", None) is None:  # resident (device or host)
-        views = store.states[ui]
-        yield 0, numel, StateViews(*(t.detach().cpu() for t in views))
-        return
-    from zeroinf.optim.states import SWAP_KINDS
-
-    store._require_healthy()
-    with store._pool.reserve() as flat:
-        for start, end, sg in _segments(store, ui, numel):
-            views = store._views(flat, sg.numel)
-            for kind, t in zip(SWAP_KINDS, views, strict=True):
-                store._swap.swap_in(sg.key, kind, t).wait()
-            yield start, end, views
-
-
-def _write_states(store: Any, ui: int, start: int, end: int, sg: Any, states: StateViews) -> None:
-    if sg is None:
-        for dst, src in zip(store.states[ui], states, strict=True):
-            dst[start:end].copy_(src)
-        return
-    from zeroinf.optim.states import SWAP_KINDS
-
-    store._require_healthy()
-    with store._pool.reserve() as flat:
-        views = store._views(flat, sg.numel)
-        for kind, src, view in zip(SWAP_KINDS, states, views, strict=True):
-            view.copy_(src)
-            store._swap.swap_out(sg.key, kind, view).wait()
+READ_THREADS = 4  # chunk reads (and their checksums) in flight during load
 
 
 # -- helpers ----------------------------------------------------------------------------------------
@@ -193,44 +154,34 @@ def save(
     store = optimizer.states
     chunks: dict[str, list[dict[str, Any]]] = {}
     files: dict[str, dict[str, Any]] = {}
+    module_state: dict[str, Any] = {}
     error = None
     try:
-        if engine.policy.shard_optimizer or rank == 0:  # stage 0: every rank holds the same states
-            fname = rank_filename(rank)
-            writer = HashingWriter(os.path.join(tmp, fname))
-            try:
+        with _stream_writers(engine) as open_writer:
+            if engine.policy.shard_optimizer or rank == 0:  # stage 0: every rank holds the same states
+                fname = rank_filename(rank)
+                state_bytes = 3 * 4 * sum(unit.owned_numel for unit in engine.units)
+                writer = open_writer(os.path.join(tmp, fname), state_bytes)
                 for ui, unit in enumerate(engine.units):
-                    for s, e, views in _iter_states(store, ui, unit.owned_numel):
-                        base = unit.owned_start + s
-                        for piece in unit.layout.pieces(base, unit.owned_start + e):
-                            slot = unit.layout.slots[piece.slot_index]
-                            local = piece.start - base
-                            for c in range(0, piece.numel, CHUNK_NUMEL):
-                                n = min(CHUNK_NUMEL, piece.numel - c)
-                                written = [writer.write(as_bytes(t[local + c : local + c + n])) for t in views]
-                                chunks.setdefault(slot.name, []).append(
-                                    {"o": piece.param_offset + c, "n": n, "f": fname, "b": written[0][0],
-                                     "h": [h for _, h in written]}
-                                )
-            finally:
-                files[fname] = writer.close()
-        module_state: dict[str, Any] = {}
-        if rank == 0:
-            writer = HashingWriter(os.path.join(tmp, MODULE_STATE_FILE))
-            try:
+                    for s, e, views in store.iter_segments(ui):
+                        _append_segment(writer, fname, unit, s, e, views, chunks)
+                files[fname] = {"size": writer.close()}
+            if rank == 0:
+                writer = open_writer(os.path.join(tmp, MODULE_STATE_FILE))
                 for sname, t in _module_state(model, engine):
-                    at, h = writer.write(as_bytes(t))
+                    at, h = writer.append(t)
                     module_state[sname] = {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype],
                                            "f": MODULE_STATE_FILE, "b": at,
                                            "nbytes": t.numel() * t.element_size(), "h": h}
-            finally:
-                files[MODULE_STATE_FILE] = writer.close()
+                files[MODULE_STATE_FILE] = {"size": writer.close()}
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         error = f"zeroinf.save: rank {rank} failed writing {tmp}: {type(e).__name__}: {e}"
     gathered = _gather(engine, (error, chunks, files, _rng_state(engine)))
     errors = [g[0] for g in gathered if g[0]]
     if errors:
-        raise CheckpointError(errors[0])
+        if rank == 0:  # every rank has stopped writing: free the space the partial save took
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{errors[0]} (the partial checkpoint was removed; the previous one is intact)")
 
     error = None
     if rank == 0:
@@ -262,6 +213,42 @@ def save(
             error = f"zeroinf.save: rank 0 failed finishing {tmp}: {type(e).__name__}: {e}"
     _broadcast_error(engine, error)
     return os.path.join(root, name)
+
+
+@contextlib.contextmanager
+def _stream_writers(engine: Engine) -> Iterator[Callable[..., StreamWriter]]:
+    """Opens StreamWriters sharing one aio engine and staging pool, all closed (or aborted) on exit."""
+    writers: list[StreamWriter] = []
+    with AioEngine(AioConfig(), ledger=engine.ledger) as aio, BufferPool(
+        STAGING_COUNT, STAGING_BYTES, ledger=engine.ledger, tag="checkpoint_staging"
+    ) as pool, ThreadPoolExecutor(1, thread_name_prefix="zeroinf-ckpt-hash") as hasher:
+
+        def open_writer(path: str, size_hint: int = 0) -> StreamWriter:
+            writers.append(StreamWriter(path, aio, pool, hasher, size_hint))
+            return writers[-1]
+
+        try:
+            yield open_writer
+        finally:
+            for w in writers:
+                w.abort()  # a no-op for a closed writer; after an error, waits for writes in flight
+
+
+def _append_segment(
+    writer: StreamWriter, fname: str, unit: Any, s: int, e: int, views: StateViews,
+    chunks: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Append owned-local elements [s, e) of `unit`'s states, cut into per-parameter chunks."""
+    base = unit.owned_start + s
+    for piece in unit.layout.pieces(base, unit.owned_start + e):
+        slot = unit.layout.slots[piece.slot_index]
+        local = piece.start - base
+        for c in range(0, piece.numel, CHUNK_NUMEL):
+            n = min(CHUNK_NUMEL, piece.numel - c)
+            written = [writer.append(t[local + c : local + c + n]) for t in views]
+            chunks.setdefault(slot.name, []).append(
+                {"o": piece.param_offset + c, "n": n, "f": fname, "b": written[0][0], "h": [h for _, h in written]}
+            )
 
 
 def _manifest_body(
@@ -302,66 +289,6 @@ def _manifest_body(
 
 
 # -- load -------------------------------------------------------------------------------------------
-class _ChunkReader:
-    """Reads the saved chunks of one parameter range, verified, keeping the last chunk read."""
-
-    def __init__(self, body: dict[str, Any], data: DataFiles, kinds: int = 3) -> None:
-        self.chunks, self.data, self.kinds = body["chunks"], data, kinds
-        self._starts = {name: [c["o"] for c in lst] for name, lst in self.chunks.items()}
-        self._cached: tuple[tuple[str, int], list[torch.Tensor]] | None = None
-        self._bufs: list[torch.Tensor] | None = None
-
-    def _read(self, pname: str, chunk: dict[str, Any]) -> list[torch.Tensor]:
-        key = (chunk["f"], chunk["b"])
-        if self._cached is not None and self._cached[0] == key:
-            return self._cached[1]
-        n = chunk["n"]
-        if self._bufs is None or self._bufs[0].numel() < n:  # reused: no allocation per chunk
-            self._bufs = [torch.empty(max(n, CHUNK_NUMEL), dtype=torch.float32) for _ in range(self.kinds)]
-        self._cached = None
-        out = []
-        for k in range(self.kinds):
-            t = self._bufs[k][:n]
-            what = f"{('master', 'exp_avg', 'exp_avg_sq')[k]} of {pname}[{chunk['o']}:{chunk['o'] + n}]"
-            self.data.read_into(chunk["f"], chunk["b"] + 4 * n * k, t, chunk["h"][k], what)
-            out.append(t)
-        self._cached = (key, out)
-        return out
-
-    def _read_direct(self, pname: str, chunk: dict[str, Any], targets: list[torch.Tensor]) -> None:
-        n = chunk["n"]
-        for k, t in enumerate(targets):
-            what = f"{('master', 'exp_avg', 'exp_avg_sq')[k]} of {pname}[{chunk['o']}:{chunk['o'] + n}]"
-            self.data.read_into(chunk["f"], chunk["b"] + 4 * n * k, t, chunk["h"][k], what)
-
-    def fill(self, pname: str, a: int, b: int, targets: list[torch.Tensor]) -> None:
-        """targets[k][0 : b - a] <- state k of parameter elements [a, b)."""
-        lst = self.chunks.get(pname)
-        if not lst:
-            raise CheckpointError(f"{self.data.dir}: the manifest has no data for parameter {pname}")
-        i = max(0, bisect.bisect_right(self._starts[pname], a) - 1)
-        pos = a
-        while pos < b:
-            if i >= len(lst) or lst[i]["o"] > pos or lst[i]["o"] + lst[i]["n"] <= pos:
-                raise CheckpointError(
-                    f"{self.data.dir}/{MANIFEST}: parameter {pname} elements from {pos} are in no saved chunk "
-                    "(the checkpoint is incomplete)"
-                )
-            c = lst[i]
-            hi = min(b, c["o"] + c["n"])
-            if pos == c["o"] and hi == c["o"] + c["n"] and all(t.is_contiguous() and t.device.type == "cpu"
-                                                                  for t in targets):
-                self._read_direct(pname, c, [t[pos - a : hi - a] for t in targets])  # no staging copy
-                pos = hi
-                i += 1
-                continue
-            states = self._read(pname, c)
-            for dst, src in zip(targets, states, strict=False):
-                dst[pos - a : hi - a].copy_(src[pos - c["o"] : hi - c["o"]])
-            pos = hi
-            i += 1
-
-
 def _check_model(body: dict[str, Any], engine: Engine, ckpt: str) -> None:
     where = os.path.join(ckpt, MANIFEST)
     ours = {slot.name: slot for u in engine.units for slot in u.layout.slots}
@@ -403,13 +330,13 @@ def load(
     _broadcast_error(engine, error)
     assert body is not None and data is not None
     store = optimizer.states
-    reader = _ChunkReader(body, data)
-    nvme = getattr(store, "_unit_groups", None) is not None
+    executor = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="zeroinf-ckpt-read")
+    reader = ChunkReader(body, data, executor=executor)
     try:
         for ui, unit in enumerate(engine.units):
             error, master = None, None
             try:
-                master = _load_unit(reader, store, ui, unit, nvme)
+                master = _load_unit(reader, store, ui, unit)
             except CheckpointError as e:
                 error = str(e)
             # Agree before the unit's collective, so a rank that failed never leaves others waiting.
@@ -420,6 +347,8 @@ def load(
                 unit.start_update_params(master).wait()
             del master
     finally:
+        reader.drain(raise_errors=False)
+        executor.shutdown()
         data.close()
     _load_small_state(body, model, engine, optimizer, ckpt_dir=data.dir)
     if load_rng and rank < len(body["rng"]):
@@ -428,23 +357,45 @@ def load(
     return {"step": body["step"], "extra": body["extra"], "path": data.dir, "world_size": body["world_size"]}
 
 
-def _load_unit(reader: _ChunkReader, store: Any, ui: int, unit: Any, nvme: bool) -> torch.Tensor:
-    """Fill unit `ui`'s states (one store segment at a time) from the checkpoint; return its master."""
-    numel = unit.owned_numel
-    whole = torch.zeros(numel, dtype=torch.float32) if nvme else None
+def _load_unit(reader: ChunkReader, store: Any, ui: int, unit: Any) -> torch.Tensor:
+    """Fill unit `ui`'s states (one store segment at a time) from the checkpoint; return its master.
+
+    The chunks are read (and verified) straight into the memory the store lends for the segment:
+    the resident states themselves, or an NVMe staging buffer that is then written to the swap files.
+    """
+    bounds = store.segment_bounds(ui)
+    in_place = len(bounds) == 1 and store.tier is not Tier.NVME  # the master view outlives the segment
+    whole = None if in_place else torch.zeros(unit.owned_numel, dtype=torch.float32)
+    master = torch.zeros(0, dtype=torch.float32)
     with torch.no_grad():
-        for s, e, sg in _segments(store, ui, numel):
-            states = StateViews(*(torch.zeros(e - s, dtype=torch.float32) for _ in range(3)))
-            base = unit.owned_start + s
-            for piece in unit.layout.pieces(base, unit.owned_start + e):
-                slot = unit.layout.slots[piece.slot_index]
-                lo = piece.start - base
-                reader.fill(slot.name, piece.param_offset, piece.param_offset + piece.numel,
-                            [t[lo : lo + piece.numel] for t in states])
-            _write_states(store, ui, s, e, sg, states)
-            if whole is not None:
-                whole[s:e].copy_(states.master)
-    return whole if whole is not None else store.states[ui].master
+        for s, e in bounds:
+            with store.segment_for_write(ui, s, e) as states:
+                base = unit.owned_start + s
+                pieces = unit.layout.pieces(base, unit.owned_start + e)
+                _zero_gaps(states, [(p.start - base, p.start - base + p.numel) for p in pieces], e - s)
+                try:
+                    for piece in pieces:
+                        lo = piece.start - base
+                        reader.fill(unit.layout.slots[piece.slot_index].name, piece.param_offset,
+                                    piece.param_offset + piece.numel, [t[lo : lo + piece.numel] for t in states])
+                except BaseException:
+                    reader.drain(raise_errors=False)  # no read may still fill a buffer the store takes back
+                    raise
+                reader.drain()
+                master = states.master
+                if whole is not None:
+                    whole[s:e].copy_(states.master)
+    return whole if whole is not None else master
+
+
+def _zero_gaps(states: StateViews, covered: list[tuple[int, int]], numel: int) -> None:
+    """Zero the padding between (and after) the parameter pieces: no checkpoint bytes land there."""
+    pos = 0
+    for lo, hi in [*covered, (numel, numel)]:
+        if lo > pos:
+            for t in states:
+                t[pos:lo].zero_()
+        pos = max(pos, hi)
 
 
 def _load_small_state(body: dict[str, Any], model: nn.Module, engine: Engine, optimizer: Any, ckpt_dir: str) -> None:

@@ -1,12 +1,33 @@
-"""`verify(path)`: check a whole checkpoint without a model: manifest, every file's size and checksum,
-and that the chunks of every parameter cover it exactly once."""
+"""`verify(path)`: check a whole checkpoint without a model: the manifest, that the chunks of every
+parameter cover it exactly once, and that the recorded pieces tile every data file exactly (no
+unaccounted byte), each piece read back and checked against its xxh3-64."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from zeroinf.checkpoint.format import MANIFEST, CheckpointError, DataFiles, read_manifest, resolve
+import torch
+
+from zeroinf.checkpoint.format import MANIFEST, STATE_KINDS, CheckpointError, DataFiles, read_manifest, resolve
+
+Piece = tuple[int, int, str, str]  # (byte offset, byte count, xxh3, what it holds)
+
+
+def file_pieces(body: dict[str, Any]) -> dict[str, list[Piece]]:
+    """Every checksummed piece of every data file, sorted by offset."""
+    pieces: dict[str, list[Piece]] = {name: [] for name in body["files"]}
+    for pname, lst in body["chunks"].items():
+        for c in lst:
+            n = c["n"]
+            for k, kind in enumerate(STATE_KINDS):
+                what = f"{kind} of {pname}[{c['o']}:{c['o'] + n}]"
+                pieces.setdefault(c["f"], []).append((c["b"] + 4 * n * k, 4 * n, c["h"][k], what))
+    for sname, meta in body["module_state"].items():
+        pieces.setdefault(meta["f"], []).append((meta["b"], meta["nbytes"], meta["h"], f"module state {sname}"))
+    for lst in pieces.values():
+        lst.sort()
+    return pieces
 
 
 def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -24,8 +45,27 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
                                   f"{body['params'][name]['numel']} elements")
     data = DataFiles(ckpt, body["files"])
     try:
-        for name in body["files"]:
-            data.verify_file(name)
+        data.check_all_present()
+        buf = torch.empty(0, dtype=torch.uint8)
+        for fname, pieces in file_pieces(body).items():
+            if fname not in body["files"]:
+                raise CheckpointError(f"{ckpt}/{MANIFEST}: {pieces[0][3]} lies in {fname}, which is not listed")
+            pos = 0
+            for offset, nbytes, digest, what in pieces:
+                if offset != pos:
+                    raise CheckpointError(
+                        f"{os.path.join(ckpt, fname)}: bytes [{min(pos, offset)}, {max(pos, offset)}) are "
+                        f"{'not described by' if offset > pos else 'claimed twice in'} the manifest (at {what})"
+                    )
+                if buf.numel() < nbytes:
+                    buf = torch.empty(nbytes, dtype=torch.uint8)
+                data.read_into(fname, offset, buf[:nbytes], digest, what)
+                pos = offset + nbytes
+            if pos != body["files"][fname]["size"]:
+                raise CheckpointError(
+                    f"{os.path.join(ckpt, fname)}: the manifest describes {pos} of its "
+                    f"{body['files'][fname]['size']} bytes"
+                )
     finally:
         data.close()
     return {"path": ckpt, "step": body["step"], "files": len(body["files"]),

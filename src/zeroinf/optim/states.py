@@ -28,16 +28,18 @@ return zeros, so only the master weights are written at start; the moments start
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import weakref
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
 
-from zeroinf.aio import AioConfig, AioEngine, BufferPool
+from zeroinf.aio import AioConfig, AioEngine, AioHandle, BufferPool, PoolBuffer
 from zeroinf.aio.buffers import round_up
 from zeroinf.aio.errors import AioError
 from zeroinf.config import OffloadConfig
@@ -49,6 +51,14 @@ from zeroinf.tiers.nvme import NvmeSwap, plan_swap_layout
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 SWAP_KINDS = tuple(f"optimizer_{kind}" for kind in STATE_KINDS)  # swap file kinds and NVME ledger tags
 _FP32_BYTES = 4
+
+
+def wait_all(handles: Sequence[AioHandle]) -> None:
+    """Wait for every handle, then raise the first error (no buffer is reused while a transfer runs)."""
+    for h in handles:
+        h.wait_done()
+    for h in handles:
+        h.wait()
 
 
 class StepTraffic:
@@ -86,6 +96,15 @@ class OptimizerStateStore(Protocol):
     def read_unit(self, unit_index: int) -> StateViews: ...  # fresh CPU or device tensors
 
     def write_unit(self, unit_index: int, states: StateViews) -> None: ...
+
+    # Checkpoints stream a unit's states piece by piece (one sub-group on NVMe), never whole units.
+    def segment_bounds(self, unit_index: int) -> list[tuple[int, int]]: ...  # owned-local [start, end)
+
+    def iter_segments(self, unit_index: int) -> Iterator[tuple[int, int, StateViews]]: ...  # CPU views
+
+    def segment_for_write(self, unit_index: int, start: int, end: int) -> AbstractContextManager[StateViews]:
+        """CPU views to fill with a segment's new states; stored when the block exits without error."""
+        ...
 
     def check(self, op: str) -> None: ...
 
@@ -146,6 +165,24 @@ class ResidentStateStore:
 
     def write_unit(self, unit_index: int, states: StateViews) -> None:
         for dst, src in zip(self.states[unit_index], states, strict=True):
+            dst.copy_(src)
+
+    def segment_bounds(self, unit_index: int) -> list[tuple[int, int]]:
+        return [(0, self.states[unit_index].master.numel())]
+
+    def iter_segments(self, unit_index: int) -> Iterator[tuple[int, int, StateViews]]:
+        views = self.states[unit_index]
+        yield 0, views.master.numel(), StateViews(*(t.detach().cpu() for t in views))
+
+    @contextlib.contextmanager
+    def segment_for_write(self, unit_index: int, start: int, end: int) -> Iterator[StateViews]:
+        views = StateViews(*(t[start:end] for t in self.states[unit_index]))
+        if views.master.device.type == "cpu":
+            yield views  # filled in place
+            return
+        staged = StateViews(*(torch.empty(end - start, dtype=torch.float32) for _ in STATE_KINDS))
+        yield staged
+        for dst, src in zip(views, staged, strict=True):
             dst.copy_(src)
 
     def check(self, op: str) -> None:
@@ -309,18 +346,12 @@ class NvmeStateStore:
 
     # -- whole units (state_dict / load_state_dict), streamed through one staging buffer ---------------
     def read_unit(self, unit_index: int) -> StateViews:
-        self._require_healthy()
-        assert self._pool is not None and self._swap is not None
         groups = self._unit_groups.get(unit_index, [])
         numel = groups[-1].end if groups else 0
         out = StateViews(*(torch.empty(numel, dtype=torch.float32) for _ in STATE_KINDS))
-        with self._pool.reserve() as flat:
-            for sg in groups:
-                views = self._views(flat, sg.numel)
-                for kind, t in zip(SWAP_KINDS, views, strict=True):
-                    self._swap.swap_in(sg.key, kind, t).wait()
-                for dst, src in zip(out, views, strict=True):
-                    dst[sg.start : sg.end].copy_(src)
+        for start, end, views in self.iter_segments(unit_index):
+            for dst, src in zip(out, views, strict=True):
+                dst[start:end].copy_(src)
         return out
 
     def write_unit(self, unit_index: int, states: StateViews) -> None:
@@ -332,9 +363,65 @@ class NvmeStateStore:
         with self._pool.reserve() as flat:
             for sg in self._unit_groups.get(unit_index, []):
                 views = self._views(flat, sg.numel)
-                for kind, src, view in zip(kinds, sources, views, strict=False):
+                for src, view in zip(sources, views, strict=False):
                     view.copy_(src[sg.start : sg.end])
-                    self._swap.swap_out(sg.key, kind, view).wait()
+                handles = [self._swap.swap_out(sg.key, kind, v) for kind, v in zip(kinds, views, strict=False)]
+                wait_all(handles)
+
+    # -- sub-groups one at a time, for checkpoints ---------------------------------------------------------
+    def segment_bounds(self, unit_index: int) -> list[tuple[int, int]]:
+        return [(sg.start, sg.end) for sg in self._unit_groups.get(unit_index, [])]
+
+    def iter_segments(self, unit_index: int, ahead: int = 2) -> Iterator[tuple[int, int, StateViews]]:
+        """Yield each sub-group's states in a staging buffer, valid until the next item; the reads of
+        the next `ahead - 1` sub-groups run while the caller uses this one."""
+        self._require_healthy()
+        assert self._pool is not None and self._swap is not None
+        groups = self._unit_groups.get(unit_index, [])
+        ahead = max(1, min(ahead, self._pool.count))
+        in_flight: deque[tuple[SubGroup, PoolBuffer, StateViews, list[AioHandle]]] = deque()
+
+        def start(sg: SubGroup) -> None:
+            assert self._pool is not None and self._swap is not None
+            buffer = self._pool.reserve()
+            views = self._views(buffer.tensor, sg.numel)
+            try:
+                handles = [self._swap.swap_in(sg.key, kind, t) for kind, t in zip(SWAP_KINDS, views, strict=True)]
+            except BaseException:
+                buffer.pool.release(buffer)
+                raise
+            in_flight.append((sg, buffer, views, handles))
+
+        try:
+            for sg in groups[:ahead]:
+                start(sg)
+            following = ahead
+            while in_flight:
+                sg, buffer, views, handles = in_flight[0]
+                wait_all(handles)
+                yield sg.start, sg.end, views
+                in_flight.popleft()
+                buffer.pool.release(buffer)
+                if following < len(groups):
+                    start(groups[following])
+                    following += 1
+        finally:  # also when the caller stops early: no buffer is released while the disk writes into it
+            for _, buffer, _, handles in in_flight:
+                for h in handles:
+                    h.wait_done()
+                buffer.pool.release(buffer)
+
+    @contextlib.contextmanager
+    def segment_for_write(self, unit_index: int, start: int, end: int) -> Iterator[StateViews]:
+        self._require_healthy()
+        assert self._pool is not None and self._swap is not None
+        sg = next((g for g in self._unit_groups.get(unit_index, []) if (g.start, g.end) == (start, end)), None)
+        if sg is None:
+            raise ValueError(f"unit {unit_index} has no sub-group [{start}, {end}): see segment_bounds()")
+        with self._pool.reserve() as flat:
+            views = self._views(flat, sg.numel)
+            yield views
+            wait_all([self._swap.swap_out(sg.key, kind, v) for kind, v in zip(SWAP_KINDS, views, strict=True)])
 
     # -- health and lifetime ------------------------------------------------------------------------------
     def check(self, op: str) -> None:
