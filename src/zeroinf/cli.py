@@ -75,6 +75,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks to start on this machine through torch.distributed.run (default: 1)",
     )
     launch.add_argument("--report", metavar="FILE", help="write the summary as JSON to FILE")
+    launch.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps to --save-dir")
+    launch.add_argument("--save-dir", metavar="DIR", help="checkpoint root (step folders and a `latest` pointer)")
+    launch.add_argument(
+        "--resume", metavar="CKPT", help="continue from a checkpoint root (its latest) or step folder, any world size"
+    )
     launch.add_argument("--no-progress", action="store_true", help="no progress bar and no summary")
 
 
@@ -134,6 +139,9 @@ def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         eval_batches=ns.eval_batches,
         progress=not ns.no_progress,
         report_path=ns.report,
+        save_every=ns.save_every,
+        save_dir=ns.save_dir,
+        resume=ns.resume,
     )
     train(args)
     return 0
@@ -212,8 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         result = run_consolidate(ns)
         return int(result) if isinstance(result, int) else 0
+    from zeroinf.checkpoint import CheckpointError
+
     try:
         return run_train(ns, argv[1:])
-    except (ConfigError, FileNotFoundError) as error:
+    except (ConfigError, FileNotFoundError, CheckpointError, ValueError) as error:
         print(f"zeroinf {ns.command}: error: {error}", file=sys.stderr)
         return 2

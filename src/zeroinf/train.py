@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zeroinf
+import zeroinf.checkpoint
 from zeroinf.config import Config
 from zeroinf.data import DEFAULT_MAX_CORPUS_BYTES, BatchSampler, load_corpus, split_corpus
 from zeroinf.memory import format_bytes
@@ -79,6 +80,19 @@ class TrainArgs:
     """Show the progress bar and print the summary on rank 0."""
     report_path: str | None = None
     """Write the summary as JSON to this file (rank 0)."""
+    save_every: int = 0
+    """Save a checkpoint to `save_dir` every this many steps (0: never)."""
+    save_dir: str | None = None
+    """Checkpoint root for `save_every` (step folders and a `latest` pointer)."""
+    resume: str | None = None
+    """Checkpoint root (its `latest`) or step folder to resume from: model, optimizer, LR schedule, RNG
+    and data position; any world size, stage and offload placement. The run continues to `steps`."""
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0:
+            raise ValueError(f"save_every={self.save_every}: use 0 (never) or a positive number of steps")
+        if self.save_every and not self.save_dir:
+            raise ValueError(f"save_every={self.save_every} needs save_dir: where to write the checkpoints")
 
     def engine_config(self) -> Config:
         if self.config is None:
@@ -96,7 +110,9 @@ class TrainResult:
     """What a run measured; the same on every rank except `memory` (each rank's own ledger)."""
 
     losses: list[float]
-    """Training loss of each step (nats per byte), averaged over micro-steps and ranks."""
+    """Training loss of each step this run took (nats per byte), averaged over micro-steps and ranks."""
+    start_step: int
+    """The first step this run took: 0, or the step of the checkpoint it resumed from."""
     step_times_s: list[float]
     """Wall time of each step on this rank."""
     first_loss: float
@@ -263,52 +279,83 @@ def train(args: TrainArgs) -> TrainResult:
     show = args.progress and run.topo.rank == 0
     if show:
         print(describe(args, run), flush=True)
-    losses: list[float] = []
-    step_times_s: list[float] = []
-    skipped_steps = 0
-    run.model.train()
-    bar = tqdm(total=args.steps, disable=not show, unit="step", dynamic_ncols=True)
-    for step in range(args.steps):
-        step_start_s = time.perf_counter()
-        losses.append(train_step(run, step))
-        step_times_s.append(time.perf_counter() - step_start_s)
-        skipped_steps += int(run.opt.last_step_skipped)  # type: ignore[attr-defined]
-        bar.update(1)
-        if show and (step % args.log_interval == 0 or step == args.steps - 1):
-            tokens_per_s = run.train_sampler.tokens_per_step / step_times_s[-1]
-            report = zeroinf.memory_report(run.model)
-            memory = format_memory(report)
-            skipped = f", skipped {skipped_steps}" if skipped_steps else ""
-            io = report["io"]
-            nvme = f", nvme r/w {format_bytes(io['nvme_read_bytes'])}/{format_bytes(io['nvme_written_bytes'])} " \
-                f"{io['overlap_pct']:.0f}% hidden" if io["io_busy_s"] else ""
-            bar.set_postfix_str(f"loss {losses[-1]:.3f}, {tokens_per_s:,.0f} tok/s, mem {memory}{nvme}{skipped}")
-    bar.close()
+    try:
+        start_step = resume(run, args.resume, show) if args.resume else 0
+        losses: list[float] = []
+        step_times_s: list[float] = []
+        skipped_steps = 0
+        saved = ""
+        run.model.train()
+        bar = tqdm(total=args.steps, initial=start_step, disable=not show, unit="step", dynamic_ncols=True)
+        for step in range(start_step, args.steps):
+            step_start_s = time.perf_counter()
+            losses.append(train_step(run, step))
+            step_times_s.append(time.perf_counter() - step_start_s)
+            skipped_steps += int(run.opt.last_step_skipped)  # type: ignore[attr-defined]
+            bar.update(1)
+            if args.save_every and (step + 1) % args.save_every == 0:
+                saved = save(run, args.save_dir or "", step + 1)
+            if show and (step % args.log_interval == 0 or step == args.steps - 1):
+                tokens_per_s = run.train_sampler.tokens_per_step / step_times_s[-1]
+                report = zeroinf.memory_report(run.model)
+                memory = format_memory(report)
+                skipped = f", skipped {skipped_steps}" if skipped_steps else ""
+                io = report["io"]
+                nvme = f", nvme r/w {format_bytes(io['nvme_read_bytes'])}/{format_bytes(io['nvme_written_bytes'])} " \
+                    f"{io['overlap_pct']:.0f}% hidden" if io["io_busy_s"] else ""
+                bar.set_postfix_str(
+                    f"loss {losses[-1]:.3f}, {tokens_per_s:,.0f} tok/s, mem {memory}{nvme}{skipped}{saved}"
+                )
+        bar.close()
+        if not losses:
+            raise ValueError(f"nothing to train: the run resumed at step {start_step} and --steps is {args.steps}")
 
-    val_loss = None
-    if run.val_sampler is not None:
-        val_loss = evaluate(run.model, run.val_sampler, args.eval_batches, run.topo)
-    timed_s = step_times_s[1:] or step_times_s  # the first step includes one-time warm-up
-    tail = losses[-min(10, len(losses)) :]
-    result = TrainResult(
-        losses=losses,
-        step_times_s=step_times_s,
-        first_loss=losses[0],
-        last_loss=sum(tail) / len(tail),
-        val_loss=val_loss,
-        tokens_per_s=run.train_sampler.tokens_per_step * len(timed_s) / sum(timed_s),
-        wall_time_s=time.perf_counter() - start_s,
-        skipped_steps=skipped_steps,
-        param_count=run.param_count,
-        world_size=run.topo.world_size,
-        memory=zeroinf.memory_report(run.model),
-    )
+        val_loss = None
+        if run.val_sampler is not None:
+            val_loss = evaluate(run.model, run.val_sampler, args.eval_batches, run.topo)
+        timed_s = step_times_s[1:] or step_times_s  # the first step includes one-time warm-up
+        tail = losses[-min(10, len(losses)) :]
+        result = TrainResult(
+            losses=losses,
+            start_step=start_step,
+            step_times_s=step_times_s,
+            first_loss=losses[0],
+            last_loss=sum(tail) / len(tail),
+            val_loss=val_loss,
+            tokens_per_s=run.train_sampler.tokens_per_step * len(timed_s) / sum(timed_s),
+            wall_time_s=time.perf_counter() - start_s,
+            skipped_steps=skipped_steps,
+            param_count=run.param_count,
+            world_size=run.topo.world_size,
+            memory=zeroinf.memory_report(run.model),
+        )
+    finally:  # free the swap files and I/O threads now: a later run in this process may reuse the folder
+        run.opt.close()  # type: ignore[attr-defined]
+        zeroinf.engine_of(run.model).close()
     if show:
         print_summary(result)
     if args.report_path and run.topo.rank == 0:
         report = {"args": dataclasses.asdict(args), "engine_config": run.cfg.to_dict(), **result.summary()}
         Path(args.report_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return result
+
+
+def save(run: Run, root: str, step: int) -> str:
+    """Checkpoint after `step` steps (a collective); returns a progress-bar note with the save speed."""
+    start_s = time.perf_counter()
+    path = zeroinf.checkpoint.save(root, run.model, run.opt, step=step, extra={"lr_schedule": run.sched.state_dict()})
+    seconds = time.perf_counter() - start_s
+    nbytes = sum(entry.stat().st_size for entry in os.scandir(path))
+    return f", saved step {step} ({format_bytes(nbytes)} at {format_bytes(nbytes / seconds)}/s)"
+
+
+def resume(run: Run, path: str, show: bool) -> int:
+    """Load a checkpoint into the run; returns the step to continue from (the data position)."""
+    info = zeroinf.checkpoint.load(path, run.model, run.opt)
+    run.sched.load_state_dict((info["extra"] or {})["lr_schedule"])
+    if show:
+        print(f"resumed from {info['path']} at step {info['step']} (saved by {info['world_size']} rank(s))", flush=True)
+    return int(info["step"])
 
 
 def describe(args: TrainArgs, run: Run) -> str:
