@@ -97,7 +97,9 @@ def consolidate(
         data.close()
     tied = {n: body["params"][n]["aliases"] for n in body["order"] if body["params"][n]["aliases"]}
     index = {
-        "metadata": {"total_size": total, "step": body["step"], "dtype": dtype, "tied": tied, "source": ckpt},
+        # "dtype" as torch spells it: transformers' from_pretrained reads it as getattr(torch, dtype)
+        "metadata": {"total_size": total, "step": body["step"], "dtype": str(out_dtype).removeprefix("torch."),
+                     "tied": tied, "source": ckpt},
         "weight_map": weight_map,
     }
     write_atomic(os.path.join(out, INDEX), json.dumps(index, indent=2).encode())

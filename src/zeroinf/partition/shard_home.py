@@ -6,8 +6,9 @@ rank's slice only, into a buffer of a fixed pool; bandwidth-centric partitioning
 the gather has consumed it. After the optimizer step, `store` writes the new values (asynchronous
 for NVMe; a later load of the same shard waits for that write first).
 
-On CUDA the host and NVMe homes copy the shard to the device before the all-gather; on a CPU
-device the host buffer is the all-gather input itself (host and device are the same memory).
+On CUDA the host and NVMe homes copy the shard to the device on a side stream before the all-gather
+(runtime/copies.py), and wait for that copy before the host buffer is reused; on a CPU device the
+host buffer is the all-gather input itself (host and device are the same memory).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from zeroinf.aio import AioEngine, AioHandle, BufferPool
 from zeroinf.aio.buffers import PoolBuffer
 from zeroinf.memory import Ledger, Tier
+from zeroinf.runtime.copies import HostCopy, to_device
 from zeroinf.tiers.host import host_zeros
 from zeroinf.tiers.nvme import NvmeSwap
 
@@ -47,17 +49,22 @@ class MemoryHome:
         else:
             self.shard = initial.clone()
             ledger.reserve(Tier.DEVICE, self.shard.numel() * self.shard.element_size(), "param_shard")
+        self._copy: HostCopy | None = None
 
     def start_load(self) -> None:
         return None
 
     def finish_load(self) -> torch.Tensor:
-        return self.shard if self.shard.device == self.device else self.shard.to(self.device, non_blocking=True)
+        self._copy = to_device(self.shard, self.device)
+        return self._copy.tensor
 
     def end_load(self) -> None:
         return None
 
     def store(self, values: torch.Tensor) -> None:
+        if self._copy is not None:  # the last copy to the device must have read the old values
+            self._copy.wait_source_free()
+            self._copy = None
         self.shard.copy_(values)
 
 
@@ -106,6 +113,7 @@ class NvmeHome:
         self.numel, self.dtype = initial.numel(), initial.dtype
         self._loading: tuple[AioHandle, PoolBuffer] | None = None
         self._loaded: PoolBuffer | None = None
+        self._copy: HostCopy | None = None
         self._write: AioHandle | None = None
         self.store(initial)
 
@@ -127,11 +135,15 @@ class NvmeHome:
             self.files.wait(handle)
             self._loading, self._loaded = None, buf
         assert self._loaded is not None
-        shard = self._view(self._loaded)
-        return shard if self.device.type == "cpu" else shard.to(self.device, non_blocking=True)
+        if self._copy is None:
+            self._copy = to_device(self._view(self._loaded), self.device)
+        return self._copy.tensor
 
     def end_load(self) -> None:
         if self._loaded is not None:
+            if self._copy is not None:  # the staging buffer goes back to the pool: the DMA must be done
+                self._copy.wait_source_free()
+                self._copy = None
             self.files.pool.release(self._loaded)
             self._loaded = None
 

@@ -336,7 +336,8 @@ class ShardedUnit:
         elif self.policy.shard_grads:
             assert self.grad_shard is not None and self.grad_flat is not None
             if self._rs_out is not self.grad_shard:  # onto the shard's tier (host: a device-to-host copy)
-                self.grad_shard.add_(self._rs_out.to(self.grad_device, non_blocking=True))
+                # Blocking: a non_blocking device-to-host copy may not have landed when add_ reads it.
+                self.grad_shard.add_(self._rs_out.to(self.grad_device))
             self._rs_out = None
             # The unsharded buffer is dead once scattered: free it (only the shard is kept).
             self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
