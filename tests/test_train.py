@@ -174,3 +174,34 @@ def test_cli_save_needs_a_folder_and_resume_names_a_bad_checkpoint(tmp_path: Pat
     assert "save_dir" in capsys.readouterr().err
     assert cli.main(["train", "--model", "tiny", "--steps", "2", "--resume", str(tmp_path), "--no-progress"]) == 2
     assert str(tmp_path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_demo_loop_equals_plain_pytorch_bitwise(stage: int) -> None:
+    """fp32, world 1: the demo's loop (weight-decay groups, LR schedule) through zeroinf reproduces
+    `torch.optim.AdamW(fused=True)` bitwise. (Stage 3 once lost the groups: p.dim() of placeholders.)"""
+    import torch
+
+    from zeroinf.data import BatchSampler, load_corpus, split_corpus
+    from zeroinf.models.gpt import GPT
+    from zeroinf.train import param_groups
+
+    args = TrainArgs(**{**TINY_RUN, "eval_batches": 0}, steps=6, config=Config(stage=stage))
+    train_bytes, _ = split_corpus(load_corpus(None, args.max_corpus_bytes), args.val_fraction)
+    sampler = BatchSampler(train_bytes, args.seq_len, args.global_batch, seed=args.seed, rank=0, world_size=1)
+    torch.manual_seed(args.seed)
+    model = GPT(args.model_config())
+    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=args.betas, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, args.warmup_steps, args.steps, args.min_lr_ratio)
+    )
+    plain = []
+    for step in range(args.steps):
+        ((inputs, targets),) = sampler.micro_batches(step)
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        plain.append(float(loss.detach()))
+    assert train(args).losses == plain

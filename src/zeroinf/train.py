@@ -234,14 +234,11 @@ def build_run(args: TrainArgs) -> Run:
     torch.manual_seed(args.seed)
     model = GPT(args.model_config())
     param_count = model.num_params()
+    # Grouped by shape before sharding: at stage 3 a parameter outside its forward is an empty
+    # placeholder of shape (0,), so `p.dim()` no longer tells matrices from vectors.
+    groups = param_groups(model, args.weight_decay)
     model = zeroinf.shard(model, cfg, topology=topo)
-    opt = zeroinf.AdamW(
-        model,
-        lr=args.lr,
-        betas=args.betas,
-        weight_decay=args.weight_decay,
-        param_groups=param_groups(model, args.weight_decay),
-    )
+    opt = zeroinf.AdamW(model, lr=args.lr, betas=args.betas, weight_decay=args.weight_decay, param_groups=groups)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda step: lr_factor(step, args.warmup_steps, args.steps, args.min_lr_ratio)
     )

@@ -148,7 +148,11 @@ class ShardedUnit:
         self.param_flat = full.to(param_dtype)
         self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_flat), "param_unsharded")
         self.home: ShardHome | None = None  # stage 3: where the compute-dtype shard lives between uses
-        self._placeholders = [torch.empty(0, dtype=param_dtype, device=device) for _ in self.params]
+        # Empty, but with each parameter's number of dimensions: code that tells matrices from vectors
+        # by `p.dim()` (weight-decay groups) still works at stage 3, and any read of the data fails loudly.
+        self._placeholders = [
+            torch.empty((0,) * max(1, len(slot.shape)), dtype=param_dtype, device=device) for slot in self.layout.slots
+        ]
         if self.policy.shard_params:
             start, end = self.layout.shard_range(self.topo.rank)
             self.home = self.home_factory(self.name, self.param_flat[start:end], self.resident)
