@@ -76,7 +76,12 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "use one of ['device', 'host', 'nvme']",
     ),
     ("offload-optimizer-nvme-no-dir", {"offload": {"optimizer": "nvme"}}, "offload.nvme_dir", "set nvme_dir"),
-    ("offload-gradients-nvme-no-dir", {"stage": 3, "offload": {"gradients": "nvme", "optimizer": "host"}}, "offload.nvme_dir", "set nvme_dir"),
+    (
+        "offload-gradients-nvme-no-dir",
+        {"stage": 3, "offload": {"gradients": "nvme", "optimizer": "host"}},
+        "offload.nvme_dir",
+        "set nvme_dir",
+    ),
     ("offload-params-stage2", {"offload": {"params": "host"}}, "offload.params", "use stage 3"),
     (
         "offload-gradients-host-device-optimizer",

@@ -13,8 +13,9 @@ Tolerances:
   per-sample contributions are rounded before (not after) they are summed: gradients differ by a
   few units of the compute dtype's epsilon (bf16: 2^-8 = 3.9e-3). Adam normalizes the update, so
   weights differ by a small fraction of lr per step: we allow 0.5 * lr * steps on weights and 2e-2
-  relative on losses (bf16), half that for fp16 (2^-11 epsilon, but a 2-sample slice per rank at world 4). A wrong sharding (a
-  dropped shard update, a missing all-gather) moves weights by ~lr per step and losses by far more.
+  relative on losses (bf16), half that for fp16 (2^-11 epsilon, but a 2-sample slice per rank at
+  world 4). A wrong sharding (a dropped shard update, a missing all-gather) moves weights by ~lr per
+  step and losses by far more.
 """
 
 from __future__ import annotations

@@ -154,8 +154,8 @@ def test_save_every_and_resume_continue_the_straight_run_exactly(tmp_path: Path)
     (tmp_path / "swap").mkdir()
     root = str(tmp_path / "ckpt")
     base = {**TINY_RUN, "eval_batches": 0, "steps": 10}
-    straight = train(TrainArgs(**base, config=Config.from_dict({"stage": 3, "persist_threshold_bytes": 0, "offload": offload}),
-                               save_every=5, save_dir=root))
+    on_nvme = Config.from_dict({"stage": 3, "persist_threshold_bytes": 0, "offload": offload})
+    straight = train(TrainArgs(**base, config=on_nvme, save_every=5, save_dir=root))
     assert sorted(p.name for p in Path(root).iterdir()) == ["latest", "step_00000005", "step_00000010"]
     resumed = train(TrainArgs(**base, config=Config(stage=3, persist_threshold_bytes=0,
                                             offload=zeroinf.OffloadConfig(**offload)),

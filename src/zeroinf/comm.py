@@ -63,7 +63,8 @@ def reduce_scatter_into(
     """shard = (sum over ranks of unsharded)[my slice], divided by world size when `average`."""
     if unsharded.numel() != shard.numel() * topo.world_size:
         raise ValueError(
-            f"reduce-scatter: unsharded numel {unsharded.numel()} != shard numel {shard.numel()} x world {topo.world_size}"
+            f"reduce-scatter: unsharded numel {unsharded.numel()} != "
+            f"shard numel {shard.numel()} x world {topo.world_size}"
         )
     if not topo.is_distributed:
         if unsharded.data_ptr() != shard.data_ptr():

@@ -210,7 +210,9 @@ class Config:
         _positive_int("checkpoint_every", self.checkpoint_every)
         if self.offload_activations and not self.activation_checkpointing:
             raise ConfigError(
-                "offload_activations", True, "it offloads the inputs kept by checkpointing: also set activation_checkpointing"
+                "offload_activations",
+                True,
+                "it offloads the inputs kept by checkpointing: also set activation_checkpointing",
             )
         _number("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
         if not self.collective_timeout_s > 0:
@@ -299,7 +301,8 @@ def config_markdown() -> str:
         "# Configuration reference",
         "",
         "Generated from `src/zeroinf/config.py` by `python -m zeroinf.config --markdown`; a test keeps it in sync.",
-        "Load with `zeroinf.Config.load(\"train.toml\")` (or `.json`); nested tables are `[loss_scale]` and `[offload]`.",
+        "Load with `zeroinf.Config.load(\"train.toml\")` (or `.json`); "
+        "nested tables are `[loss_scale]` and `[offload]`.",
         "",
     ]
     for cls, title in ((Config, "Config"), (LossScaleConfig, "[loss_scale]"), (OffloadConfig, "[offload]")):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
-class Tier(str, Enum):
+class Tier(str, Enum):  # noqa: UP042 - str() and format() stay as they are
     """Where a piece of state lives."""
 
     DEVICE = "device"  # the accelerator, or the CPU when there is none

@@ -73,7 +73,8 @@ def test_init_fn_runs_per_module_while_unsharded() -> None:
     zeroinf.shard(model, zeroinf.Config(stage=3, persist_threshold_bytes=0), init_fn=init_fn)
     state = model.state_dict()
     assert len(seen) == 9  # 4 blocks x 2 Linear + head
-    assert all(bool((state[k] == 0.5).all()) for k in state if k.endswith("weight") and "norm" not in k and "emb" not in k)
+    matrices = [k for k in state if k.endswith("weight") and "norm" not in k and "emb" not in k]
+    assert all(bool((state[k] == 0.5).all()) for k in matrices)
 
 
 def _peak_rss_bytes() -> int:

@@ -89,7 +89,7 @@ def has_meta_state(module: nn.Module) -> bool:
 def _materialize_direct(module: nn.Module, name: str, device: torch.device) -> bool:
     """Give this module's own meta parameters/buffers real storage; True if any parameter was new."""
     fresh = False
-    for pname, p in module._parameters.items():
+    for p in module._parameters.values():
         if p is not None and p.is_meta:
             real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
             torch.utils.swap_tensors(p, real)

@@ -64,15 +64,18 @@ def open_param_files(
 
 def open_grad_files(specs: list[UnitSpec], cfg: Config, topo: Topology, ledger: Ledger) -> NvmeGradFiles:
     """The gradient swap file: room for every unit's fp32 gradient shard."""
+    fp32_bytes = 4
     shard_bytes = {
-        (spec.name or "<root>", GRAD_KIND): FlatLayout.build([(n, p.shape) for n, p in spec.params], topo.world_size).shard_numel * 4
+        (spec.name or "<root>", GRAD_KIND): fp32_bytes
+        * FlatLayout.build([(n, p.shape) for n, p in spec.params], topo.world_size).shard_numel
         for spec in specs
     }
     folder = cfg.offload.nvme_dir
     assert folder is not None
     engine = AioEngine(AioConfig(), ledger=ledger)
     try:
-        swap = NvmeSwap(plan_swap_layout(shard_bytes, folder, topo.rank, alignment_bytes=ALIGN_BYTES), engine, ledger=ledger)
+        layout = plan_swap_layout(shard_bytes, folder, topo.rank, alignment_bytes=ALIGN_BYTES)
+        swap = NvmeSwap(layout, engine, ledger=ledger)
     except BaseException:
         engine.close()
         raise

@@ -308,7 +308,9 @@ class ShardedUnit:
                 self.grad_shard = torch.zeros(numel, dtype=self.reduce_dtype, device=self.grad_device)
                 self.ledger.reserve(self.grad_tier, _nbytes(self.grad_shard), "grad_shard")
                 fresh_on_device = self.grad_device == device
-                self._rs_out = self.grad_shard if fresh_on_device else torch.empty(numel, dtype=self.reduce_dtype, device=device)
+                self._rs_out = (
+                    self.grad_shard if fresh_on_device else torch.empty(numel, dtype=self.reduce_dtype, device=device)
+                )
             else:  # accumulate onto an earlier micro-step's reduced shard
                 self._rs_out = torch.empty(numel, dtype=self.reduce_dtype, device=device)
             self._grad_handles = [reduce_scatter_into(self._rs_out, self.grad_flat, self.topo, average=True)]

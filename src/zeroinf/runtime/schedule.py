@@ -103,7 +103,8 @@ class UnshardScheduler:
         if index in self.resident:
             return
         position = self._forward_step_of.pop(index, None)
-        keep = position is not None and self.forward_plan is not None and not self.forward_plan.steps[position].release_after
+        plan = self.forward_plan
+        keep = position is not None and plan is not None and not plan.steps[position].release_after
         if not keep:
             self.units[index].reshard()
 
