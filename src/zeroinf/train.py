@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import zeroinf
 import zeroinf.checkpoint
+from zeroinf.checkpoint.saving import finish_pending_save
 from zeroinf.config import Config
 from zeroinf.data import DEFAULT_MAX_CORPUS_BYTES, BatchSampler, load_corpus, split_corpus
 from zeroinf.memory import format_bytes
@@ -304,6 +305,7 @@ def train(args: TrainArgs) -> TrainResult:
                     f"loss {losses[-1]:.3f}, {tokens_per_s:,.0f} tok/s, mem {memory}{nvme}{skipped}{saved}"
                 )
         bar.close()
+        finish_pending_save(run.opt)  # the last checkpoint, before evaluation
         if not losses:
             raise ValueError(f"nothing to train: the run resumed at step {start_step} and --steps is {args.steps}")
 
@@ -338,12 +340,13 @@ def train(args: TrainArgs) -> TrainResult:
 
 
 def save(run: Run, root: str, step: int) -> str:
-    """Checkpoint after `step` steps (a collective); returns a progress-bar note with the save speed."""
-    start_s = time.perf_counter()
-    path = zeroinf.checkpoint.save(root, run.model, run.opt, step=step, extra={"lr_schedule": run.sched.state_dict()})
-    seconds = time.perf_counter() - start_s
-    nbytes = sum(entry.stat().st_size for entry in os.scandir(path))
-    return f", saved step {step} ({format_bytes(nbytes)} at {format_bytes(nbytes / seconds)}/s)"
+    """Checkpoint after `step` steps (a collective), written in the background while the next step's
+    forward and backward run; the next `opt.step()` finishes it. Returns a progress-bar note."""
+    previous = finish_pending_save(run.opt)  # normally done by the last step
+    extra = {"lr_schedule": run.sched.state_dict()}
+    zeroinf.checkpoint.save(root, run.model, run.opt, step=step, extra=extra, blocking=False)
+    done = f", saved {os.path.basename(previous)}" if previous else ""
+    return f"{done}, saving step {step} in the background"
 
 
 def resume(run: Run, path: str, show: bool) -> int:

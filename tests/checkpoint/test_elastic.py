@@ -2,8 +2,9 @@
 with parameters and optimizer states on NVMe), resharding to world 1 and 4 (and to another stage and
 offload placement), and streaming consolidation of a model 4x larger than its memory allowance.
 
-One spawned group per phase: world 2 trains straight and saves at step 5; new world-2 processes
-load and continue; world 1 and world 4 load the same checkpoints and continue.
+One spawned group per phase: world 2 trains straight and saves at step 5 (stage 3 on NVMe also in
+the background, while the next step trains); new world-2 processes load and continue; world 1 and
+world 4 load the same checkpoints and continue.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ def phase_save(rank: int, world: int, root: str, scratch: str) -> dict:
         m, o = _make(stage, nvme, scratch)
         _train(m, o, rank, world, 0, SAVE_AT)
         ck.save(os.path.join(root, name), m, o, step=SAVE_AT, extra={"data_position": SAVE_AT})
+        if name == "s3nvme":  # the same checkpoint again, written in the background while training goes on
+            pending = ck.save(os.path.join(root, "s3nvme-bg"), m, o, step=SAVE_AT,
+                              extra={"data_position": SAVE_AT}, blocking=False)
+            assert isinstance(pending, ck.PendingSave) and o.pending_save is pending
+            after = _train(m, o, rank, world, SAVE_AT, SAVE_AT + 1)  # its step() finishes the checkpoint
+            assert o.pending_save is None and pending.wait() == os.path.join(root, "s3nvme-bg", "step_00000005")
+            assert after == out[name][SAVE_AT : SAVE_AT + 1]  # saving changed nothing in training
     # A bigger stage-3 model for consolidation; rank 0 keeps the gathered weights as the oracle.
     torch.manual_seed(0)
     big = torch.nn.Sequential(*[torch.nn.Linear(BIG_DIM, BIG_DIM, bias=False) for _ in range(BIG_LAYERS)])
@@ -106,9 +114,22 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, dict]:
 
 def test_resume_same_world_is_exact(saved: tuple[str, str, dict]) -> None:
     root, scratch, straight = saved
-    resumed = run_ranks(phase_load, 2, root, scratch, [("s2", "s2"), ("s3nvme", "s3nvme")], timeout_s=240)[0]
+    plan = [("s2", "s2"), ("s3nvme", "s3nvme"), ("s3nvme-bg", "s3nvme")]
+    resumed = run_ranks(phase_load, 2, root, scratch, plan, timeout_s=240)[0]
     for name in CONFIGS:
         assert resumed[f"{name}->{name}"] == straight[name][SAVE_AT:], name  # fp32: bitwise
+    assert resumed["s3nvme-bg->s3nvme"] == straight["s3nvme"][SAVE_AT:]
+
+
+def test_background_save_writes_the_same_bytes(saved: tuple[str, str, dict]) -> None:
+    """`save(blocking=False)` while the next step trains gives the blocking save's checkpoint exactly."""
+    import zeroinf.checkpoint as ck
+
+    root = saved[0]
+    blocking, background = (ck.read_manifest(ck.resolve(os.path.join(root, n))) for n in ("s3nvme", "s3nvme-bg"))
+    for key in ("chunks", "module_state", "rng", "params", "optimizer", "files"):
+        assert blocking[key] == background[key], key  # every chunk's checksum included
+    ck.verify(os.path.join(root, "s3nvme-bg"))
 
 
 @pytest.mark.parametrize("world", [1, 4])

@@ -7,7 +7,8 @@
 
 from zeroinf.checkpoint.consolidate import consolidate
 from zeroinf.checkpoint.format import CheckpointError, read_manifest, resolve
-from zeroinf.checkpoint.sharded import load, save
+from zeroinf.checkpoint.loading import load
+from zeroinf.checkpoint.saving import PendingSave, save
 from zeroinf.checkpoint.verify import verify
 
-__all__ = ["CheckpointError", "consolidate", "load", "read_manifest", "resolve", "save", "verify"]
+__all__ = ["CheckpointError", "PendingSave", "consolidate", "load", "read_manifest", "resolve", "save", "verify"]

@@ -92,6 +92,7 @@ class AdamW(torch.optim.Optimizer):
         self._check_groups_cover(trainable)
         fp16 = self.engine.cfg.param_dtype == "fp16"
         self.scaler = DynamicLossScaler(self.engine.cfg.loss_scale) if fp16 else None
+        self.pending_save: Any = None  # a zeroinf.checkpoint.PendingSave writing these states
         self.last_step_skipped = False
         self.step_count = 0
         self._allocate_states()
@@ -153,6 +154,8 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise NotImplementedError("zeroinf.AdamW.step does not take a closure")
+        if self.pending_save is not None:  # see zeroinf/checkpoint/saving.py [Note: saving without stopping ...]
+            self.pending_save.wait()
         engine = self.engine
         engine.require_step_boundary()
         # Gradient shards on NVMe are read one unit at a time during the update (`_GradOnDisk`); their
@@ -280,6 +283,8 @@ class AdamW(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.pending_save is not None:  # its writer still reads the states about to be replaced
+            self.pending_save.wait()
         here = (self.engine.topo.world_size, self.engine.cfg.stage)
         there = (state["world_size"], state["stage"])
         if here != there:
@@ -303,4 +308,6 @@ class AdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Free the optimizer states (for nvme: remove the swap files). Also done at exit."""
+        if self.pending_save is not None:  # its writer still reads the states
+            self.pending_save.wait()
         self.states.close()

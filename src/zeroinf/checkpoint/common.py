@@ -1,0 +1,68 @@
+"""What saving and loading a checkpoint share: agreement across ranks, module state, RNG state."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroinf.checkpoint.format import CheckpointError
+from zeroinf.engine import Engine
+
+
+def barrier(engine: Engine) -> None:
+    if engine.topo.is_distributed:
+        dist.barrier(group=engine.topo.group)
+
+
+def gather(engine: Engine, obj: Any) -> list[Any]:
+    if not engine.topo.is_distributed:
+        return [obj]
+    out: list[Any] = [None] * engine.topo.world_size
+    dist.all_gather_object(out, obj, group=engine.topo.group)
+    return out
+
+
+def broadcast_error(engine: Engine, error: str | None) -> None:
+    """Raise on every rank if any rank failed (so no rank waits in a collective forever)."""
+    errors = [e for e in gather(engine, error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
+def module_state_tensors(model: nn.Module, engine: Engine) -> list[tuple[str, torch.Tensor]]:
+    """Parameters outside units (frozen) and persistent buffers, by their state_dict names."""
+    in_units = {id(p) for u in engine.units for p in u.params}
+    out, seen = [], set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in in_units and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p.detach()))
+    for mod_name, mod in model.named_modules():
+        for bname, b in mod._buffers.items():
+            if b is None or bname in mod._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append((f"{mod_name}.{bname}" if mod_name else bname, b))
+    return out
+
+
+def rng_state(engine: Engine) -> dict[str, str | None]:
+    cuda = None
+    if engine.topo.device.type == "cuda":
+        cuda = base64.b64encode(torch.cuda.get_rng_state(engine.topo.device).numpy().tobytes()).decode()
+    return {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "cuda": cuda}
+
+
+def set_rng_state(engine: Engine, state: dict[str, str | None]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cpu"])), dtype=torch.uint8))
+    if state.get("cuda") and engine.topo.device.type == "cuda":
+        torch.cuda.set_rng_state(
+            torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8), engine.topo.device
+        )
+
+
+# -- load -------------------------------------------------------------------------------------------

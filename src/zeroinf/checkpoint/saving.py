@@ -1,0 +1,289 @@
+"""`save`: every rank streams its owned states into its own file; rank 0 writes the manifest last.
+
+Each rank streams its owned optimizer states (fp32 master, exp_avg, exp_avg_sq) unit by unit and,
+for states on NVMe, sub-group by sub-group (`OptimizerStateStore.iter_segments`), into its own data
+file through a `StreamWriter`, cutting them at parameter boundaries into chunks (format.py). The
+fp32 master is the source of truth for the parameters: the compute parameters are its cast, so
+they are not stored twice. Stage 0 owns the whole buffer on every rank, so only rank 0 writes it.
+Then every rank sends its chunk list to rank 0, which writes the manifest, renames the temporary
+folder into place and moves `latest` last (each step fsynced): a crash at any moment leaves the
+previous checkpoint loadable and the partial one as an ignored `.tmp-` folder.
+
+[Note: saving without stopping training]
+`save(..., blocking=False)` returns as soon as the small state is captured (RNG, step counts, LR
+groups, loss scale, a copy of the buffers). The states are written by a background thread while
+the training loop runs its next forward and backward passes: those never change optimizer states
+or master weights, so no snapshot copy is needed. The next `optimizer.step()` (or `wait()`, a
+second `save`, `load`, `optimizer.close()`) first waits for the writes, then finishes the
+checkpoint: the collective part (chunk lists to rank 0, manifest, rename, `latest`) runs there on
+every rank in the same order, never on the background thread, so it cannot interleave with the
+training's own collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torch import nn
+
+from zeroinf.aio import AioConfig, AioEngine, BufferPool
+from zeroinf.checkpoint.common import broadcast_error, gather, module_state_tensors, rng_state
+from zeroinf.checkpoint.format import (
+    CHUNK_NUMEL,
+    DTYPE_NAMES,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    MODULE_STATE_FILE,
+    TMP_PREFIX,
+    VERSION,
+    CheckpointError,
+    encode_manifest,
+    fsync_dir,
+    rank_filename,
+    step_dirname,
+    write_atomic,
+)
+from zeroinf.checkpoint.stream import STAGING_BYTES, STAGING_COUNT, StreamWriter
+from zeroinf.engine import Engine, engine_of
+from zeroinf.optim.pipeline import StateViews
+
+__all__ = ["PendingSave", "save"]
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: Any,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    *,
+    blocking: bool = True,
+) -> str | PendingSave:
+    """Save a checkpoint of `model` and its zeroinf `optimizer` as `path/step_{step:08d}`; a collective.
+
+    `extra` (JSON-serializable, taken from rank 0) is returned by `load`: data position, LR
+    scheduler state, anything the training loop needs. Returns the checkpoint folder; with
+    `blocking=False`, a `PendingSave` at once, whose writes overlap the next forward and backward
+    ([Note: saving without stopping training]).
+    """
+    finish_pending_save(optimizer)
+    engine = engine_of(model)
+    if engine.micro_step != 0:
+        raise RuntimeError(
+            f"zeroinf.save after {engine.micro_step} backward passes without optimizer.step(): "
+            "save between optimizer steps"
+        )
+    job = _SaveJob(model, engine, optimizer, os.fspath(path), int(step), extra)
+    if blocking:
+        job.write()
+        return job.finish()
+    pending = PendingSave(job, optimizer)
+    optimizer.pending_save = pending
+    return pending
+
+
+def finish_pending_save(optimizer: Any) -> str | None:
+    """Finish the optimizer's background save, if any (a collective); returns its folder."""
+    pending = getattr(optimizer, "pending_save", None)
+    return pending.wait() if pending is not None else None
+
+
+class PendingSave:
+    """A checkpoint being written in the background; `wait()` (a collective) finishes it."""
+
+    def __init__(self, job: _SaveJob, optimizer: Any) -> None:
+        self._job, self._optimizer = job, optimizer
+        self._thread = threading.Thread(target=job.write, name="zeroinf-ckpt-save", daemon=True)
+        self._thread.start()
+        self._result: str | None = None
+
+    def done_writing(self) -> bool:
+        """Whether this rank's background writes are over (the checkpoint still needs `wait()`)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Wait for this rank's writes, then finish the checkpoint on every rank; returns its folder."""
+        if self._result is None:
+            self._thread.join()
+            if getattr(self._optimizer, "pending_save", None) is self:
+                self._optimizer.pending_save = None
+            self._result = self._job.finish()
+        return self._result
+
+
+class _SaveJob:
+    """One checkpoint: prepared at once (collective), written (any thread), finished (collective)."""
+
+    def __init__(
+        self, model: nn.Module, engine: Engine, optimizer: Any, root: str, step: int, extra: Any
+    ) -> None:
+        self.engine, self.store, self.root = engine, optimizer.states, root
+        self.rank = engine.topo.rank
+        self.name = step_dirname(step)
+        self.tmp = os.path.join(root, TMP_PREFIX + self.name)
+        error = None
+        if self.rank == 0:
+            try:
+                os.makedirs(root, exist_ok=True)
+                shutil.rmtree(self.tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+                os.makedirs(self.tmp)
+                json.dumps(extra)  # fail early (before any data is written) if not serializable
+            except (OSError, TypeError, ValueError) as e:
+                error = f"zeroinf.save: cannot prepare {self.tmp}: {e}"
+        broadcast_error(engine, error)
+        # The small state, captured now: the training loop may move on before the data is written.
+        self.body = json.loads(json.dumps(_manifest_head(model, engine, optimizer, step, extra)))
+        self.rng = rng_state(engine)
+        self.buffers = (
+            [(n, t.detach().clone()) for n, t in module_state_tensors(model, engine)] if self.rank == 0 else []
+        )
+        self.chunks: dict[str, list[dict[str, Any]]] = {}
+        self.files: dict[str, dict[str, Any]] = {}
+        self.module_state: dict[str, Any] = {}
+        self.error: str | None = None
+
+    def write(self) -> None:
+        """This rank's data files; no collective, so it may run on a background thread."""
+        engine, rank, tmp = self.engine, self.rank, self.tmp
+        try:
+            with _stream_writers(engine) as open_writer:
+                if engine.policy.shard_optimizer or rank == 0:  # stage 0: every rank holds the same states
+                    fname = rank_filename(rank)
+                    state_bytes = 3 * 4 * sum(unit.owned_numel for unit in engine.units)
+                    writer = open_writer(os.path.join(tmp, fname), state_bytes)
+                    for ui, unit in enumerate(engine.units):
+                        for s, e, views in self.store.iter_segments(ui):
+                            _append_segment(writer, fname, unit, s, e, views, self.chunks)
+                    self.files[fname] = {"size": writer.close()}
+                if rank == 0:
+                    writer = open_writer(os.path.join(tmp, MODULE_STATE_FILE))
+                    for sname, t in self.buffers:
+                        at, h = writer.append(t)
+                        self.module_state[sname] = {
+                            "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "f": MODULE_STATE_FILE,
+                            "b": at, "nbytes": t.numel() * t.element_size(), "h": h,
+                        }
+                    self.files[MODULE_STATE_FILE] = {"size": writer.close()}
+        except Exception as e:  # noqa: BLE001 - reported on every rank by finish()
+            self.error = f"zeroinf.save: rank {rank} failed writing {tmp}: {type(e).__name__}: {e}"
+
+    def finish(self) -> str:
+        """Gather the chunk lists, write the manifest, publish the folder and `latest` (a collective)."""
+        engine, rank, tmp = self.engine, self.rank, self.tmp
+        gathered = gather(engine, (self.error, self.chunks, self.files, self.rng))
+        errors = [g[0] for g in gathered if g[0]]
+        if errors:
+            if rank == 0:  # every rank has stopped writing: free the space the partial save took
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"{errors[0]} (the partial checkpoint was removed; the previous one is intact)")
+        error = None
+        if rank == 0:
+            try:
+                self._publish(gathered)
+            except Exception as e:  # noqa: BLE001
+                error = f"zeroinf.save: rank 0 failed finishing {tmp}: {type(e).__name__}: {e}"
+        broadcast_error(engine, error)
+        return os.path.join(self.root, self.name)
+
+    def _publish(self, gathered: list[Any]) -> None:
+        all_chunks: dict[str, list[dict[str, Any]]] = {}
+        all_files: dict[str, dict[str, Any]] = {}
+        for _, chunks, files, _ in gathered:
+            for pname, lst in chunks.items():
+                all_chunks.setdefault(pname, []).extend(lst)
+            all_files.update(files)
+        for lst in all_chunks.values():
+            lst.sort(key=lambda ch: ch["o"])
+        body = {**self.body, "chunks": all_chunks, "files": all_files, "module_state": self.module_state,
+                "rng": [g[3] for g in gathered]}
+        write_atomic(os.path.join(self.tmp, MANIFEST), encode_manifest(body))
+        fsync_dir(self.tmp)
+        root, name = self.root, self.name
+        final = os.path.join(root, name)
+        trash = None
+        if os.path.exists(final):  # re-saving a step: move the old one aside, then replace it
+            trash = os.path.join(root, f"{TMP_PREFIX}old-{name}")
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final, trash)
+        os.replace(self.tmp, final)
+        fsync_dir(root)
+        write_atomic(os.path.join(root, LATEST), (name + "\n").encode())
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _stream_writers(engine: Engine) -> Iterator[Callable[..., StreamWriter]]:
+    """Opens StreamWriters sharing one aio engine and staging pool, all closed (or aborted) on exit."""
+    writers: list[StreamWriter] = []
+    with AioEngine(AioConfig(), ledger=engine.ledger) as aio, BufferPool(
+        STAGING_COUNT, STAGING_BYTES, ledger=engine.ledger, tag="checkpoint_staging"
+    ) as pool, ThreadPoolExecutor(1, thread_name_prefix="zeroinf-ckpt-hash") as hasher:
+
+        def open_writer(path: str, size_hint: int = 0) -> StreamWriter:
+            writers.append(StreamWriter(path, aio, pool, hasher, size_hint))
+            return writers[-1]
+
+        try:
+            yield open_writer
+        finally:
+            for w in writers:
+                w.abort()  # a no-op for a closed writer; after an error, waits for writes in flight
+
+
+def _append_segment(
+    writer: StreamWriter, fname: str, unit: Any, s: int, e: int, views: StateViews,
+    chunks: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Append owned-local elements [s, e) of `unit`'s states, cut into per-parameter chunks."""
+    base = unit.owned_start + s
+    for piece in unit.layout.pieces(base, unit.owned_start + e):
+        slot = unit.layout.slots[piece.slot_index]
+        local = piece.start - base
+        for c in range(0, piece.numel, CHUNK_NUMEL):
+            n = min(CHUNK_NUMEL, piece.numel - c)
+            written = [writer.append(t[local + c : local + c + n]) for t in views]
+            chunks.setdefault(slot.name, []).append(
+                {"o": piece.param_offset + c, "n": n, "f": fname, "b": written[0][0], "h": [h for _, h in written]}
+            )
+
+
+def _manifest_head(model: nn.Module, engine: Engine, optimizer: Any, step: int, extra: Any) -> dict[str, Any]:
+    """The manifest without the data's locations: parameters, optimizer and run state."""
+    aliases: dict[int, list[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(pname)
+    dtype = DTYPE_NAMES[engine.cfg.param_torch_dtype]
+    params: dict[str, Any] = {}
+    order: list[str] = []
+    for ui, unit in enumerate(engine.units):
+        for si, (slot, p) in enumerate(zip(unit.layout.slots, unit.params, strict=True)):
+            order.append(slot.name)
+            params[slot.name] = {
+                "shape": list(slot.shape), "dtype": dtype, "numel": slot.numel,
+                "param_steps": int(optimizer.param_steps[ui][si]),
+                "aliases": [a for a in aliases.get(id(p), []) if a != slot.name],
+                "unit": unit.name,
+            }
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+        for g in optimizer.param_groups
+    ]
+    return {
+        "format": FORMAT, "version": VERSION, "step": step, "extra": extra,
+        "world_size": engine.topo.world_size, "stage": engine.cfg.stage, "param_dtype": engine.cfg.param_dtype,
+        "order": order, "params": params,
+        "optimizer": {
+            "step_count": int(optimizer.step_count),
+            "param_groups": groups,
+            "scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None,
+        },
+    }
