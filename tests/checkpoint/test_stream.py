@@ -81,13 +81,20 @@ with AioEngine() as aio, BufferPool(2, 1 << 20) as pool, ThreadPoolExecutor(1) a
         write_error = str(e)
         writer.abort()
 os.remove(os.path.join(root, "raw.bin"))
+background_error = None
+pending = ck.save(root, m, o, step=3, blocking=False)  # the failure surfaces when it is finished
+try:
+    pending.wait()
+except ck.CheckpointError as e:
+    background_error = str(e)
 try:
     ck.save(root, m, o, step=2)  # the size hint makes fallocate fail before any write
     print(json.dumps({"raised": False}))
 except ck.CheckpointError as e:
     resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
     print(json.dumps({"raised": True, "message": str(e), "loaded": ck.load(root, m, o)["step"],
-                      "listing": sorted(os.listdir(root)), "write_error": write_error}))
+                      "listing": sorted(os.listdir(root)), "write_error": write_error,
+                      "background_error": background_error, "pending_cleared": o.pending_save is None}))
 """
 
 
@@ -101,6 +108,9 @@ def test_a_save_that_cannot_write_fails_naming_the_file_and_keeps_the_last_check
     assert report["raised"], report
     assert ".tmp-step_00000002/rank00000.bin" in report["message"] and "EFBIG" in report["message"], report
     assert report["write_error"] and "raw.bin" in report["write_error"] and "EFBIG" in report["write_error"]
+    background = report["background_error"]
+    assert background and ".tmp-step_00000003/rank00000.bin" in background and "EFBIG" in background
+    assert report["pending_cleared"]
     assert report["loaded"] == 1  # `latest` still names the complete checkpoint
     assert report["listing"] == ["latest", "step_00000001"]  # the partial save's folder was removed
     print(report["message"])
