@@ -67,15 +67,23 @@ def rank_filename(rank: int) -> str:
     return f"rank{rank:05d}.bin"
 
 
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (any dtype, any shape)."""
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The flat uint8 view of a tensor's bytes on the CPU (copied there, or made contiguous, only if needed)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy())
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, any shape)."""
+    flat = tensor_bytes(t)
+    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+
+
+def chunk_what(kind_index: int, pname: str, chunk: dict[str, Any]) -> str:
+    """How errors name one state of one saved chunk, e.g. "exp_avg of blocks.0.w[0:2097152]"."""
+    return f"{STATE_KINDS[kind_index]} of {pname}[{chunk['o']}:{chunk['o'] + chunk['n']}]"
 
 
 def fsync_dir(path: str) -> None:

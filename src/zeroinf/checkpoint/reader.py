@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from zeroinf.checkpoint.format import CHUNK_NUMEL, MANIFEST, STATE_KINDS, CheckpointError, DataFiles
+from zeroinf.checkpoint.format import CHUNK_NUMEL, MANIFEST, CheckpointError, DataFiles, chunk_what
 
 
 class ChunkReader:
@@ -40,8 +40,7 @@ class ChunkReader:
         out = []
         for k in range(self.kinds):
             t = self._bufs[k][:n]
-            what = f"{STATE_KINDS[k]} of {pname}[{chunk['o']}:{chunk['o'] + n}]"
-            self.data.read_into(chunk["f"], chunk["b"] + 4 * n * k, t, chunk["h"][k], what)
+            self.data.read_into(chunk["f"], chunk["b"] + 4 * n * k, t, chunk["h"][k], chunk_what(k, pname, chunk))
             out.append(t)
         self._cached = (key, out)
         return out
@@ -49,8 +48,7 @@ class ChunkReader:
     def _read_direct(self, pname: str, chunk: dict[str, Any], targets: list[torch.Tensor]) -> None:
         n = chunk["n"]
         for k, t in enumerate(targets):
-            what = f"{STATE_KINDS[k]} of {pname}[{chunk['o']}:{chunk['o'] + n}]"
-            args = (chunk["f"], chunk["b"] + 4 * n * k, t, chunk["h"][k], what)
+            args = (chunk["f"], chunk["b"] + 4 * n * k, t, chunk["h"][k], chunk_what(k, pname, chunk))
             if self.executor is None:
                 self.data.read_into(*args)
             else:

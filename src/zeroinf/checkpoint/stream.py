@@ -25,17 +25,10 @@ import xxhash
 from zeroinf.aio import AioEngine, AioError, BufferPool, PoolBuffer
 from zeroinf.aio.buffers import round_up
 from zeroinf.aio.engine import AioHandle
+from zeroinf.checkpoint.format import tensor_bytes
 
 STAGING_BYTES = 16 * 1024 * 1024  # one staging buffer: 16 blocks of 1 MiB in flight per submit
 STAGING_COUNT = 4
-
-
-def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The flat uint8 view of a tensor's bytes on the CPU (copied there first if it lives elsewhere)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 class StreamWriter:

@@ -9,7 +9,15 @@ from typing import Any
 
 import torch
 
-from zeroinf.checkpoint.format import MANIFEST, STATE_KINDS, CheckpointError, DataFiles, read_manifest, resolve
+from zeroinf.checkpoint.format import (
+    MANIFEST,
+    STATE_KINDS,
+    CheckpointError,
+    DataFiles,
+    chunk_what,
+    read_manifest,
+    resolve,
+)
 
 Piece = tuple[int, int, str, str]  # (byte offset, byte count, xxh3, what it holds)
 
@@ -20,9 +28,8 @@ def file_pieces(body: dict[str, Any]) -> dict[str, list[Piece]]:
     for pname, lst in body["chunks"].items():
         for c in lst:
             n = c["n"]
-            for k, kind in enumerate(STATE_KINDS):
-                what = f"{kind} of {pname}[{c['o']}:{c['o'] + n}]"
-                pieces.setdefault(c["f"], []).append((c["b"] + 4 * n * k, 4 * n, c["h"][k], what))
+            for k in range(len(STATE_KINDS)):
+                pieces.setdefault(c["f"], []).append((c["b"] + 4 * n * k, 4 * n, c["h"][k], chunk_what(k, pname, c)))
     for sname, meta in body["module_state"].items():
         pieces.setdefault(meta["f"], []).append((meta["b"], meta["nbytes"], meta["h"], f"module state {sname}"))
     for lst in pieces.values():

@@ -304,6 +304,14 @@ class NvmeStateStore:
             )
         )
 
+    def _swap_all(
+        self, op: str, sg: SubGroup, views: Sequence[torch.Tensor], kinds: Sequence[str] = SWAP_KINDS
+    ) -> list[AioHandle]:
+        """Start one transfer ("swap_in" or "swap_out") per state kind of sub-group `sg`."""
+        assert self._swap is not None
+        transfer = self._swap.swap_in if op == "swap_in" else self._swap.swap_out
+        return [transfer(sg.key, kind, t) for kind, t in zip(kinds, views, strict=False)]
+
     def start_swap_in(self, index: int) -> Pending:
         """Reserve a staging buffer (the pipeline guarantees one is free) and start the three reads."""
         self._require_healthy()
@@ -312,9 +320,7 @@ class NvmeStateStore:
         buffer = self._pool.reserve(timeout_s=0)
         staged = Staged(sg, self._views(buffer.tensor, sg.numel), buffer)
         try:
-            handles = [
-                self._swap.swap_in(sg.key, kind, t) for kind, t in zip(SWAP_KINDS, staged.views, strict=True)
-            ]
+            handles = self._swap_all("swap_in", sg, staged.views)
         except BaseException:
             staged.release()
             raise
@@ -326,9 +332,7 @@ class NvmeStateStore:
         assert self._swap is not None
         sg = staged.sub_group
         try:
-            handles = [
-                self._swap.swap_out(sg.key, kind, t) for kind, t in zip(SWAP_KINDS, staged.views, strict=True)
-            ]
+            handles = self._swap_all("swap_out", sg, staged.views)
         except BaseException:
             staged.release()
             raise
@@ -365,8 +369,7 @@ class NvmeStateStore:
                 views = self._views(flat, sg.numel)
                 for src, view in zip(sources, views, strict=False):
                     view.copy_(src[sg.start : sg.end])
-                handles = [self._swap.swap_out(sg.key, kind, v) for kind, v in zip(kinds, views, strict=False)]
-                wait_all(handles)
+                wait_all(self._swap_all("swap_out", sg, views, kinds))
 
     # -- sub-groups one at a time, for checkpoints ---------------------------------------------------------
     def segment_bounds(self, unit_index: int) -> list[tuple[int, int]]:
@@ -386,7 +389,7 @@ class NvmeStateStore:
             buffer = self._pool.reserve()
             views = self._views(buffer.tensor, sg.numel)
             try:
-                handles = [self._swap.swap_in(sg.key, kind, t) for kind, t in zip(SWAP_KINDS, views, strict=True)]
+                handles = self._swap_all("swap_in", sg, views)
             except BaseException:
                 buffer.pool.release(buffer)
                 raise
@@ -421,7 +424,7 @@ class NvmeStateStore:
         with self._pool.reserve() as flat:
             views = self._views(flat, sg.numel)
             yield views
-            wait_all([self._swap.swap_out(sg.key, kind, v) for kind, v in zip(SWAP_KINDS, views, strict=True)])
+            wait_all(self._swap_all("swap_out", sg, views))
 
     # -- health and lifetime ------------------------------------------------------------------------------
     def check(self, op: str) -> None:
