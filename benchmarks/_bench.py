@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 import zeroinf
-from zeroinf.models.gpt import EMBEDDING_INIT_STD, GPT, GPTConfig
+from zeroinf.models.gpt import GPT, GPTConfig
 
 
 def peak_rss_bytes() -> int:
@@ -44,12 +43,6 @@ def reset_peak_rss() -> None:
         pass
 
 
-def gpt_init_fn(module: nn.Module) -> None:
-    """The demo GPT's own init for its embeddings (GPT.reset_parameters), applied per module."""
-    if isinstance(module, nn.Embedding):
-        nn.init.normal_(module.weight, mean=0.0, std=EMBEDDING_INIT_STD)
-
-
 @dataclass
 class Run:
     model: GPT
@@ -60,9 +53,9 @@ class Run:
 
 def build(gpt: GPTConfig, cfg: zeroinf.Config, batch: int, seed: int = 0, lr: float = 1e-4) -> Run:
     torch.manual_seed(seed)
-    with zeroinf.init():
+    with zeroinf.init(cfg):
         model = GPT(gpt)
-    zeroinf.shard(model, cfg, init_fn=gpt_init_fn)
+    zeroinf.shard(model, cfg)
     opt = zeroinf.AdamW(model, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     return Run(model, opt, gpt, batch)
 

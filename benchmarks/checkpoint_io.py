@@ -43,7 +43,7 @@ def build(params: float, dim: int, optimizer: str, swap_dir: str) -> tuple[torch
     offload = zeroinf.OffloadConfig(params="nvme", gradients="nvme", optimizer=optimizer, nvme_dir=swap_dir)
     cfg = zeroinf.Config(stage=3, offload=offload)
     torch.manual_seed(0)
-    with zeroinf.init():
+    with zeroinf.init(cfg):
         model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(layers)])
     model = zeroinf.shard(model, cfg)
     opt = zeroinf.AdamW(model, lr=1e-4)

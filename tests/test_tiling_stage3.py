@@ -11,10 +11,12 @@ scenarios and returns what it measured; the tests below judge it.
   (`TiledLinear.from_linear` carries the weights, so both start equal) and sharded at stage 3.
   Five training steps with `zeroinf.AdamW` against plain PyTorch (`torch.optim.AdamW`) on the
   untiled copy over the whole global batch.
-- "meta": the model is built under `zeroinf.init()` and tiled there, so the untiled weight never
-  exists; the engine materializes it tile by tile. A TorchDispatchMode records the largest tensor
-  any aten op produced while building; the gathered `state_dict` (joined back into untiled layers)
-  gives the reference its starting weights.
+- "meta": the model is built on the meta device (`torch.device("meta")`) and tiled there, so the
+  untiled weight never exists; the engine materializes it tile by tile (each tile's
+  `reset_parameters`). Under `zeroinf.init()` construction is real, so a Linear built whole exists
+  whole once while it is built; a layer too large for that is built as a TiledLinear directly.
+  A TorchDispatchMode records the largest tensor any aten op produced while building; the
+  gathered `state_dict` (joined back into untiled layers) gives the reference its starting weights.
 
 What is measured: the engine ledger's tag "param_unsharded" counts every unsharded flat buffer,
 the resident root unit's included. The worker's ledger also keeps, per phase, the peak of the
@@ -245,9 +247,9 @@ def tiling_worker(rank: int, world: int) -> dict:
     out["eager_steps"] = _train(model, engine, ledger, reference, rank, world)
     out["eager"] = _describe(engine)
 
-    # -- meta: tile under zeroinf.init, materialize tile by tile ---------------------------------------
+    # -- meta: tile on the meta device, materialize tile by tile ---------------------------------------
     torch.manual_seed(1)
-    with zeroinf.init():
+    with torch.device("meta"):
         model = Net()
         assert zeroinf.tile_linears(model, max_tile_bytes=MAX_TILE) == 2 * N_BLOCKS + 1
     out["meta_all_params_on_meta"] = all(p.is_meta for p in model.parameters())

@@ -1,7 +1,7 @@
 """zeroinf: ZeRO stages 1-3 and ZeRO-Infinity offload for ordinary PyTorch training loops.
 
     cfg = zeroinf.Config(stage=3, param_dtype="bf16")
-    with zeroinf.init():                         # optional: parameters are created without memory
+    with zeroinf.init(cfg):                      # optional: each built parameter keeps 1/world on its tier
         model = MyModel()
     model = zeroinf.shard(model, cfg)            # units, hooks, shards; the module keeps its class
     opt = zeroinf.AdamW(model, lr=3e-4)          # torch.optim.Optimizer protocol
@@ -14,6 +14,7 @@ from zeroinf.config import Config, ConfigError, LossScaleConfig, OffloadConfig
 from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.adamw import AdamW
+from zeroinf.partition.gathered import gathered
 from zeroinf.partition.init import init
 from zeroinf.tiling import TiledLinear, tile_linears
 from zeroinf.topology import Topology, init_distributed
@@ -30,6 +31,7 @@ __all__ = [
     "Topology",
     "consolidate",
     "engine_of",
+    "gathered",
     "init",
     "init_distributed",
     "load",

@@ -33,7 +33,7 @@ from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
-from zeroinf.partition.init import InitFn, has_meta_state, map_large_buffers, materialize_and_build
+from zeroinf.partition.init import InitFn, map_large_buffers, materialize_and_build, needs_materializing
 from zeroinf.partition.offload import open_grad_files, open_param_files
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
@@ -73,7 +73,8 @@ class Engine:
         if cfg.offload.gradients == "nvme":
             self.grad_files = open_grad_files(specs, cfg, topo, self.ledger)
             weakref.finalize(self, self.grad_files.close)
-        self._built_from_meta = has_meta_state(module)
+        # Built under zeroinf.init (parked parameters) or on the meta device: unit by unit.
+        self._built_from_meta = needs_materializing(module)
         if self._built_from_meta:
             self.units: list[ShardedUnit] = materialize_and_build(  # type: ignore[assignment]
                 module, specs, self._build_unit, topo.device, init_fn
@@ -95,6 +96,7 @@ class Engine:
                     continue  # derived tables (e.g. rotary inv_freq) keep the precision they were built in
                 if b is not None and b.is_floating_point() and b.dtype != cfg.param_torch_dtype:
                     sub._buffers[name] = b.to(cfg.param_torch_dtype)
+        self._unit_of_param = {id(p): ui for ui, u in enumerate(self.units) for p in u.params}
         self.micro_step = 0  # backward passes since the last optimizer step
         self._in_backward = False
         self._sync_this_backward = False
@@ -110,6 +112,16 @@ class Engine:
         self.activation_offloader: ActivationOffloader | None = None
         if cfg.activation_checkpointing:
             self._setup_activation_checkpointing()
+
+    def unit_index_of(self, param: torch.Tensor) -> int | None:
+        """The unit holding `param`, or None (frozen, or not this model's)."""
+        return self._unit_of_param.get(id(param))
+
+    @property
+    def optimizer_states(self) -> Any:
+        """The optimizer's state store (fp32 masters and moments per unit), once one is built."""
+        optimizer_io = getattr(self, "optimizer_io", None)
+        return optimizer_io[0] if optimizer_io is not None else None
 
     def _is_resident(self, spec: UnitSpec) -> bool:
         """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded."""
@@ -161,7 +173,6 @@ class Engine:
             max_live_bytes=self.cfg.max_live_bytes if self.cfg.max_live_bytes is not None else 2**62,
         )
         self.scheduler = UnshardScheduler(self.units, budget)
-        self._unit_of_param = {id(p): ui for ui, u in enumerate(self.units) for p in u.params}
         self._external: dict[int, list[int]] = {}  # id(module) -> units fetched for it on demand
         handles = hooks.register_forward_hooks(self.module, self._root_pre_forward, self._root_post_forward)
         handles.append(
@@ -400,7 +411,20 @@ def shard(
     topo = topology or Topology.current()
     engine = Engine(module, cfg, topo, init_fn=init_fn)
     setattr(module, _ATTR, engine)
+    _engines.add(engine)
     return module
+
+
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()  # every live engine, to find a parameter's
+
+
+def owning_engine(param: torch.Tensor) -> tuple[Engine, int] | None:
+    """The engine and unit index holding `param` (a parameter of a sharded model), or None."""
+    for engine in list(_engines):
+        ui = engine.unit_index_of(param)
+        if ui is not None:
+            return engine, ui
+    return None
 
 
 def engine_of(module: nn.Module) -> Engine:

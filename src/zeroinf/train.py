@@ -233,7 +233,8 @@ def build_run(args: TrainArgs) -> Run:
 
     use_val = args.eval_batches > 0 and len(val_bytes) > args.seq_len
     torch.manual_seed(args.seed)
-    model = GPT(args.model_config())
+    with zeroinf.init(cfg, topology=topo):  # the full model never exists: 1/world of it on its tier
+        model = GPT(args.model_config())
     param_count = model.num_params()
     # Grouped by shape before sharding: at stage 3 a parameter outside its forward is an empty
     # placeholder of shape (0,), so `p.dim()` no longer tells matrices from vectors.

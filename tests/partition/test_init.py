@@ -3,7 +3,8 @@
 - the weights equal a plain build after the same seed (init through reset_parameters),
 - `init_fn` runs on every module while its unit is unsharded,
 - on 2 ranks, a model whose fp32 size is 3x the memory the build may add to a process is built
-  (peak RSS measured with the kernel's high-water mark, reset before the build) and trains a step.
+  (peak RSS measured with the kernel's high-water mark, reset before the build) and trains a step:
+  the test's own block model, and a Hugging Face Llama.
 """
 
 from __future__ import annotations
@@ -90,21 +91,43 @@ def _reset_peak_rss() -> None:
         f.write("5")  # reset the peak resident set size to the current one
 
 
-def _build_big(rank: int, world: int, d: int, n_blocks: int) -> dict:
-    model_fp32_bytes = (n_blocks * (2 * d * 2 * d + 5 * d) + 2 * 50 * d + 50) * 4
-    with zeroinf.init():  # warm-up: first-use costs (lazy imports, kernels) are not the model's
-        warm = Net(d=8, n_blocks=2)
-    zeroinf.shard(warm, zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=0))
+def _llama(n_layers: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=50, hidden_size=384, intermediate_size=1024, num_hidden_layers=n_layers,
+                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    )
+
+
+def _make(kind: str, size: int) -> nn.Module:
+    return Net(d=size, n_blocks=64) if kind == "net" else _llama(size)
+
+
+def _logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    out = model(idx)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _build_big(rank: int, world: int, kind: str, size: int) -> dict:
+    cfg = zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=0)
+    with zeroinf.init(cfg):  # warm-up: first-use costs (lazy imports, kernels) are not the model's
+        warm = _make(kind, 8 if kind == "net" else 2)
+    zeroinf.shard(warm, cfg)
     del warm
     _reset_peak_rss()
     before = _peak_rss_bytes()
-    with zeroinf.init():
-        model = Net(d=d, n_blocks=n_blocks)
-    zeroinf.shard(model, zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=0))
+    with zeroinf.init(cfg):
+        model = _make(kind, size)
+    model_fp32_bytes = 4 * sum(p.numel() for p in model.parameters())
+    zeroinf.shard(model, cfg)
     build_peak = _peak_rss_bytes() - before
     opt = zeroinf.AdamW(model, lr=1e-3)
     idx = torch.randint(0, 50, (2, 8))
-    loss = model(idx).float().logsumexp(-1).mean()
+    loss = _logits(model, idx).float().logsumexp(-1).mean()
     loss.backward()
     opt.step()
     step_peak = _peak_rss_bytes() - before
@@ -112,13 +135,7 @@ def _build_big(rank: int, world: int, d: int, n_blocks: int) -> dict:
             "loss": loss.item()}
 
 
-def test_build_under_init_bounded_memory_two_ranks() -> None:
-    if not os.path.exists("/proc/self/clear_refs"):
-        import pytest
-
-        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
-    d, n_blocks = 384, 64  # 64 units of 0.6M params: the fp32 model is 151 MB
-    results = run_ranks(_build_big, 2, d, n_blocks, timeout_s=240)
+def _check_bounded(results: list[dict]) -> None:
     for rank, r in enumerate(results):
         limit = r["model_fp32_bytes"] / 3
         assert r["build_peak"] < limit, (
@@ -127,3 +144,23 @@ def test_build_under_init_bounded_memory_two_ranks() -> None:
         )
         assert torch.isfinite(torch.tensor(r["loss"]))
     print({k: round(v / 2**20, 1) for k, v in results[0].items() if k.endswith(("bytes", "peak"))})
+
+
+def _needs_clear_refs() -> None:
+    if not os.path.exists("/proc/self/clear_refs"):
+        import pytest
+
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+
+
+def test_build_under_init_bounded_memory_two_ranks() -> None:
+    _needs_clear_refs()
+    # 64 units of 0.6M params (d 384): the fp32 model is 151 MB
+    _check_bounded(run_ranks(_build_big, 2, "net", 384, timeout_s=240))
+
+
+def test_build_hugging_face_llama_under_init_bounded_memory_two_ranks() -> None:
+    """The same bound for a Hugging Face Llama, whose post_init touches every parameter after its
+    layers are parked: 32 layers of 1.6M params, the fp32 model is 207 MB."""
+    _needs_clear_refs()
+    _check_bounded(run_ranks(_build_big, 2, "llama", 32, timeout_s=240))

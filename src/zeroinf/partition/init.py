@@ -1,21 +1,21 @@
-"""Partition at construction: build on the meta device, then materialize and shard unit by unit.
+"""Partition at construction: modules build on real memory and park their parameters; `shard` builds units.
 
     torch.manual_seed(0)
-    with zeroinf.init():
-        model = MyModel()                 # parameters on the meta device: no memory at all
-    model = zeroinf.shard(model, cfg)     # materialized module by module; each unit is sharded as
-                                          # soon as its last module is initialized
+    with zeroinf.init(cfg):               # every module's own init code runs, as without it
+        model = MyModel()                 # built parameters are parked: 1/world of each on the tier
+    model = zeroinf.shard(model, cfg)     # unit by unit: unpark its parameters, build, shard
 
-`init()` is PyTorch's own meta-device context; nothing in torch is patched. Materialization walks
-the modules in registration order (the order a plain constructor usually creates them), gives each
-module's own parameters real storage (`torch.utils.swap_tensors`, so tied parameters stay one
-object) and calls its `reset_parameters()`. Models that initialize through their layers'
-`reset_parameters` therefore draw the same random numbers in the same order as a plain build after
-the same seed. Other initialization goes through `init_fn(module)`, called for every module right
-after its `reset_parameters`, while its unit is still unsharded. Buffers created on meta have no
-values: they are zero-filled and reported, and `init_fn` should set them.
+See [Note: construction is eager construction] in partition/park.py. Two PyTorch mechanisms and
+nothing patched: the global parameter-registration hook adopts every parameter a module registers,
+and a TorchFunctionMode (`ConstructionMode`) unparks parked parameters before any torch function
+touches them. The values are therefore those of eager construction, bitwise, and memory while
+building is the live budget plus the largest parameter being built.
 
-Peak memory while building is one unit (plus the root unit, which stays unsharded).
+`shard` then walks the units in module order and, right before building each one, unparks its
+parameters, so at most one unit (plus the root, which stays unsharded at stage 3) is unsharded
+at a time. A model built on the meta device by other means (`with torch.device("meta")`) is
+materialized the old way: each module's parameters get storage and its `reset_parameters()` runs
+(then `init_fn`); its buffers must already be real, since their values cannot be recovered.
 """
 
 from __future__ import annotations
@@ -25,21 +25,156 @@ import ctypes
 import ctypes.util
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
+from zeroinf.config import Config
+from zeroinf.memory import Tier
+from zeroinf.partition.park import MemoryParkStore, ParamPark, ParkStore
 from zeroinf.partition.wrap import UnitSpec
-from zeroinf.telemetry import get_logger
+from zeroinf.topology import Topology
 
 InitFn = Callable[[nn.Module], None]
+DEFAULT_LIVE_BYTES = 0  # built parameters are parked as soon as their module is attached
+
+_T = torch.Tensor
+
+
+def _tensor_functions(properties: str, methods: str) -> frozenset[Any]:
+    """Tensor property getters and methods by name (those this torch version has)."""
+    found: set[Any] = {getattr(_T, m) for m in methods.split() if hasattr(_T, m)}
+    found |= {getattr(_T, p).__get__ for p in properties.split() if hasattr(_T, p)}
+    return frozenset(found)
+
+
+# Answered by the meta placeholder itself: no need to bring the values back.
+_METADATA = _tensor_functions(
+    "shape dtype ndim requires_grad is_leaf grad grad_fn layout itemsize nbytes is_sparse is_quantized",
+    "size dim numel nelement ndimension element_size is_floating_point is_complex __len__ __hash__ "
+    "requires_grad_ stride is_contiguous",
+) | {_T.requires_grad.__set__}
+# Answered with the parameter's real device (the placeholder is on meta).
+_DEVICE_QUERIES: dict[Any, Callable[[torch.device], Any]] = {
+    _T.device.__get__: lambda d: d,
+    _T.is_meta.__get__: lambda d: d.type == "meta",
+    _T.is_cuda.__get__: lambda d: d.type == "cuda",
+    _T.is_cpu.__get__: lambda d: d.type == "cpu",
+    _T.get_device: lambda d: d.index if d.type != "cpu" and d.index is not None else -1,
+}
+
+_active: list[ParamPark] = []  # parks of builds in progress or not yet sharded
+
+
+def park_of(p: torch.Tensor) -> ParamPark | None:
+    """The park holding `p`, if `zeroinf.init()` parked it."""
+    return next((park for park in _active if park.holds(p)), None)
+
+
+class ConstructionMode(TorchFunctionMode):
+    """Unparks parked parameters before any torch function but a metadata read touches them."""
+
+    def __init__(self, park: ParamPark) -> None:
+        super().__init__()
+        self.park = park
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        park = self.park
+        if park.parked and func not in _METADATA:
+            query = _DEVICE_QUERIES.get(func)
+            if query is not None:
+                device = park.device_of(args[0])
+                if device is not None:
+                    return query(device)
+            else:
+                touched = park.parked_among(tree_leaves((args, kwargs)))
+                if touched:
+                    park.unpark(touched)
+                    out = func(*args, **kwargs)
+                    evict(park)
+                    return out
+        return func(*args, **kwargs)
+
+
+def evict(park: ParamPark) -> None:
+    """Park what exceeds the live budget, and give what that freed back to the OS at once: freed
+    parameters below glibc's mmap threshold stay as heap otherwise, and the heap grew to 2.5x the
+    park while a Llama was built (see return_freed_memory)."""
+    parks = park.parks
+    park.evict_over_budget()
+    if park.parks != parks:
+        return_freed_memory()
+
+
+def _park_store(cfg: Config | None, topo: Topology) -> ParkStore:
+    """The tier parked slices go to: the stage-3 parameter tier of `cfg`, else the device."""
+    tier = Tier(cfg.offload.params) if cfg is not None and cfg.stage == 3 else Tier.DEVICE
+    if tier is Tier.NVME:
+        from zeroinf.tiers.park_file import NvmeParkStore
+
+        assert cfg is not None and cfg.offload.nvme_dir is not None  # OffloadConfig requires it
+        return NvmeParkStore(cfg.offload.nvme_dir, topo.rank, cfg.offload.io_timeout_s)
+    return MemoryParkStore(torch.device("cpu") if tier is Tier.HOST else topo.device)
 
 
 @contextlib.contextmanager
-def init() -> Iterator[None]:
-    """Create modules without memory (on the meta device); `zeroinf.shard` materializes them."""
-    with torch.device("meta"):
-        yield
+def init(
+    cfg: Config | None = None, *, topology: Topology | None = None, live_bytes: int = DEFAULT_LIVE_BYTES
+) -> Iterator[ParamPark]:
+    """Build modules as usual, keeping only 1/world of each built parameter (in `cfg`'s compute
+    dtype, on the tier it gives stage-3 parameters; without `cfg`, as built, on the device).
+
+    A parameter is parked once its module is attached to a parent and more than `live_bytes` of
+    such parameters are unparked (a cache for small models: 0 keeps memory lowest).
+
+    Every rank must run the same construction code (unparking is a collective at world > 1).
+    Leave the block before `zeroinf.shard(model, cfg)`; every parameter built in it is parked then.
+    """
+    if any(park.collecting for park in _active):
+        raise RuntimeError("zeroinf.init() is already active: build the whole model inside one `with` block")
+    topo = topology or Topology.current()
+    park_dtype = cfg.param_torch_dtype if cfg is not None else None
+    park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype)
+    _active.append(park)
+
+    def adopt(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        park.adopt(param)
+
+    def settle(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        if child is not None:
+            park.settle(child)
+            evict(park)
+
+    hooks = [
+        torch.nn.modules.module.register_module_parameter_registration_hook(adopt),
+        torch.nn.modules.module.register_module_module_registration_hook(settle),
+    ]
+    map_large_buffers()  # parked parameters' freed storage must go back to the OS, not stay as heap
+    ok = False
+    try:
+        with torch.device(topo.device), ConstructionMode(park):
+            yield park
+        ok = True
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if ok:
+            park.park_all()
+            return_freed_memory()
+        else:  # the build failed: nothing will be sharded from this park
+            park.collecting = False
+            park.close()
+        release_park(park)
+
+
+def release_park(park: ParamPark) -> None:
+    """Forget a park once it has closed (everything in it unparked)."""
+    if park.close_if_done() and park in _active:
+        _active.remove(park)
 
 
 @functools.cache
@@ -82,26 +217,42 @@ def map_large_buffers() -> None:
         mallopt(M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES)
 
 
-def has_meta_state(module: nn.Module) -> bool:
-    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+def needs_materializing(module: nn.Module) -> bool:
+    """True when some parameter is parked (built under zeroinf.init) or on the meta device."""
+    return any(t.is_meta or park_of(t) is not None for t in module.parameters())
 
 
-def _materialize_direct(module: nn.Module, name: str, device: torch.device) -> bool:
-    """Give this module's own meta parameters/buffers real storage; True if any parameter was new."""
+def _materialize_meta(module: nn.Module, device: torch.device) -> bool:
+    """Give this module's own meta parameters (not parked ones) real storage; True if any was."""
     fresh = False
     for p in module._parameters.values():
-        if p is not None and p.is_meta:
+        if p is not None and p.is_meta and park_of(p) is None:
             real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
             torch.utils.swap_tensors(p, real)
             fresh = True
-    for bname, b in module._buffers.items():
-        if b is not None and b.is_meta:
-            module._buffers[bname] = torch.zeros_like(b, device=device)
-            get_logger().warning(
-                "buffer %s was created on the meta device under zeroinf.init: it is zero-filled; set its "
-                "values in init_fn (or create it outside zeroinf.init)", f"{name}.{bname}".lstrip(".")
-            )
     return fresh
+
+
+def _check_buffers_real(model: nn.Module) -> None:
+    meta = [name for name, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise ValueError(
+            f"buffers {meta[:5]} are on the meta device: their values were never computed and cannot be "
+            "recovered. Build the model under `zeroinf.init()` (which runs each module's own code on real "
+            "memory) instead of `torch.device('meta')`, or set those buffers in init_fn"
+        )
+
+
+def _unpark(params: list[nn.Parameter], as_parked: bool = False) -> None:
+    """Unpark parked parameters, park by park, in the given order (a collective at world > 1)."""
+    by_park: dict[int, tuple[ParamPark, list[nn.Parameter]]] = {}
+    for p in params:
+        park = park_of(p)
+        if park is not None:
+            by_park.setdefault(id(park), (park, []))[1].append(p)
+    for park, ps in by_park.values():
+        park.unpark(ps, as_parked=as_parked)
+        release_park(park)
 
 
 def materialize_and_build(
@@ -111,7 +262,12 @@ def materialize_and_build(
     device: torch.device,
     init_fn: InitFn | None = None,
 ) -> list[object]:
-    """Materialize modules in order; build (and so shard) each unit right after its last module."""
+    """Build each unit right after its last module, unparking its parameters just before.
+
+    Meta parameters (a model built on `torch.device("meta")`) get storage and `reset_parameters()`
+    module by module in registration order (so random numbers are drawn in a plain build's order);
+    `init_fn` runs on every module owning parameters while they are real.
+    """
     spec_of_param = {id(p): k for k, spec in enumerate(specs) for _, p in spec.params}
     modules = list(model.named_modules())
     last_module_of_spec: dict[int, int] = {}
@@ -122,21 +278,30 @@ def materialize_and_build(
     ready_at: dict[int, list[int]] = {}
     for k, mi in last_module_of_spec.items():
         ready_at.setdefault(mi, []).append(k)
+    if init_fn is None:  # fail before building anything (init_fn may still set meta buffers)
+        _check_buffers_real(model)
     built: list[object | None] = [None] * len(specs)
-    for mi, (name, m) in enumerate(modules):
-        if _materialize_direct(m, name, device):
+    for mi, (_, m) in enumerate(modules):
+        if _materialize_meta(m, device):
             with torch.no_grad():
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset):
                     reset()
-                if init_fn is not None:
-                    init_fn(m)
-        elif init_fn is not None and any(True for _ in m.parameters(recurse=False)):
+        if init_fn is not None and any(True for _ in m.parameters(recurse=False)):
+            _unpark(list(m.parameters(recurse=False)))
             with torch.no_grad():
                 init_fn(m)
         for k in sorted(ready_at.get(mi, [])):
+            _unpark([p for _, p in specs[k].params], as_parked=True)
             built[k] = build_unit(specs[k])
             return_freed_memory()
+    # Parameters outside every unit (frozen ones) take their values too.
+    _unpark(list(model.parameters()))
+    for park in list(_active):
+        if not park.collecting:
+            park.forget_unreachable()
+            release_park(park)
+    _check_buffers_real(model)
     missing = [specs[k].name for k, u in enumerate(built) if u is None]
     if missing:
         raise RuntimeError(f"zeroinf.init: units {missing} were never materialized (internal error)")

@@ -130,13 +130,21 @@ class ShardedUnit:
         self.param_had_grad = [False] * len(self.params)
         self._grad_handles: list[Handle] = []
         self._gather_handle: Handle | None = None
+        self.user_gathers = 0  # open `zeroinf.gathered` contexts holding this unit
+        self.user_writer = False  # one of them gathered it for writing
 
     def _build_buffers(self, param_dtype: torch.dtype, keep_fp32_master: bool) -> None:
         """Lay the current parameter values into the flat buffer (same on every rank), keep the shard."""
         device = self.topo.device
-        full = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+        # Laid out in fp32 when the fp32 masters are taken from it, else straight in the compute dtype
+        # (copy_ rounds exactly as .to() does): one unit-sized buffer fewer while building.
+        full_dtype = torch.float32 if keep_fp32_master else param_dtype
+        full = torch.zeros(self.layout.padded_numel, dtype=full_dtype, device=device)
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+            # Drop our hold on the old values now, not after the whole unit is laid out: building a
+            # unit then needs its flat buffer plus one parameter, not twice the unit.
+            p.data = p.data.new_empty((0,) * max(1, p.dim()))
         if self.topo.is_distributed:  # every rank starts from rank 0's weights (as DDP does)
             torch.distributed.broadcast(full, src=0, group=self.topo.group)
         # fp32 masters start from the unrounded weights, not from their compute-dtype copy, unless
@@ -379,6 +387,24 @@ class ShardedUnit:
         self.end_backward()
 
     # -- parameters -----------------------------------------------------------------------------------
+    def commit_user_writes(self, owned_before: torch.Tensor, states: object | None, unit_index: int) -> None:
+        """Make values written into the unsharded parameters (zeroinf.gathered) the unit's own:
+        this rank's shard on its tier, and the fp32 master of every element that changed (those
+        that did not keep their unrounded fp32 value)."""
+        owned = self.param_flat[self.owned_start : self.owned_end]
+        if self.home is not None:
+            self.home.store(owned)
+        changed = owned != owned_before
+        if not bool(changed.any()):
+            return
+        if self.initial_master is not None:  # no optimizer has taken the masters yet
+            self.initial_master[changed] = owned[changed].float()
+        elif self._master_taken and states is not None:
+            views = states.read_unit(unit_index)  # type: ignore[attr-defined]
+            mask = changed.to(views.master.device)
+            views.master[mask] = owned[changed].float().to(views.master.device)
+            states.write_unit(unit_index, views)  # type: ignore[attr-defined]
+
     def start_update_params(self, master_owned: torch.Tensor) -> Handle:
         """Write the new master weights (owned range) into the compute params; all-gather where needed."""
         if self.home is not None:

@@ -99,6 +99,9 @@ class NvmeSwap:
 
     def __init__(self, layout: SwapLayout, engine: AioEngine, *, ledger: Ledger | None = None) -> None:
         self.layout = layout
+        # Slots and file sizes as they grow (`add_slot`); the layout holds what was planned up front.
+        self._slots: dict[tuple[str, str], SwapSlot] = dict(layout.slots)
+        self._file_bytes: dict[str, int] = dict(layout.file_bytes)
         self.engine = engine
         self.ledger = ledger if ledger is not None else engine.ledger
         self._lock_fds: dict[str, int] = {}  # kind -> fd holding the file's flock
@@ -125,9 +128,11 @@ class NvmeSwap:
         if not os.access(folder, os.W_OK | os.X_OK):
             raise AioError("create", path, 0, nbytes, f"the swap folder {folder!r} is not writable")
 
-    def _check_leftovers(self) -> None:
+    def _check_leftovers(self, paths: list[str] | None = None) -> None:
         # Only this layout's kinds: the parameter and optimizer swaps of one run share a folder.
-        found = sorted(p for p in (self.layout.path(kind) for kind in self.layout.file_bytes) if os.path.exists(p))
+        if paths is None:
+            paths = [self.layout.path(kind) for kind in self.layout.file_bytes]
+        found = sorted(p for p in paths if os.path.exists(p))
         if not found:
             return
         in_use = [p for p in found if _locked_by_another(p)]
@@ -140,6 +145,32 @@ class NvmeSwap:
             f"swap files of rank {self.layout.rank} were left by a run that did not shut down cleanly: "
             f"{found}; they are not reused. Delete them (rm {' '.join(found)}) and start again"
         )
+
+    def add_slot(self, unit: str, kind: str, nbytes: int, alignment_bytes: int = 4096) -> SwapSlot:
+        """Append a slot for a shard not in the planned layout (the file grows, preallocated)."""
+        if self._closed:
+            raise RuntimeError("NvmeSwap is closed")
+        if (unit, kind) in self._slots:
+            raise ValueError(f"swap of rank {self.layout.rank} already has a slot for ({unit!r}, {kind!r})")
+        if not _KIND_PATTERN.match(kind):
+            raise ValueError(f"swap layout: state kind {kind!r} must be letters, digits and '_' only")
+        offset = self._file_bytes.get(kind, 0)
+        end = offset + round_up(max(nbytes, 1), alignment_bytes)
+        path = self.layout.path(kind)
+        if kind not in self._lock_fds:
+            self._check_leftovers([path])
+            self._file_bytes[kind] = end
+            self._create(kind, end)
+        else:
+            try:
+                os.posix_fallocate(self._lock_fds[kind], offset, end - offset)
+            except OSError as exc:
+                raise AioError.from_os_error("fallocate", path, offset, end - offset, exc) from exc
+            self._file_bytes[kind] = end
+            self.ledger.reserve(Tier.NVME, end - offset, kind)
+        slot = SwapSlot(path, offset, nbytes)
+        self._slots[(unit, kind)] = slot
+        return slot
 
     def _create(self, kind: str, nbytes: int) -> None:
         path = self.layout.path(kind)
@@ -160,7 +191,7 @@ class NvmeSwap:
     def _slot_for(self, unit: str, kind: str, tensor: torch.Tensor, op: str) -> SwapSlot:
         if self._closed:
             raise RuntimeError("NvmeSwap is closed")
-        slot = self.layout.slot(unit, kind)
+        slot = self._slots.get((unit, kind)) or self.layout.slot(unit, kind)  # the layout's error names it
         nbytes = as_bytes(tensor, f"the {kind} shard of {unit!r}").numel()
         if nbytes != slot.nbytes:
             raise ValueError(
@@ -199,12 +230,12 @@ class NvmeSwap:
                 os.remove(path)
             os.close(fd)  # the lock goes last: no moment where the file exists unlocked
             if kind in self._reserved_kinds:
-                self.ledger.release(Tier.NVME, self.layout.file_bytes[kind], kind)
+                self.ledger.release(Tier.NVME, self._file_bytes[kind], kind)
         self._lock_fds.clear()
         self._reserved_kinds.clear()
 
     def describe(self) -> str:
-        sizes = ", ".join(f"{k}: {format_bytes(n)}" for k, n in self.layout.file_bytes.items())
+        sizes = ", ".join(f"{k}: {format_bytes(n)}" for k, n in self._file_bytes.items())
         return f"NvmeSwap(rank {self.layout.rank}, {self.layout.folder}: {sizes})"
 
     def __enter__(self) -> NvmeSwap:

@@ -1,0 +1,136 @@
+"""`zeroinf.gathered`: the full values of some parameters of a sharded model, to read or to write.
+
+    with zeroinf.gathered([model.lm_head.weight], modify=True):
+        model.lm_head.weight.normal_(std=0.02)      # every rank does the same (or modifier_rank=0)
+    # the new values are in every rank's shard, on its tier (NVMe included), and in the fp32 masters
+
+A collective: every rank enters with the same parameters. Each unit holding one of them is
+gathered (all-gathered at stage 3; at stages 0-2 parameters are whole already) and the parameters
+are real, full tensors inside the block (which runs under `torch.no_grad()` with `modify=True`,
+as writes to leaf parameters must). On leaving, units that were sharded are sharded again;
+with `modify=True` the values are first committed: this rank's shard goes to its tier and the fp32
+master weights take the new value of every element that changed (elements left alone keep their
+unrounded fp32 masters, so a bf16 model loses nothing by being gathered). With `modifier_rank=r`,
+rank r's values are broadcast first, for edits only one rank computes. Writes are committed only
+when the block exits normally. Parameters built under `zeroinf.init()` and not sharded yet work
+too: they are unparked for the block and parked again after it.
+
+Gather what you need and no more: every unit touched is whole in memory for the duration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroinf.engine import Engine, owning_engine
+from zeroinf.partition.init import park_of
+from zeroinf.partition.unit import ParamState
+
+
+class _UnitGather:
+    """One unit held by one `gathered` block."""
+
+    def __init__(self, engine: Engine, index: int, modify: bool) -> None:
+        self.engine, self.index, self.modify = engine, index, modify
+        unit = engine.units[index]
+        if engine._in_backward:
+            raise RuntimeError(
+                f"zeroinf.gathered: unit {unit.name} is in a backward pass; gather between optimizer steps"
+            )
+        if modify and unit.user_writer:
+            raise RuntimeError(
+                f"zeroinf.gathered: unit {unit.name} is already gathered for writing by an enclosing "
+                "zeroinf.gathered(..., modify=True); gather every parameter you write in one call, and nest "
+                "only reads inside it"
+            )
+        self.was_sharded = unit.state is not ParamState.UNSHARDED and unit.user_gathers == 0
+        unit.wait_unshard()
+        unit.user_gathers += 1
+        self.owned_before: torch.Tensor | None = None
+        if modify:
+            unit.user_writer = True
+            self.owned_before = unit.param_flat[unit.owned_start : unit.owned_end].clone()
+
+    def end(self, commit: bool, modifier_rank: int | None) -> None:
+        unit, topo = self.engine.units[self.index], self.engine.topo
+        try:
+            if commit and self.modify:
+                assert self.owned_before is not None
+                if modifier_rank is not None and topo.is_distributed:
+                    dist.broadcast(unit.param_flat, src=modifier_rank, group=topo.group)
+                unit.commit_user_writes(self.owned_before, self.engine.optimizer_states, self.index)
+        finally:
+            unit.user_gathers -= 1
+            if self.modify:
+                unit.user_writer = False
+            if self.was_sharded:
+                unit.reshard()
+
+
+def _describe(p: torch.Tensor, i: int) -> str:
+    return f"parameter {i} (shape {tuple(p.shape)}, dtype {p.dtype})"
+
+
+@contextlib.contextmanager
+def gathered(
+    params: torch.Tensor | Iterable[torch.Tensor], modify: bool = False, modifier_rank: int | None = None
+) -> Iterator[list[torch.Tensor]]:
+    """Gather `params` (parameters of sharded models) for the block; see the module docstring."""
+    wanted = [params] if isinstance(params, torch.Tensor) else list(params)
+    parked = [p for p in wanted if park_of(p) is not None]
+    units: dict[tuple[int, int], tuple[Engine, int]] = {}
+    for i, p in enumerate(wanted):
+        if park_of(p) is not None:
+            continue
+        found = owning_engine(p)
+        if found is None:
+            raise ValueError(
+                f"zeroinf.gathered: {_describe(p, i)} belongs to no sharded model (nor to one being built under "
+                "zeroinf.init); call `model = zeroinf.shard(model, cfg)` first. A plain (or frozen) parameter "
+                "is whole already and needs no gathering"
+            )
+        engine, ui = found
+        units.setdefault((id(engine), ui), (engine, ui))
+    held: list[_UnitGather] = []
+    try:
+        for engine, ui in units.values():  # first-appearance order: the same on every rank
+            held.append(_UnitGather(engine, ui, modify))
+    except BaseException:
+        for gather in reversed(held):
+            gather.end(commit=False, modifier_rank=None)
+        raise
+    for p in parked:
+        park = park_of(p)
+        assert park is not None
+        park.unpark([p])
+    ok = False
+    try:
+        with torch.no_grad() if modify else contextlib.nullcontext():  # in-place writes to leaf parameters
+            yield wanted
+        ok = True
+    finally:
+        errors: list[BaseException] = []
+        for gather in reversed(held):
+            try:
+                gather.end(commit=ok, modifier_rank=modifier_rank)
+            except BaseException as exc:  # noqa: BLE001 - release every unit, then raise the first
+                errors.append(exc)
+        _repark(parked, broadcast_from=modifier_rank if ok and modify else None)
+        if errors:
+            raise errors[0]
+
+
+def _repark(params: list[nn.Parameter], broadcast_from: int | None) -> None:
+    from zeroinf.partition.init import _active
+
+    for p in params:
+        park = next(pk for pk in _active if pk.owns_slot(p))
+        if broadcast_from is not None and park.topo.is_distributed:
+            with torch.no_grad():
+                dist.broadcast(p.data, src=broadcast_from, group=park.topo.group)
+        park.park(p)

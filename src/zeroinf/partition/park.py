@@ -1,0 +1,274 @@
+"""The parameter park: where `zeroinf.init()` keeps a built parameter until `zeroinf.shard` needs it.
+
+[Note: construction is eager construction]
+Under `zeroinf.init()` every module's own code runs on real memory, exactly as it would without
+it: `torch.ones` norms, `randn` drawn in `__init__`, `reset_parameters`, buffers computed from
+the config, Hugging Face's `post_init`. So the values are the eager values, bitwise, and draw the
+same random numbers in the same order. What keeps memory bounded is the park: once the bytes of
+built parameters exceed the live budget, the oldest are *parked*: this rank keeps 1/world of the
+parameter's values (flattened, padded to a multiple of the world size) on the park's tier (device,
+host or an NVMe file) and the parameter becomes a meta tensor of the same shape and dtype (the same
+object: `torch.utils.swap_tensors`, so tied parameters stay tied and modules keep their attributes).
+
+Nothing has to know when a module's construction is complete: code that touches a parked
+parameter later (a parent module's init loop, `post_init`, `tie_weights`, weight surgery) runs under
+the construction mode (partition/init.py), which unparks every parked parameter among the
+arguments of any torch function before it runs, all-gathering the slices back. Parking early costs
+a round trip, never a wrong value. Metadata reads (shape, dtype, requires_grad) are answered by the
+meta tensor; device queries by the parameter's real device, so construction code that places new
+tensors `on weight.device` keeps working.
+
+A parameter is parked only when nothing else holds its storage (the use count; a view handed out
+earlier may still be written through). At world > 1 that decision is agreed by all ranks (one tiny
+all-reduce) because unparking is a collective: every rank must unpark the same parameters in the
+same order, which identical construction code on every rank guarantees.
+
+[Note: parking in the compute dtype]
+Given a `Config`, slices are parked in its `param_dtype` (bf16 halves the park). That loses
+nothing against eager construction followed by `shard`, which rounds every parameter to that dtype
+too, as long as code that touches a parked parameter overwrites it (init functions, `copy_`,
+`fill_`): unparking gives back the rounded values, and rounding them again is exact. A
+read-modify-write of a parked parameter in arithmetic (`weight.mul_(0.7)` in a parent's
+`__init__`) computes on rounded inputs and may then differ from eager in the last bit of the
+compute dtype. fp32 runs, and parameters touched before their module is attached, are exact.
+
+`zeroinf.shard` unparks each unit's parameters just before it builds that unit (partition/init.py),
+so building needs one unit in memory at a time; the park closes (its NVMe file removed) when the
+last parameter has left it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from zeroinf.comm import all_gather_into, all_reduce
+from zeroinf.topology import Topology
+
+
+class ParkStore(Protocol):
+    """Where this rank's slices of parked parameters live; keys are small integers."""
+
+    def put(self, key: int, values: torch.Tensor) -> None: ...  # store (or overwrite) a slice; takes ownership
+    def take(self, key: int, device: torch.device) -> torch.Tensor: ...  # the slice, as a fresh tensor
+    def close(self) -> None: ...
+
+
+class MemoryParkStore:
+    """Slices kept as tensors on one device (the accelerator, or the CPU for the host tier)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._slices: dict[int, torch.Tensor] = {}
+
+    def put(self, key: int, values: torch.Tensor) -> None:
+        self._slices[key] = values.to(self.device)
+
+    def take(self, key: int, device: torch.device) -> torch.Tensor:
+        return self._slices.pop(key).to(device)
+
+    def close(self) -> None:
+        self._slices.clear()
+
+
+@dataclass
+class _Parked:
+    """What the meta placeholder cannot tell: the real device, and this rank's slice."""
+
+    key: int
+    param: nn.Parameter  # a strong reference: a parked parameter stays reachable until unparked
+    device: torch.device
+    numel: int
+
+
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def _storage_shared(p: torch.Tensor) -> bool:
+    """True when another tensor (a view handed out earlier) shares the parameter's storage.
+
+    The count includes the Python storage object made to ask, hence 2 for a sole owner.
+    """
+    return torch._C._storage_Use_Count(p.untyped_storage()._cdata) > 2
+
+
+def _parkable(p: nn.Parameter) -> bool:
+    """No view shares its storage, and no weak reference pins the object (swap_tensors refuses those)."""
+    return not _storage_shared(p) and not weakref.getweakrefcount(p)
+
+
+def _swap_data(p: nn.Parameter, data: torch.Tensor) -> None:
+    """Give `p` new contents in place (also across devices, e.g. to and from meta), keeping its
+    identity, class, requires_grad and Python attributes (Hugging Face marks some)."""
+    new = nn.Parameter(data, requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, new)
+
+
+class ParamPark:
+    """Parked parameters of one `zeroinf.init()` build, and the live ones it may park."""
+
+    def __init__(
+        self, store: ParkStore, topo: Topology, live_budget_bytes: int, park_dtype: torch.dtype | None = None
+    ) -> None:
+        if live_budget_bytes < 0:
+            raise ValueError(f"zeroinf.init: live_bytes = {live_budget_bytes} must be >= 0")
+        self.store, self.topo, self.live_budget_bytes = store, topo, live_budget_bytes
+        self.park_dtype = park_dtype  # None: keep each parameter's own dtype
+        self.parked: dict[int, _Parked] = {}  # id(param) ->
+        self.live: OrderedDict[int, nn.Parameter] = OrderedDict()  # built or unparked, oldest first
+        self.settled: set[int] = set()  # live parameters whose module is attached to a parent: built
+        self.collecting = True  # inside the `with zeroinf.init()` block: new parameters are adopted
+        self.closed = False
+        self._key_of: dict[int, int] = {}  # a parameter parked again reuses its slot
+        self.parks = self.unparks = 0  # counters, for tests and the benchmark
+        self.parked_bytes = 0  # bytes of slices written to the store
+
+    # -- queries --------------------------------------------------------------------------------------
+    def holds(self, p: torch.Tensor) -> bool:
+        return id(p) in self.parked
+
+    def owns_slot(self, p: torch.Tensor) -> bool:
+        """True when `p` was parked here at some point (it may be unparked now)."""
+        return id(p) in self._key_of and not self.closed
+
+    def device_of(self, p: torch.Tensor) -> torch.device | None:
+        entry = self.parked.get(id(p))
+        return entry.device if entry is not None else None
+
+    def parked_among(self, tensors: Iterable[object]) -> list[nn.Parameter]:
+        """The parked parameters among `tensors`, each once, in order of appearance."""
+        found: dict[int, nn.Parameter] = {}
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and id(t) in self.parked:
+                found.setdefault(id(t), self.parked[id(t)].param)
+        return list(found.values())
+
+    # -- adopt / settle / evict -----------------------------------------------------------------------
+    def adopt(self, p: nn.Parameter | None) -> None:
+        """Track a parameter just registered on a module (its module may still be building)."""
+        if (
+            p is None or not self.collecting or type(p) is not nn.Parameter or p.is_meta
+            or p.numel() == 0 or not p.is_floating_point() or id(p) in self.parked or id(p) in self.live
+        ):
+            return
+        self.live[id(p)] = p
+
+    def settle(self, module: nn.Module) -> None:
+        """`module` was attached to a parent, so its `__init__` has returned: its parameters are built."""
+        for p in module.parameters():
+            if id(p) in self.live:
+                self.settled.add(id(p))
+
+    def evict_over_budget(self) -> None:
+        """Park the oldest settled parameters beyond the live budget (those without aliases).
+
+        Parameters of a module still building are never parked here: its own code is about to
+        initialize them, and parking them would only cost a round trip.
+        """
+        settled = [p for key, p in self.live.items() if key in self.settled]
+        total = sum(_nbytes(p) for p in settled)
+        candidates = []
+        for p in settled:
+            if total <= self.live_budget_bytes:
+                break
+            candidates.append(p)
+            total -= _nbytes(p)
+        if not candidates:
+            return
+        flags = torch.tensor([int(_parkable(p)) for p in candidates], dtype=torch.int32, device=self.topo.device)
+        if self.topo.is_distributed:  # parking decides later collectives: all ranks must agree
+            all_reduce(flags, self.topo, async_op=False)
+        for p, ok in zip(candidates, flags.tolist(), strict=True):
+            if ok == self.topo.world_size:
+                self.park(p)
+
+    def park_all(self) -> None:
+        """Park every live parameter (the end of the `with` block); stop adopting new ones."""
+        for p in list(self.live.values()):
+            if not weakref.getweakrefcount(p):
+                self.park(p)
+        self.live.clear()
+        self.settled.clear()
+        self.collecting = False
+
+    def park(self, p: nn.Parameter) -> None:
+        """Keep this rank's slice of `p` in the store; `p` becomes a meta tensor of its shape."""
+        self.live.pop(id(p), None)
+        self.settled.discard(id(p))
+        world, rank = self.topo.world_size, self.topo.rank
+        numel = p.numel()
+        per_rank = math.ceil(numel / world)
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            flat = p.detach().reshape(-1)
+            piece = flat[min(rank * per_rank, numel) : min((rank + 1) * per_rank, numel)]
+            dtype = p.dtype  # the slice is parked in `park_dtype` when narrower: see [Note: parking ...]
+            if self.park_dtype is not None and p.dtype.itemsize > self.park_dtype.itemsize:
+                dtype = self.park_dtype
+            owned = torch.empty(per_rank, dtype=dtype, device=p.device)
+            owned[: piece.numel()].copy_(piece)
+            owned[piece.numel() :].zero_()  # padding: the last ranks' tails
+            piece = owned
+            key = self._key_of.setdefault(id(p), len(self._key_of))
+            self.store.put(key, piece)
+            self.parked_bytes += piece.numel() * piece.element_size()
+            device = p.device
+            _swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        self.parked[id(p)] = _Parked(key, p, device, numel)
+        self.parks += 1
+
+    def unpark(self, params: list[nn.Parameter], *, as_parked: bool = False) -> None:
+        """Give parked parameters their full values again (a collective at world > 1: every rank
+        calls it with the same parameters in the same order). `as_parked`: in the dtype they were
+        parked in (building a unit, which casts to the compute dtype anyway), not their own."""
+        world = self.topo.world_size
+        for p in params:
+            entry = self.parked.pop(id(p))
+            if p.numel() != entry.numel:
+                raise RuntimeError(
+                    f"a parameter parked by zeroinf.init with {entry.numel} elements now has shape "
+                    f"{tuple(p.shape)}: it was changed outside `with zeroinf.init()`; change parameters inside "
+                    "the block, or after zeroinf.shard inside zeroinf.gathered(..., modify=True)"
+                )
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                piece = self.store.take(entry.key, entry.device if world == 1 else self.topo.device)
+                if world > 1:
+                    full = torch.empty(piece.numel() * world, dtype=piece.dtype, device=piece.device)
+                    all_gather_into(full, piece, self.topo, async_op=False)
+                    piece = full.to(entry.device)
+                values = piece[: entry.numel].view(p.shape)
+                if values.dtype != p.dtype and not as_parked:  # parked narrower, or `model.to()` while parked
+                    values = values.to(p.dtype)
+                _swap_data(p, values)
+            self.unparks += 1
+            if self.collecting:  # back to live, built: parked again once the touching op is done
+                self.live[id(p)] = p
+                self.settled.add(id(p))
+
+    def forget_unreachable(self) -> None:
+        """Drop parked parameters nothing but the park references (e.g. a head that `tie_weights`
+        replaced): they can never be unparked, and would keep the park open."""
+        for key, entry in list(self.parked.items()):
+            # references: the entry, the loop's `entry`, getrefcount's argument
+            if sys.getrefcount(entry.param) <= 3:
+                del self.parked[key]
+
+    def close_if_done(self) -> bool:
+        """Close once the build is over and nothing is parked any more; True when closed."""
+        if not self.collecting and not self.parked:
+            self.close()
+        return self.closed
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.store.close()

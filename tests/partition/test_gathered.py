@@ -1,0 +1,160 @@
+"""`zeroinf.gathered`: read and write full parameters of a sharded model.
+
+World 2, stage 3, parameters and optimizer states on NVMe (one spawned group):
+- a write inside `gathered(modify=True)` is seen by the next forward on every rank (compared with a
+  plain model holding the same weights), by the gathered `state_dict`, and survives an optimizer
+  step with lr 0 (so it reached the fp32 masters, not only the compute shard);
+- `modifier_rank=1`: rank-dependent writes end as rank 1's everywhere;
+- reading nested inside writing works; a unit gathered twice for writing is refused;
+- bf16: the masters of elements left alone keep their unrounded fp32 values.
+World 1 in process: parameters of a model that is not sharded are refused; parameters parked by
+`zeroinf.init()` can be edited before `shard`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+import zeroinf
+from tests._harness import run_ranks
+from tests.partition.test_init import Net
+
+
+def _offloaded_cfg(folder: str, dtype: str = "fp32") -> zeroinf.Config:
+    offload = zeroinf.OffloadConfig(params="nvme", optimizer="nvme", nvme_dir=folder)
+    return zeroinf.Config(stage=3, param_dtype=dtype, persist_threshold_bytes=0, offload=offload)
+
+
+def _step(model: torch.nn.Module, opt: zeroinf.AdamW, idx: torch.Tensor) -> None:
+    loss = model(idx).float().logsumexp(-1).mean()
+    opt.backward(loss)
+    opt.step()
+    opt.zero_grad()
+
+
+def _round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
+    folder = os.path.join(root, f"rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(0)
+    model = zeroinf.shard(Net(), _offloaded_cfg(folder))
+    opt = zeroinf.AdamW(model, lr=1e-2, weight_decay=0.0)
+    idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(rank))
+    _step(model, opt, idx)
+    weight = model.blocks[1].up.weight
+    new_values = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32) / 1000
+    out: dict[str, Any] = {}
+    with zeroinf.gathered([weight, model.blocks[2].down.weight], modify=True) as (w, _):
+        out["shape_inside"] = tuple(w.shape)
+        with zeroinf.gathered(model.blocks[2].down.weight):  # a read nested in a write
+            out["nested_read_shape"] = tuple(model.blocks[2].down.weight.shape)
+        try:
+            with zeroinf.gathered(weight, modify=True):
+                pass
+        except RuntimeError as exc:
+            out["nested_write_error"] = str(exc)
+        w.copy_(new_values)
+    out["shape_after"] = tuple(weight.shape)  # sharded again: an empty placeholder
+    state = model.state_dict()
+    out["state_has_new"] = torch.equal(state["blocks.1.up.weight"], new_values)
+    plain = Net()
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        out["forward_matches_plain"] = torch.equal(model(idx), plain(idx))
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    _step(model, opt, idx)
+    out["survives_step"] = torch.equal(model.state_dict()["blocks.1.up.weight"], new_values)
+    with zeroinf.gathered(model.blocks[0].up.bias, modify=True, modifier_rank=1):
+        model.blocks[0].up.bias.fill_(float(rank))
+    out["modifier_rank_value"] = model.state_dict()["blocks.0.up.bias"].unique().tolist()
+    opt.close()
+    zeroinf.engine_of(model).close()
+    return out
+
+
+def _bf16_masters(rank: int, world: int, root: str) -> dict[str, Any]:
+    folder = os.path.join(root, f"bf16-rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(0)
+    model = zeroinf.shard(Net(), _offloaded_cfg(folder, "bf16"))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    engine = zeroinf.engine_of(model)
+    unit_index = engine.unit_index_of(model.blocks[1].up.weight)
+    assert unit_index is not None
+    before = opt.states.read_unit(unit_index).master.clone()
+    with zeroinf.gathered(model.blocks[1].up.weight, modify=True) as (w,):
+        w[0].fill_(0.25)  # one row; the rest of the unit is left alone
+    after = opt.states.read_unit(unit_index).master
+    changed = (after != before).nonzero().flatten()
+    unit = engine.units[unit_index]
+    slot = next(s for s, n in zip(unit.layout.slots, unit.param_names, strict=True) if n == "blocks.1.up.weight")
+    row = torch.arange(slot.offset, slot.offset + 32)  # row 0 of the weight, in the unsharded flat buffer
+    owned_row = row[(row >= unit.owned_start) & (row < unit.owned_end)] - unit.owned_start
+    opt.close()
+    engine.close()
+    return {
+        "changed": changed.tolist(), "owned_row": owned_row.tolist(),
+        "row_masters": after[owned_row].unique().tolist() if len(owned_row) else [],
+        "unrounded_before": bool((before != before.bfloat16().float()).any()),
+    }
+
+
+def run(rank: int, world: int, root: str) -> dict[str, Any]:
+    return {"round_trip": _round_trip(rank, world, root), "bf16": _bf16_masters(rank, world, root)}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="zeroinf-gathered-") as root:
+        return run_ranks(run, 2, root, timeout_s=240)
+
+
+def test_writes_reach_every_rank_the_tier_and_the_masters(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        t = r["round_trip"]
+        assert t["shape_inside"] == (64, 32) and t["nested_read_shape"] == (32, 64), (rank, t)
+        assert t["shape_after"] == (0, 0), (rank, t)
+        assert t["state_has_new"] and t["forward_matches_plain"], (rank, t)
+        assert t["survives_step"], f"rank {rank}: the write did not reach the fp32 masters"
+        assert t["modifier_rank_value"] == [1.0], (rank, t)
+
+
+def test_nested_write_is_refused(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert "already gathered for writing" in r["round_trip"]["nested_write_error"]
+
+
+def test_bf16_masters_of_untouched_elements_keep_fp32(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        b = r["bf16"]
+        assert b["unrounded_before"], "the masters should hold unrounded fp32 values to begin with"
+        assert b["changed"] == b["owned_row"], f"rank {rank}: masters changed outside the written row: {b}"
+        assert b["row_masters"] in ([], [0.25]), (rank, b)
+
+
+def test_parameters_of_an_unsharded_model_are_refused() -> None:
+    model = Net()
+    with pytest.raises(ValueError, match=r"belongs to no sharded model.*zeroinf.shard"):
+        with zeroinf.gathered(model.head.weight):
+            pass
+
+
+def test_parked_parameters_can_be_edited_before_shard() -> None:
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
+    with zeroinf.init(cfg):
+        model = Net()
+    head = model.head.weight
+    assert head.is_meta
+    with zeroinf.gathered(head, modify=True):
+        assert not head.is_meta
+        reference = copy.deepcopy(head.detach())
+        head.mul_(-1)
+    assert head.is_meta
+    zeroinf.shard(model, cfg)
+    assert torch.equal(model.state_dict()["head.weight"], -reference)
