@@ -358,3 +358,14 @@ def test_cli_trains_the_demo_from_a_deepspeed_config(tmp_path: Path) -> None:
     assert len(saved["losses"]) == 3
     io = saved["memory"]["io"]
     assert io["nvme_read_bytes"] > 0 and io["nvme_written_bytes"] > 0
+
+
+def test_the_migration_guide_example_translates_to_its_toml(tmp_path: Path) -> None:
+    """docs/migrating-from-deepspeed.md: its DeepSpeed JSON and its zeroinf TOML are the same Config."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "migrating-from-deepspeed.md").read_text()
+    ds_json = text.split("```json\n", 1)[1].split("```", 1)[0]
+    toml = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "train.toml").write_text(toml)
+    t = translate(json.loads(ds_json))
+    assert t.config == Config.load(tmp_path / "train.toml")
+    assert set(t.ignored) == {"train_micro_batch_size_per_gpu", "optimizer"} and t.auto == ()
