@@ -36,7 +36,7 @@ def full_config() -> dict[str, Any]:
         "zero_optimization": {
             "stage": 3,
             "offload_param": {"device": "nvme", "nvme_path": NVME},
-            "offload_optimizer": {"device": "nvme", "nvme_path": NVME, "buffer_count": 6},
+            "offload_optimizer": {"device": "nvme", "nvme_path": NVME, "buffer_count": 12},
             "sub_group_size": 123_456,
             "stage3_prefetch_bucket_size": 3e6,  # JSON writes these as floats
             "stage3_max_live_parameters": 7_000_000,
@@ -62,7 +62,7 @@ EXPECTED = Config(
     persist_threshold_bytes=5_000 * 2,
     loss_scale=LossScaleConfig(initial_scale=2.0**12, growth_interval=500, min_scale=0.25),
     offload=OffloadConfig(
-        params="nvme", optimizer="nvme", gradients="host", nvme_dir=NVME, sub_group_numel=123_456, buffer_count=6
+        params="nvme", optimizer="nvme", gradients="host", nvme_dir=NVME, sub_group_numel=123_456, buffer_count=4
     ),
 )
 EXPECTED_AIO = AioConfig(block_bytes=2 * 2**20, queue_depth=16, workers=4)
@@ -186,6 +186,13 @@ def test_fp16_loss_scale_fields_and_fixed_behaviours() -> None:
     }
 
 
+@pytest.mark.parametrize(("deepspeed_count", "zeroinf_count"), [(0, 2), (4, 2), (8, 2), (9, 3), (12, 4), (30, 10)])
+def test_buffer_count_converts_tensor_buffers_to_sub_group_buffers(deepspeed_count: int, zeroinf_count: int) -> None:
+    """DeepSpeed buffers hold one of a sub-group's 3 fp32 tensors, zeroinf's all 3 (at least 2 buffers)."""
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": deepspeed_count}}}
+    assert translate(ds).config.offload.buffer_count == zeroinf_count
+
+
 def test_stage_1_offloads_the_optimizer_but_keeps_gradients_on_the_device() -> None:
     ds = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
     assert translate(ds).config == Config(stage=1, offload=OffloadConfig(optimizer="host"))
@@ -252,8 +259,8 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
      "whole number >= 0"),
     ("sub-group-0", {"zero_optimization": {"sub_group_size": 0}}, "zero_optimization.sub_group_size",
      "positive integer (it sets zeroinf's offload.sub_group_numel)"),
-    ("buffer-count-1", {"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_count": 1}}},
-     "zero_optimization.offload_optimizer.buffer_count", ">= 2"),
+    ("buffer-count-negative", {"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_count": -4}}},
+     "zero_optimization.offload_optimizer.buffer_count", "whole number >= 0"),
     ("fp16-reduction", {"communication_data_type": "fp16"}, "communication_data_type", "fp16 reductions overflow"),
     ("reduce-int8", {"communication_data_type": "int8"}, "communication_data_type", "use one of"),
     ("negative-clip", {"gradient_clipping": -1.0}, "gradient_clipping", "positive number"),
@@ -369,3 +376,14 @@ def test_the_migration_guide_example_translates_to_its_toml(tmp_path: Path) -> N
     t = translate(json.loads(ds_json))
     assert t.config == Config.load(tmp_path / "train.toml")
     assert set(t.ignored) == {"train_micro_batch_size_per_gpu", "optimizer"} and t.auto == ()
+
+
+def test_the_warning_comes_from_rank_0_only(
+    monkeypatch: pytest.MonkeyPatch, warnings_of_zeroinf: list[logging.LogRecord]
+) -> None:
+    monkeypatch.setenv("RANK", "1")
+    assert Config.from_deepspeed({"made_up": 1}) == Config(stage=0)
+    assert warnings_of_zeroinf == []
+    monkeypatch.setenv("RANK", "0")
+    Config.from_deepspeed({"made_up": 1})
+    assert len(warnings_of_zeroinf) == 1

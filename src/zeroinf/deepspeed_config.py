@@ -15,7 +15,7 @@ pure function of the parsed JSON, and `config_from_deepspeed` adds reading the f
                                                                                   DeepSpeed keeps them there
     offload_param.nvme_path,                       offload.nvme_dir               one folder for all swap files: two
       offload_optimizer.nvme_path                                                 different paths are refused
-    offload_optimizer.buffer_count                 offload.buffer_count           optimizer staging buffers
+    offload_optimizer.buffer_count                 offload.buffer_count           count // 3, at least 2 (see below)
     zero_optimization.sub_group_size               offload.sub_group_numel        elements in both
     stage3_prefetch_bucket_size                    prefetch_bytes                 elements x compute item size
     stage3_max_live_parameters                     max_live_bytes                 elements x compute item size
@@ -41,7 +41,11 @@ in bytes. A count of n elements holds n values of the dtype it carries, so it is
 dtype's item size: the compute dtype (`param_dtype`, chosen by `bf16`/`fp16`) for the prefetch, live
 and persistence sizes, which count parameters; the reduce dtype (`reduce_dtype`, fp32 unless
 `communication_data_type` says otherwise) for the gradient bucket, which zeroinf fills in that dtype.
-A bf16 run's `stage3_prefetch_bucket_size: 5e7` is thus `prefetch_bytes = 1e8`.
+A bf16 run's `stage3_prefetch_bucket_size: 5e7` is thus `prefetch_bytes = 1e8`. Staging buffers
+differ in the same way: a DeepSpeed buffer holds one fp32 tensor of a sub-group, so an Adam sub-group
+takes three (master, exp_avg, exp_avg_sq); a zeroinf buffer holds all three. `buffer_count` is
+therefore divided by 3, the same host memory, but never below 2, the fewest that overlap a read with
+a write (DeepSpeed's usual 4 becomes 2).
 
 Keys a config leaves out keep zeroinf's defaults (tuned for this engine), except `stage` (see above).
 "auto", as Hugging Face Trainer writes it, also keeps zeroinf's default, and is listed. A switch set
@@ -67,6 +71,12 @@ AUTO = "auto"
 DEVICE_TIERS = {"none": "device", "cpu": "host", "nvme": "nvme"}
 """DeepSpeed's offload `device` word -> zeroinf's tier."""
 
+STATES_PER_BUFFER = 3
+"""fp32 tensors of one sub-group in a zeroinf staging buffer (master, exp_avg, exp_avg_sq); a
+DeepSpeed buffer holds one."""
+MIN_STAGING_BUFFERS = 2
+"""The fewest staging buffers `OffloadConfig.buffer_count` accepts."""
+
 AIO_NOT_APPLIED = "not applied: Config has no aio field yet, the NVMe tiers use AioConfig() defaults"
 
 _REASONS = {
@@ -82,7 +92,7 @@ _REASONS = {
 }
 """Why a DeepSpeed key has no counterpart, where a sentence helps; other ignored keys are just listed."""
 
-_FIXED = {
+_FIXED: dict[str, dict[str, bool | int]] = {
     "": {"wall_clock_breakdown": False},
     "zero_optimization": {
         "overlap_comm": True,
@@ -318,7 +328,8 @@ def _zero(root: _Table, fields_: _Fields, compute_dtype: str, reduce_dtype: str)
         if optimizer != "device" and stage >= 2:
             fields_.set("offload.gradients", "host", key, device)
         count = _count(optimizer_table, "buffer_count")
-        fields_.set("offload.buffer_count", count, optimizer_table.key("buffer_count"), count)
+        buffers = None if count is None else max(MIN_STAGING_BUFFERS, count // STATES_PER_BUFFER)
+        fields_.set("offload.buffer_count", buffers, optimizer_table.key("buffer_count"), count)
     if param_path and optimizer_path and os.path.normpath(param_path) != os.path.normpath(optimizer_path):
         raise ConfigError(
             "zero_optimization.offload_optimizer.nvme_path", optimizer_path,
@@ -407,10 +418,12 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def config_from_deepspeed(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
-    """`Config.from_deepspeed`: read, translate, and log the ignored and "auto" keys as one warning."""
+    """`Config.from_deepspeed`: read, translate, and log the ignored and "auto" keys as one warning.
+
+    Every rank reads the same file, so the warning comes from rank 0 only (torchrun's RANK)."""
     data, label = read_deepspeed(source)
     translation = translate(data)
     notice = translation.notice(label)
-    if notice:
+    if notice and os.environ.get("RANK", "0") == "0":
         get_logger().warning(notice)
     return translation.config
