@@ -1,8 +1,13 @@
-"""The `zeroinf` command line: `zeroinf train` and `zeroinf bench-io`.
+"""The `zeroinf` command line: `zeroinf train`, `zeroinf bench-io` and `zeroinf consolidate`.
 
 zeroinf train                          # the demo GPT on the standard library's sources
 zeroinf train --nproc 2 --stage 2      # two ranks on this machine (through torch.distributed.run)
+zeroinf train --deepspeed ds.json      # engine settings from a DeepSpeed config
 torchrun --nproc-per-node 8 -m zeroinf train --model 125m --config train.toml
+
+Every error that is the user's to fix (a bad option value, a bad or missing config file, a missing
+folder, a bad checkpoint, a full disk) ends the command with one line on stderr and exit status 2;
+anything else is a bug and keeps its traceback (`USER_ERRORS`).
 """
 
 from __future__ import annotations
@@ -14,10 +19,24 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
-from zeroinf.config import DTYPES, Config, ConfigError, OffloadConfig
+from zeroinf.checkpoint.format import CheckpointError
+from zeroinf.config import DTYPES, Config, OffloadConfig
 from zeroinf.models.gpt import PRESETS
 from zeroinf.train import DEFAULT_CONFIG, TrainArgs, available_cores, train
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, CheckpointError)
+"""Exceptions the command line reports on one line: ValueError covers ConfigError and unparsable
+values or files (JSON, TOML, sizes), OSError missing files and folders, I/O failures (AioError) and
+timeouts, CheckpointError a checkpoint that is missing, corrupt or does not fit."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, like the command line's other errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +72,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.eval_batches,
         help="validation batches at the end, 0 to skip (default: %(default)s)",
     )
-    engine = parser.add_argument_group("engine (override the fields of --config)")
-    engine.add_argument("--config", metavar="FILE", help="zeroinf config, .toml or .json")
+    engine = parser.add_argument_group("engine (override the fields of --config or --deepspeed)")
+    source = engine.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="FILE", help="zeroinf config, .toml or .json")
+    source.add_argument(
+        "--deepspeed",
+        metavar="FILE",
+        help="DeepSpeed JSON config, translated by zeroinf.Config.from_deepspeed (docs/migrating-from-deepspeed.md)",
+    )
     engine.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     engine.add_argument("--dtype", choices=sorted(DTYPES), help="parameter (compute) dtype")
     engine.add_argument("--grad-accum", type=int, metavar="N", help="micro-steps per optimizer step")
@@ -85,7 +110,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(ns: argparse.Namespace) -> Config:
     """The config file's settings (or the default ones), with the command-line overrides applied."""
-    cfg = Config.load(ns.config) if ns.config else DEFAULT_CONFIG
+    if ns.deepspeed:
+        cfg = Config.from_deepspeed(ns.deepspeed)
+    else:
+        cfg = Config.load(ns.config) if ns.config else DEFAULT_CONFIG
     overrides = {
         "stage": ns.stage,
         "param_dtype": ns.dtype,
@@ -119,7 +147,7 @@ def temporary_swap_folder() -> str:
 
 def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if ns.nproc < 1:
-        raise SystemExit(f"zeroinf train: --nproc {ns.nproc} is invalid; use a positive number of ranks")
+        raise ValueError(f"--nproc {ns.nproc} is invalid: use a positive number of ranks")
     if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return relaunch_with_torchrun(ns.nproc, argv)
     args = TrainArgs(
@@ -184,16 +212,14 @@ def relaunch_with_torchrun(nproc: int, train_argv: Sequence[str]) -> int:
 def run_bench_io(rest: Sequence[str]) -> int:
     from zeroinf.aio.bench import add_arguments, run  # lazily: `train` works without the aio package
 
-    parser = argparse.ArgumentParser(prog="zeroinf bench-io", description="Measure NVMe read/write bandwidth.")
+    parser = Parser(prog="zeroinf bench-io", description="Measure NVMe read/write bandwidth.")
     add_arguments(parser)
     result = run(parser.parse_args(list(rest)))
     return int(result) if isinstance(result, int) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="zeroinf", description="ZeRO-sharded training for PyTorch.", allow_abbrev=False
-    )
+    parser = Parser(prog="zeroinf", description="ZeRO-sharded training for PyTorch.", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_arguments(
         sub.add_parser("train", help="train the demo GPT (byte-level) on a text corpus", allow_abbrev=False)
@@ -209,21 +235,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `zeroinf` and `python -m zeroinf`; returns the exit code."""
+    """Entry point of `zeroinf` and `python -m zeroinf`; returns the exit code (2: the user's error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    prog = f"zeroinf {argv[0]}" if argv and not argv[0].startswith("-") else "zeroinf"
+    try:
+        return run_command(argv)
+    except USER_ERRORS as error:
+        print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
+        return 2
+
+
+def run_command(argv: list[str]) -> int:
+    """Parse `argv` and run its subcommand; errors propagate to `main`."""
     if argv and argv[0] == "bench-io":
         return run_bench_io(argv[1:])
-    ns = parser.parse_args(argv)
+    ns = build_parser().parse_args(argv)
     if ns.command == "consolidate":
         from zeroinf.checkpoint.consolidate import run as run_consolidate
 
-        result = run_consolidate(ns)
-        return int(result) if isinstance(result, int) else 0
-    from zeroinf.checkpoint import CheckpointError
+        return run_consolidate(ns)
+    return run_train(ns, argv[1:])
 
-    try:
-        return run_train(ns, argv[1:])
-    except (ConfigError, FileNotFoundError, CheckpointError, ValueError) as error:
-        print(f"zeroinf {ns.command}: error: {error}", file=sys.stderr)
-        return 2
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (its type's name if it has none)."""
+    return " ".join(str(error).split()) or type(error).__name__

@@ -14,6 +14,7 @@ import json
 import sys
 import textwrap
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ class ConfigError(ValueError):
     def __init__(self, field_name: str, value: object, fix: str) -> None:
         super().__init__(f"config field `{field_name}` = {value!r} is invalid: {fix}")
         self.field_name = field_name
+        self.value = value
+        self.fix = fix
 
 
 def _normalize_dtype(field_name: str, value: object) -> str:
@@ -254,13 +257,26 @@ class Config:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        if path.suffix == ".toml":
-            data = tomllib.loads(path.read_text())
-        elif path.suffix == ".json":
-            data = json.loads(path.read_text())
-        else:
-            raise ValueError(f"config file {path}: use a .toml or .json file")
+        try:
+            if path.suffix == ".toml":
+                data = tomllib.loads(path.read_text())
+            elif path.suffix == ".json":
+                data = json.loads(path.read_text())
+            else:
+                raise ValueError(f"config file {path}: use a .toml or .json file")
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"config file {path} is not valid {path.suffix[1:].upper()}: {error}") from None
         return cls.from_dict(data)
+
+    @classmethod
+    def from_deepspeed(cls, source: str | Path | Mapping[str, Any]) -> Config:
+        """Translate a DeepSpeed JSON config (its path, or the parsed dict); see `zeroinf.deepspeed_config`.
+
+        Keys with no meaning here are listed in one logged warning; contradictory ones raise a
+        ConfigError naming the DeepSpeed key."""
+        from zeroinf.deepspeed_config import config_from_deepspeed
+
+        return config_from_deepspeed(source)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

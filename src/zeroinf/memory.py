@@ -98,8 +98,11 @@ def format_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
-def parse_bytes(text: str) -> int:
-    """'4GiB' -> 4294967296, '512MB' -> 512000000, '1048576' -> 1048576."""
+def parse_bytes(text: str, what: str = "byte size") -> int:
+    """'4GiB' -> 4294967296, '512MB' -> 512000000, '1048576' -> 1048576.
+
+    The one parser of byte sizes (config fields, `bench-io`, `consolidate --max-shard-size`); a bad
+    `text` raises ValueError naming `what` (e.g. the option) and the accepted forms."""
     units = {
         "": 1, "b": 1,
         "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -111,9 +114,10 @@ def parse_bytes(text: str) -> int:
     while i > 0 and s[i - 1].isalpha():
         i -= 1
     number, suffix = s[:i].strip(), s[i:]
+    error = f"cannot parse {what} {text!r}: use e.g. 4GiB, 512MiB, 1MB or a plain integer"
     if suffix not in units or not number or number.startswith("-"):
-        raise ValueError(f"cannot parse byte size {text!r}: use e.g. 4GiB, 512MiB, 1MB or a plain integer")
+        raise ValueError(error)
     try:
         return int(float(number) * units[suffix])
     except (ValueError, OverflowError):
-        raise ValueError(f"cannot parse byte size {text!r}: use e.g. 4GiB, 512MiB, 1MB or a plain integer") from None
+        raise ValueError(error) from None

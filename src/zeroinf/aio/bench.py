@@ -128,44 +128,42 @@ def _describe(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        size_bytes = parse_bytes(args.size)
-        base = AioConfig(
-            block_bytes=parse_bytes(args.block_bytes),
-            queue_depth=args.queue_depth,
-            workers=args.workers,
-            o_direct=not args.buffered,
-        )
-        if not args.sweep:
-            result = measure(args.dir, size_bytes, base)
-            print(json.dumps(result) if args.json else _describe(result))
-            return 0
-        results = []
-        for block_bytes in SWEEP_BLOCK_BYTES:
-            for workers in SWEEP_WORKERS:
-                config = replace(base, block_bytes=block_bytes, queue_depth=workers, workers=workers)
-                results.append(measure(args.dir, size_bytes, config))
-                if not args.json:
-                    print(_describe(results[-1]), flush=True)
-        # Best by the geometric mean: a setting must be good at both directions.
-        best = max(results, key=lambda r: math.sqrt(r["read_gbps"] * r["write_gbps"]))
-        if args.json:
-            print(json.dumps({"results": results, "best": best}))
-        else:
-            print(
-                f"best: --block-bytes {best['block_bytes']} --queue-depth {best['queue_depth']} "
-                f"--workers {best['workers']}: {_describe(best)}"
-            )
+    """Measure as `args` say; bad values and I/O failures raise (`zeroinf.cli.main` prints them)."""
+    size_bytes = parse_bytes(args.size, "--size")
+    base = AioConfig(
+        block_bytes=parse_bytes(args.block_bytes, "--block-bytes"),
+        queue_depth=args.queue_depth,
+        workers=args.workers,
+        o_direct=not args.buffered,
+    )
+    if not args.sweep:
+        result = measure(args.dir, size_bytes, base)
+        print(json.dumps(result) if args.json else _describe(result))
         return 0
-    except (OSError, ValueError) as exc:
-        print(f"zeroinf bench-io: {exc}", file=sys.stderr)
-        return 1
+    results = []
+    for block_bytes in SWEEP_BLOCK_BYTES:
+        for workers in SWEEP_WORKERS:
+            config = replace(base, block_bytes=block_bytes, queue_depth=workers, workers=workers)
+            results.append(measure(args.dir, size_bytes, config))
+            if not args.json:
+                print(_describe(results[-1]), flush=True)
+    # Best by the geometric mean: a setting must be good at both directions.
+    best = max(results, key=lambda r: math.sqrt(r["read_gbps"] * r["write_gbps"]))
+    if args.json:
+        print(json.dumps({"results": results, "best": best}))
+    else:
+        print(
+            f"best: --block-bytes {best['block_bytes']} --queue-depth {best['queue_depth']} "
+            f"--workers {best['workers']}: {_describe(best)}"
+        )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zeroinf bench-io", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """`python -m zeroinf.aio.bench ...`: the same as `zeroinf bench-io ...`, errors included."""
+    from zeroinf.cli import main as cli_main
+
+    return cli_main(["bench-io", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import struct
+import sys
 from typing import Any
 
 import torch
@@ -26,7 +27,6 @@ import torch
 from zeroinf.checkpoint.format import (
     CHUNK_NUMEL,
     DTYPES,
-    CheckpointError,
     DataFiles,
     as_bytes,
     fsync_dir,
@@ -35,6 +35,7 @@ from zeroinf.checkpoint.format import (
     write_atomic,
 )
 from zeroinf.checkpoint.reader import ChunkReader
+from zeroinf.memory import parse_bytes
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 ST_NAMES = {
@@ -43,13 +44,6 @@ ST_NAMES = {
     torch.bool: "BOOL",
 }
 INDEX = "model.safetensors.index.json"
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    t = text.strip().upper()
-    num = t.rstrip("KMGIB")
-    return int(float(num) * units[t[len(num):]])
 
 
 def consolidate(
@@ -162,14 +156,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        index = consolidate(
-            args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=_parse_bytes(args.max_shard_size),
-            include_module_state=not args.no_buffers,
-        )
-    except CheckpointError as e:
-        print(f"zeroinf consolidate: {e}")
-        return 1
+    """Consolidate as `args` say; a bad size or checkpoint raises (`zeroinf.cli.main` prints it)."""
+    max_shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size")
+    if max_shard_bytes < 1:
+        raise ValueError(f"--max-shard-size {args.max_shard_size!r}: use a positive size, e.g. 5GB")
+    index = consolidate(
+        args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
+        include_module_state=not args.no_buffers,
+    )
     files = sorted(set(index["weight_map"].values()))
     print(f"wrote {len(index['weight_map'])} tensors, {index['metadata']['total_size']} bytes, "
           f"in {len(files)} files to {args.out}")
@@ -177,9 +171,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zeroinf consolidate", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """`python -m zeroinf.checkpoint.consolidate ...`: the same as `zeroinf consolidate ...`, errors included."""
+    from zeroinf.cli import main as cli_main
+
+    return cli_main(["consolidate", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
