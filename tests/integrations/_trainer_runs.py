@@ -75,6 +75,7 @@ def summary(trainer: Any, rank: int = 0) -> dict[str, Any]:
     return {
         "loss": logged(trainer), "grad_norm": logged(trainer, "grad_norm"),
         "learning_rate": logged(trainer, "learning_rate"), "eval_loss": eval_loss,
+        "total_flos": trainer.state.total_flos,
         "weights": {k: v.clone() for k, v in weights.items()} if rank == 0 else None,
     }
 

@@ -65,6 +65,7 @@ def _assert_parity(ours: dict, plain: dict, where: str) -> None:
             assert ours[key][step] == pytest.approx(ref, rel=RTOL), f"{where}: step {step} {key}"
     assert ours["learning_rate"] == plain["learning_rate"], where
     assert ours["eval_loss"] == pytest.approx(plain["eval_loss"], rel=RTOL), where
+    assert ours["total_flos"] == plain["total_flos"], where  # counted unsharded (stage 3: placeholders)
     for name, ref in plain["weights"].items():
         torch.testing.assert_close(
             ours["weights"][name], ref, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{where}: {name}: {m}"

@@ -125,6 +125,7 @@ class Trainer(transformers.Trainer):
                 )
             zeroinf_config = engine_of(model).cfg
         self.zeroinf_config = config_for_trainer(zeroinf_config or Config(), args)
+        args.device  # noqa: B018 - accelerate joins the process group (torchrun) before we shard across it
         self.checkpoint_weights = checkpoint_weights
         self._saving_checkpoint = False
         if model is not None:
@@ -214,6 +215,19 @@ class Trainer(transformers.Trainer):
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
         return None  # parameters hold no gradients here; `log` reports the engine's norm
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """The plain Trainer's 6 x tokens x non-embedding parameters, with each parameter counted at its
+        full size (between passes a stage-3 parameter is an empty placeholder)."""
+        model = self._sharded_model()
+        main_input = getattr(model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(model, "num_parameters"):
+            return 0
+        units = engine_of(model).units
+        full_numel = {id(p): slot.numel for u in units for p, slot in zip(u.params, u.layout.slots, strict=True)}
+        embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+        numel = sum(full_numel.get(id(p), p.numel()) for n, p in model.named_parameters() if n not in embeddings)
+        return 6 * inputs[main_input].numel() * numel
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         norm = getattr(self.optimizer, "last_grad_norm", None)
