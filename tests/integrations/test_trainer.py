@@ -53,8 +53,12 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def plain_llama(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    torch.set_num_threads(1)  # module-scoped: runs before the function-scoped fixture
-    return summary(run_plain("llama", str(tmp_path_factory.mktemp("plain"))))
+    threads = torch.get_num_threads()  # module-scoped: runs before the function-scoped `one_thread`
+    torch.set_num_threads(1)
+    try:
+        return summary(run_plain("llama", str(tmp_path_factory.mktemp("plain"))))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _assert_parity(ours: dict, plain: dict, where: str) -> None:
