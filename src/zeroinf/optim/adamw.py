@@ -143,6 +143,12 @@ class AdamW(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step() skipped its update (fp16 overflow); accelerate reads this name so that
+        the Trainer's LR scheduler does not advance on a skipped step."""
+        return self.last_step_skipped
+
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the fp16 loss scale applied (identical to loss.backward() otherwise)."""
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()

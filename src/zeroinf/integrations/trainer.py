@@ -1,0 +1,309 @@
+"""`zeroinf.integrations.Trainer`: `transformers.Trainer` training a zeroinf-sharded model.
+
+    trainer = Trainer(model=model, args=TrainingArguments(...), zeroinf_config=zeroinf.Config(stage=3),
+                      train_dataset=ds)
+    trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
+    trainer.save_model("out")            # a Hugging Face folder: AutoModelForCausalLM.from_pretrained("out")
+
+What differs from the plain Trainer, and where it happens:
+- Model: sharded by `zeroinf.shard` in the constructor (or in `call_model_init`) and marked as prepared
+  for accelerate, which then neither wraps it in DDP, nor moves it, nor adds autocast: zeroinf places
+  the parameters and reduces the gradients itself ([Note: accelerate and the sharded model]).
+- Optimizer: `zeroinf.AdamW` with the Trainer's param groups (weight decay except biases and norms)
+  and its lr, betas, eps; the Trainer's LR scheduler runs on it unchanged.
+- Accumulation and clipping: `gradient_accumulation_steps` and `max_grad_norm` go into the Config
+  (trainer_args.py). The Trainer does not clip; the engine does, exactly across shards, and its
+  norm is logged as `grad_norm` (when clipping is on, or fp16).
+- fp16 (`Config(param_dtype="fp16")`): gradients carry the optimizer's loss scale (`compute_loss`);
+  an overflowing step is skipped and the LR scheduler does not advance.
+- Checkpoints (`save_steps`): `checkpoint-N/zeroinf/` holds the sharded states (`zeroinf.save`), and
+  `checkpoint-N/` the weights consolidated from them (streamed on rank 0, no gather) with the config,
+  so `from_pretrained(checkpoint-N)` works; scheduler, RNG and trainer state are the Trainer's own
+  files. `resume_from_checkpoint` loads the sharded states (`zeroinf.load`) at any world size, stage
+  or placement; the Trainer restores RNG and data position as usual.
+- `save_model`: `model.state_dict()` on every rank (at stage 3 a collective that gathers unit by
+  unit), written by rank 0 with `save_pretrained`.
+
+[Note: accelerate and the sharded model]
+`Accelerator.prepare_model` / `prepare_optimizer` return an object unchanged when it carries
+accelerate's own `_is_accelerate_prepared` flag (its guard against double wrapping). We set it on
+the sharded model and on our optimizer: DDP on top of zeroinf would reduce every gradient twice (and
+cannot handle stage-3 placeholders), a device move would break the parameters' views into flat
+buffers, and `AcceleratedOptimizer` would round-trip the whole optimizer state through
+`state_dict()` at construction. The Trainer methods overridden below are the ones the Trainer runs
+for DeepSpeed and FSDP in the same places; `_REQUIRED_HOOKS` checks they exist in the installed
+transformers, so an incompatible version fails at import, by name, not mid-training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_callback import TrainerCallback
+
+import zeroinf
+from zeroinf.config import Config
+from zeroinf.engine import engine_of
+from zeroinf.integrations.trainer_args import TrainerArgumentsError, config_for_trainer
+from zeroinf.optim.adamw import AdamW
+
+ZEROINF_DIR = "zeroinf"
+"""Sub-folder of a Trainer checkpoint holding the sharded zeroinf checkpoint."""
+
+_REQUIRED_HOOKS = (
+    "_move_model_to_device", "_clip_grad_norm", "_get_grad_norm", "_save_checkpoint",
+    "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+    "set_initial_training_values", "create_optimizer", "compute_loss", "call_model_init", "save_model", "_save",
+)
+_missing = [h for h in _REQUIRED_HOOKS if not hasattr(transformers.Trainer, h)]
+if _missing:
+    raise ImportError(
+        f"zeroinf.integrations.Trainer needs transformers.Trainer methods {_missing}, absent from transformers "
+        f"{transformers.__version__}; it is tested with transformers 5.x: pip install -U 'transformers>=5'"
+    )
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    try:
+        engine_of(model)
+    except TypeError:
+        return False
+    return True
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity on the value; multiplies the gradient by `scale`: the backward of `loss * scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class _ZeroGradAfterStep(TrainerCallback):
+    """The Trainer only calls `model.zero_grad()`; zeroinf's gradient shards are cleared by the optimizer."""
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        kwargs["optimizer"].zero_grad()
+
+
+class Trainer(transformers.Trainer):
+    """`transformers.Trainer` on a model sharded by zeroinf (see the module docstring).
+
+    `zeroinf_config`: how to shard (stage, dtype, offload...); default `Config()`. Its accumulation
+    and clipping come from `args`. `checkpoint_weights=False` leaves the consolidated weights out of
+    `checkpoint-N/` (the sharded states suffice to resume; `zeroinf consolidate` writes them later).
+    Every other argument is `transformers.Trainer`'s.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: transformers.TrainingArguments | None = None,
+        *trainer_args: Any,
+        zeroinf_config: Config | None = None,
+        checkpoint_weights: bool = True,
+        **trainer_kwargs: Any,
+    ) -> None:
+        if args is None:
+            args = transformers.TrainingArguments(output_dir="tmp_trainer")
+        if model is not None and _is_sharded(model):
+            if zeroinf_config is not None:
+                raise ValueError(
+                    "zeroinf.integrations.Trainer: the model is already sharded and keeps its own Config; "
+                    "leave zeroinf_config out (or pass the unsharded model)"
+                )
+            zeroinf_config = engine_of(model).cfg
+        self.zeroinf_config = config_for_trainer(zeroinf_config or Config(), args)
+        args.device  # noqa: B018 - accelerate joins the process group (torchrun) before we shard across it
+        self.checkpoint_weights = checkpoint_weights
+        self._saving_checkpoint = False
+        if model is not None:
+            model = self._shard(model)
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if self.optimizer is not None:
+            self._check_optimizer(self.optimizer)
+        if self.optimizer_cls_and_kwargs is not None:
+            raise TrainerArgumentsError(
+                "zeroinf.integrations.Trainer trains with zeroinf.AdamW: leave optimizer_cls_and_kwargs unset"
+            )
+        if self.args.n_gpu > 1:
+            self.args._n_gpu = 1  # one device per process (no nn.DataParallel): launch with torchrun for more
+        self.add_callback(_ZeroGradAfterStep)
+
+    # -- the model and the optimizer --------------------------------------------------------------------
+    def _shard(self, model: nn.Module) -> nn.Module:
+        if _is_sharded(model):
+            cfg, wanted = engine_of(model).cfg, self.zeroinf_config
+            differ = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(wanted, f.name)]
+            if differ:
+                got = ", ".join(f"{n}={getattr(cfg, n)!r}" for n in differ)
+                want = ", ".join(f"{n}={getattr(wanted, n)!r}" for n in differ)
+                raise TrainerArgumentsError(
+                    f"the model was sharded with {got}, but this Trainer needs {want} (accumulation and clipping "
+                    "come from TrainingArguments): make them agree, or pass the unsharded model"
+                )
+        else:
+            model = zeroinf.shard(model, self.zeroinf_config)
+        model._is_accelerate_prepared = True  # type: ignore[assignment]  # [Note: accelerate and the sharded model]
+        return model
+
+    def _sharded_model(self) -> nn.Module:
+        assert self.model is not None and _is_sharded(self.model), "zeroinf.integrations.Trainer has no sharded model"
+        return self.model
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        return self._shard(super().call_model_init(trial))
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if not _is_sharded(model):
+            super()._move_model_to_device(model, device)
+        # zeroinf placed the sharded model on its device when it sharded it
+
+    def _check_optimizer(self, optimizer: Any) -> None:
+        if not isinstance(optimizer, AdamW) or optimizer.engine is not engine_of(self._sharded_model()):
+            raise TrainerArgumentsError(
+                f"optimizers=({type(optimizer).__name__}, ...): pass a zeroinf.AdamW built on this Trainer's model "
+                "(zeroinf.AdamW(trainer_model, ...)), or leave optimizers unset to get one from TrainingArguments"
+            )
+        optimizer._is_accelerate_prepared = True  # type: ignore[attr-defined]
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """zeroinf.AdamW with the plain Trainer's param groups and hyperparameters."""
+        if self.optimizer is None:
+            model = self._sharded_model()
+            decay = set(self.get_decay_parameter_names(model))
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            self.optimizer = AdamW(
+                model,
+                lr=self.args.learning_rate,
+                betas=(self.args.adam_beta1, self.args.adam_beta2),
+                eps=self.args.adam_epsilon,
+                weight_decay=self.args.weight_decay,
+                param_groups=[g for g in groups if g["params"]],
+            )
+            self._check_optimizer(self.optimizer)
+        return self.optimizer
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        out = super().compute_loss(model, inputs, *args, **kwargs)
+        scale = self.optimizer.loss_scale if isinstance(self.optimizer, AdamW) else 1.0
+        if scale == 1.0 or not torch.is_grad_enabled():
+            return out
+        # fp16: backward of `loss * scale` (what opt.backward does) while the logged value stays the loss
+        if isinstance(out, tuple):
+            return (_ScaleGradient.apply(out[0], scale), *out[1:])
+        return _ScaleGradient.apply(out, scale)
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        return None  # the engine clips in optimizer.step() (Config.grad_clip_norm = max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        return None  # parameters hold no gradients here; `log` reports the engine's norm
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """The plain Trainer's 6 x tokens x non-embedding parameters, with each parameter counted at its
+        full size (between passes a stage-3 parameter is an empty placeholder)."""
+        model = self._sharded_model()
+        main_input = getattr(model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(model, "num_parameters"):
+            return 0
+        units = engine_of(model).units
+        full_numel = {id(p): slot.numel for u in units for p, slot in zip(u.params, u.layout.slots, strict=True)}
+        embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+        numel = sum(full_numel.get(id(p), p.numel()) for n, p in model.named_parameters() if n not in embeddings)
+        return 6 * inputs[main_input].numel() * numel
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        norm = getattr(self.optimizer, "last_grad_norm", None)
+        if "loss" in logs and norm is not None:
+            logs.setdefault("grad_norm", norm)
+        super().log(logs, *args, **kwargs)
+
+    def set_initial_training_values(self, args: transformers.TrainingArguments, dataloader: Any) -> tuple:
+        values = super().set_initial_training_values(args, dataloader)
+        steps_in_epoch, max_steps = int(values[5] or 0), int(values[6])
+        accum = args.gradient_accumulation_steps
+        if steps_in_epoch % accum and max_steps > steps_in_epoch // accum:
+            raise TrainerArgumentsError(
+                f"an epoch has {steps_in_epoch} batches per rank, not a multiple of gradient_accumulation_steps="
+                f"{accum}: its last optimizer step would follow {steps_in_epoch % accum} backward passes, and zeroinf "
+                f"steps after exactly {accum}. Make the batches per epoch a multiple of {accum} (dataset size, "
+                f"batch size, dataloader_drop_last) or set max_steps <= {steps_in_epoch // accum}"
+            )
+        return values
+
+    # -- saving ----------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A Hugging Face folder (weights, config, tokenizer); every rank must call it (stage 3 gathers)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self._saving_checkpoint and not self.args.save_only_model and self.optimizer is not None:
+            return  # a checkpoint's weights are consolidated from its sharded states (_save_optimizer_and_scheduler)
+        state_dict = self._sharded_model().state_dict()  # gathered, unit by unit, on every rank
+        self._save(output_dir, state_dict=state_dict)  # rank 0 writes; the others return
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        self._saving_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._saving_checkpoint = False
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        sharded = os.path.join(output_dir, ZEROINF_DIR)
+        zeroinf.save(sharded, self._sharded_model(), self.optimizer, step=self.state.global_step)  # a collective
+        if not self.args.should_save:
+            return
+        if self.checkpoint_weights:
+            zeroinf.consolidate(sharded, output_dir, dtype=self.zeroinf_config.param_dtype)
+            self._save_model_files(output_dir)
+        if self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _save_model_files(self, output_dir: str) -> None:
+        """What `save_pretrained` writes beside the weights, and what `Trainer._save` adds."""
+        model = self.model
+        if isinstance(model, transformers.PreTrainedModel):
+            model.config.architectures = [type(model).__name__]
+            model.config.save_pretrained(output_dir)
+            if model.can_generate() and model.generation_config is not None:
+                model.generation_config.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    # -- resuming --------------------------------------------------------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Weights and optimizer states load together once the optimizer exists (_load_optimizer_and_scheduler).
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, ZEROINF_DIR)):
+            raise ValueError(
+                f"{resume_from_checkpoint} has no {ZEROINF_DIR}/ folder: zeroinf resumes from the sharded checkpoints "
+                "it writes (a checkpoint saved with save_only_model=True, or by another Trainer, cannot be resumed; "
+                "load such weights with from_pretrained before building this Trainer)"
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        # RNG: the Trainer restores its own files once it has skipped the trained batches.
+        zeroinf.load(os.path.join(checkpoint, ZEROINF_DIR), self._sharded_model(), self.optimizer, load_rng=False)
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))

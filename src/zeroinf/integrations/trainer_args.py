@@ -1,0 +1,99 @@
+"""How `transformers.TrainingArguments` and `zeroinf.Config` agree, for `zeroinf.integrations.Trainer`.
+
+The Trainer's arguments are the source of truth for what the Trainer schedules: its
+`gradient_accumulation_steps` and `max_grad_norm` become `Config.grad_accum_steps` and
+`Config.grad_clip_norm` (the engine clips, exactly across shards; the Trainer itself does not clip).
+A Config that sets either to another value is refused by name, never silently overridden.
+
+Trainer features that would wrap, cast, compile or rebuild the sharded model, or replace its
+optimizer, are refused with the zeroinf setting that does the job. Pure functions of plain values:
+`args` is read by attribute only, so tests pass any object with the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zeroinf.config import Config
+
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+"""`TrainingArguments.optim` values zeroinf.AdamW stands in for (the same update rule)."""
+
+
+class TrainerArgumentsError(ValueError):
+    """TrainingArguments that zeroinf cannot honour; the message names each argument and its fix."""
+
+
+def _name(value: Any) -> str:
+    return str(getattr(value, "value", value))  # OptimizerNames is a str enum
+
+
+def refused_arguments(args: Any) -> list[str]:
+    """One line per TrainingArguments setting zeroinf refuses (empty: all are fine)."""
+    problems = []
+    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+        problems.append(
+            "fp16/bf16=True turn on accelerate's autocast (and a GradScaler for fp16): with zeroinf the parameters "
+            "themselves take the compute dtype; leave fp16/bf16 False and pass zeroinf_config=Config(param_dtype="
+            "'bf16') (or 'fp16', with dynamic loss scaling); master weights stay fp32"
+        )
+    elif _name(getattr(args, "mixed_precision", "no")) not in ("no", "None"):
+        problems.append(
+            f"mixed precision {_name(args.mixed_precision)!r} is set (ACCELERATE_MIXED_PRECISION?): unset it and "
+            "choose the compute dtype with Config(param_dtype=...)"
+        )
+    if getattr(args, "fp16_full_eval", False) or getattr(args, "bf16_full_eval", False):
+        problems.append("fp16_full_eval/bf16_full_eval cast the sharded model: leave them False")
+    optim = _name(getattr(args, "optim", ADAMW_OPTIMS[0]))
+    if optim not in ADAMW_OPTIMS:
+        problems.append(
+            f"optim={optim!r}: zeroinf trains with zeroinf.AdamW (sharded states on their tier); "
+            "use optim='adamw_torch'"
+        )
+    if getattr(args, "optim_args", None):
+        problems.append(f"optim_args={args.optim_args!r}: zeroinf.AdamW takes no extra arguments; leave it unset")
+    if getattr(args, "deepspeed", None):
+        problems.append("deepspeed is set: zeroinf replaces DeepSpeed here; leave it unset")
+    if getattr(args, "fsdp", None):
+        problems.append(f"fsdp={args.fsdp!r}: zeroinf shards the model itself; leave fsdp unset")
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        problems.append(
+            "activation (gradient) checkpointing by the Trainer: use Config(activation_checkpointing=True) instead, "
+            "which recomputes zeroinf's units (and can offload their inputs)"
+        )
+    if getattr(args, "torch_compile", False):
+        problems.append("torch_compile=True: compiling a zeroinf-sharded model is not supported; leave it False")
+    if getattr(args, "auto_find_batch_size", False):
+        problems.append("auto_find_batch_size=True rebuilds the optimizer after an OOM: set the batch size yourself")
+    if getattr(args, "load_best_model_at_end", False):
+        problems.append(
+            "load_best_model_at_end=True is not supported yet: load the best checkpoint's zeroinf/ folder with "
+            "zeroinf.load after training"
+        )
+    return problems
+
+
+def config_for_trainer(cfg: Config, args: Any) -> Config:
+    """`cfg` with the Trainer's accumulation and clipping; raises TrainerArgumentsError on any conflict."""
+    problems = refused_arguments(args)
+    accum = int(args.gradient_accumulation_steps)
+    if cfg.grad_accum_steps not in (1, accum):
+        problems.append(
+            f"Config.grad_accum_steps={cfg.grad_accum_steps} but gradient_accumulation_steps={accum}: the Trainer "
+            f"decides when to step; set gradient_accumulation_steps={cfg.grad_accum_steps} in TrainingArguments "
+            "and leave grad_accum_steps unset in the Config"
+        )
+    max_norm = getattr(args, "max_grad_norm", None)
+    clip = float(max_norm) if max_norm is not None and max_norm > 0 else None
+    if cfg.grad_clip_norm is not None and cfg.grad_clip_norm != clip:
+        problems.append(
+            f"Config.grad_clip_norm={cfg.grad_clip_norm} but max_grad_norm={max_norm}: the Trainer's value is used; "
+            f"set max_grad_norm={cfg.grad_clip_norm} in TrainingArguments (0 disables clipping) and leave "
+            "grad_clip_norm unset in the Config"
+        )
+    if problems:
+        raise TrainerArgumentsError(
+            "zeroinf.integrations.Trainer cannot use these TrainingArguments:\n- " + "\n- ".join(problems)
+        )
+    return dataclasses.replace(cfg, grad_accum_steps=accum, grad_clip_norm=clip)

@@ -1,0 +1,118 @@
+"""Tiny causal-LM runs through `transformers.Trainer` and `zeroinf.integrations.Trainer`, same seed and data.
+
+The oracle is the plain Trainer in one process (torch AdamW fused, its own clipping, DDP-free): the
+zeroinf Trainer must log the same losses and end with the same weights. The data is learnable
+(arithmetic sequences), so the losses fall and the weights move measurably in a few steps.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tests._hf import VOCAB, build
+
+SEQ = 16
+ROWS = 32  # 8 batches of 4 (world 1) = 4 optimizer steps of 2 micro-batches per epoch
+
+
+class ArithmeticSequences(torch.utils.data.Dataset):
+    """Row i: start s_i, stride k_i, tokens (s_i + k_i * t) % VOCAB; labels = input_ids."""
+
+    def __init__(self, rows: int = ROWS, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (rows, 1), generator=g)
+        stride = torch.randint(1, 4, (rows, 1), generator=g)
+        self.ids = (start + stride * torch.arange(SEQ)) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+EVAL_DATA = ArithmeticSequences(rows=8, seed=2)
+
+
+def training_arguments(output_dir: str, **overrides: Any) -> Any:
+    """Accumulation 2, clipping that bites (max_grad_norm below the norms seen), warm-up then linear decay."""
+    from transformers import TrainingArguments
+
+    kwargs: dict[str, Any] = dict(
+        output_dir=output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4,
+        learning_rate=1e-2, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=0.5, lr_scheduler_type="linear",
+        warmup_steps=1, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+        use_cpu=True, dataloader_num_workers=0, per_device_eval_batch_size=4,
+    )
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def build_dropout_gpt2(seed: int = 0) -> torch.nn.Module:
+    """GPT-2 with dropout everywhere: a resumed run only matches if the RNG is restored too."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.1, embd_pdrop=0.1,
+        attn_pdrop=0.1, bos_token_id=None, eos_token_id=None, attn_implementation="eager",
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def logged(trainer: Any, key: str = "loss") -> dict[int, float]:
+    """{global step: value} of the per-step training logs."""
+    return {h["step"]: h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h}
+
+
+def summary(trainer: Any, rank: int = 0) -> dict[str, Any]:
+    """Per-step logs, the eval loss after training, and the (gathered) weights on rank 0."""
+    eval_loss = trainer.evaluate()["eval_loss"]
+    weights = trainer.model.state_dict()  # a collective at stage 3
+    return {
+        "loss": logged(trainer), "grad_norm": logged(trainer, "grad_norm"),
+        "learning_rate": logged(trainer, "learning_rate"), "eval_loss": eval_loss,
+        "total_flos": trainer.state.total_flos,
+        "weights": {k: v.clone() for k, v in weights.items()} if rank == 0 else None,
+    }
+
+
+def run_plain(arch: str, output_dir: str, **overrides: Any) -> Any:
+    import transformers
+
+    trainer = transformers.Trainer(
+        model=build(arch), args=training_arguments(output_dir, **overrides), train_dataset=ArithmeticSequences(),
+        eval_dataset=EVAL_DATA,
+    )
+    trainer.train()
+    return trainer
+
+
+def run_zeroinf(
+    arch: str, output_dir: str, stage: int, resume_from_checkpoint: str | None = None, offload: Any = None,
+    **overrides: Any,
+) -> Any:
+    import zeroinf
+    from zeroinf.integrations import Trainer
+
+    cfg = zeroinf.Config(stage=stage, persist_threshold_bytes=0, offload=offload or zeroinf.OffloadConfig())
+    trainer = Trainer(
+        model=build(arch), args=training_arguments(output_dir, **overrides), train_dataset=ArithmeticSequences(),
+        eval_dataset=EVAL_DATA, zeroinf_config=cfg,
+    )
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    return trainer
+
+
+def train_rank(rank: int, world: int, arch: str, stage: int, root: str) -> dict[str, Any]:
+    """One rank of a zeroinf Trainer run at world `world` (per-rank batch 4 // world: the same global
+    batches), saving a checkpoint every 2 steps, then the final model to `root/final`."""
+    trainer = run_zeroinf(
+        arch, os.path.join(root, "run"), stage, per_device_train_batch_size=4 // world, save_strategy="steps",
+        save_steps=2,
+    )
+    trainer.save_model(os.path.join(root, "final"))  # every rank: a gather at stage 3
+    return summary(trainer, rank)

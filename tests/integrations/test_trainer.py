@@ -1,0 +1,228 @@
+"""`zeroinf.integrations.Trainer` against plain `transformers.Trainer` (tests/integrations/_trainer_runs.py).
+
+- Parity, fp32, world 1: stages 0-3 log the plain Trainer's losses, grad norms and learning rates and
+  end with its weights. Tolerance: tests/test_parity.py's fp32 one (rtol 1e-5, atol 5e-5); the
+  clipping coefficient is computed in another order than torch's clip_grad_norm_, so clipped steps
+  may differ in the last bits (measured: 1e-7 relative on losses).
+- Parity, world 2 (spawned gloo ranks, per-rank batch 2): the same global batches, the same losses.
+- Resume: 6 steps with a checkpoint at step 3, then a new Trainer (other initial weights) resumes
+  from it: steps 4-6 log bitwise the losses of the uninterrupted run and end with bitwise its weights,
+  with dropout on (RNG) and a shuffled sampler (data position), also into another stage.
+- Saved folders load with `from_pretrained`: `save_model` (gathered) and every checkpoint (consolidated).
+- fp16: gradients carry the loss scale; overflowing steps are skipped and the LR schedule waits.
+
+Every single-process run uses one CPU thread: on two shared cores, thread contention makes a
+4-step run of this tiny model take seconds instead of a fraction of one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import zeroinf  # noqa: E402
+from tests._harness import run_ranks  # noqa: E402
+from tests.integrations._trainer_runs import (  # noqa: E402
+    EVAL_DATA,
+    ArithmeticSequences,
+    build_dropout_gpt2,
+    logged,
+    run_plain,
+    run_zeroinf,
+    summary,
+    train_rank,
+    training_arguments,
+)
+from zeroinf.integrations import Trainer, TrainerArgumentsError  # noqa: E402
+
+RTOL, ATOL = 1e-5, 5e-5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def plain_llama(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    threads = torch.get_num_threads()  # module-scoped: runs before the function-scoped `one_thread`
+    torch.set_num_threads(1)
+    try:
+        return summary(run_plain("llama", str(tmp_path_factory.mktemp("plain"))))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_parity(ours: dict, plain: dict, where: str) -> None:
+    assert sorted(ours["loss"]) == [1, 2, 3, 4], where
+    assert plain["loss"][4] < plain["loss"][1] - 0.1, "the reference run must learn something"
+    for key in ("loss", "grad_norm"):
+        for step, ref in plain[key].items():
+            assert ours[key][step] == pytest.approx(ref, rel=RTOL), f"{where}: step {step} {key}"
+    assert ours["learning_rate"] == plain["learning_rate"], where
+    assert ours["eval_loss"] == pytest.approx(plain["eval_loss"], rel=RTOL), where
+    assert ours["total_flos"] == plain["total_flos"], where  # counted unsharded (stage 3: placeholders)
+    for name, ref in plain["weights"].items():
+        torch.testing.assert_close(
+            ours["weights"][name], ref, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{where}: {name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_matches_plain_trainer(tmp_path, plain_llama, stage: int) -> None:
+    trainer = run_zeroinf("llama", str(tmp_path), stage)
+    _assert_parity(summary(trainer), plain_llama, f"stage {stage}")
+    assert isinstance(trainer.optimizer, zeroinf.AdamW)
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.1, 0.0]  # norms: no decay
+    assert trainer.model is trainer.model_wrapped  # no DDP or other wrapper
+
+
+def test_offloaded_to_nvme_matches_plain_trainer(tmp_path, plain_llama) -> None:
+    offload = zeroinf.OffloadConfig(params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=str(tmp_path / "swap"))
+    os.makedirs(tmp_path / "swap")
+    trainer = run_zeroinf("llama", str(tmp_path / "run"), 3, offload=offload)
+    _assert_parity(summary(trainer), plain_llama, "stage 3, everything on NVMe")
+
+
+def test_model_init_and_a_presharded_model_with_its_optimizer(tmp_path, plain_llama) -> None:
+    from tests._hf import build
+
+    args = training_arguments(str(tmp_path))
+    by_init = Trainer(
+        model_init=lambda: build("llama"), args=args, train_dataset=ArithmeticSequences(), eval_dataset=EVAL_DATA,
+        zeroinf_config=zeroinf.Config(stage=3, persist_threshold_bytes=0),
+    )
+    by_init.train()
+    _assert_parity(summary(by_init), plain_llama, "model_init")
+
+    model = zeroinf.shard(build("llama"), zeroinf.Config(stage=3, grad_accum_steps=2, grad_clip_norm=0.5))
+    opt = zeroinf.AdamW(model, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)  # one group: norms decay too
+    mine = Trainer(model=model, args=args, train_dataset=ArithmeticSequences(), optimizers=(opt, None))
+    mine.train()
+    assert mine.optimizer is opt and opt.step_count == 4
+    needs = r"grad_accum_steps=1, grad_clip_norm=None, but this Trainer needs grad_accum_steps=2, grad_clip_norm=0.5"
+    with pytest.raises(TrainerArgumentsError, match=needs):
+        Trainer(model=zeroinf.shard(build("llama"), zeroinf.Config()), args=args)
+
+
+def test_world2_matches_plain_trainer_and_its_checkpoints_resume_in_one_process(tmp_path, plain_llama) -> None:
+    from transformers import LlamaForCausalLM
+
+    ranks = run_ranks(train_rank, 2, "llama", 3, str(tmp_path), timeout_s=240)
+    assert ranks[0]["loss"] == ranks[1]["loss"]  # the logged loss is the mean over ranks
+    _assert_parity(ranks[0], plain_llama, "stage 3, world 2")
+    trained = ranks[0]["weights"]
+    for folder in ("final", "run/checkpoint-4"):  # save_model (gathered) and a checkpoint (consolidated)
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / folder).state_dict()
+        assert all(torch.equal(loaded[n], t) for n, t in trained.items()), folder
+    # the world-2 checkpoint of step 2 resumes at world 1 (resharded), on the same global batches
+    resumed = run_zeroinf(
+        "llama", str(tmp_path / "resumed"), stage=2, resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2")
+    )
+    got = summary(resumed)
+    for step in (3, 4):
+        assert got["loss"][step] == pytest.approx(ranks[0]["loss"][step], rel=RTOL), f"step {step}"
+    for name, ref in trained.items():
+        torch.testing.assert_close(got["weights"][name], ref, rtol=RTOL, atol=ATOL)
+
+
+def _resume_trainer(output_dir: str, stage: int, seed: int) -> Trainer:
+    args = training_arguments(output_dir, max_steps=6, save_strategy="steps", save_steps=3)
+    return Trainer(
+        model=build_dropout_gpt2(seed), args=args, train_dataset=ArithmeticSequences(rows=48),
+        zeroinf_config=zeroinf.Config(stage=stage, persist_threshold_bytes=0),
+    )
+
+
+@pytest.mark.parametrize(("save_stage", "resume_stage"), [(3, 3), (2, 2), (3, 1)])
+def test_resume_is_bitwise(tmp_path, save_stage: int, resume_stage: int) -> None:
+    whole = _resume_trainer(str(tmp_path / "whole"), save_stage, seed=0)
+    whole.train()
+    ckpt = tmp_path / "whole" / "checkpoint-3"
+    assert (ckpt / "zeroinf" / "latest").is_file() and (ckpt / "scheduler.pt").is_file()
+
+    resumed = _resume_trainer(str(tmp_path / "resumed"), resume_stage, seed=1)  # other weights until loaded
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    expected, got = logged(whole), logged(resumed)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert got[step] == expected[step], f"step {step}: resumed {got[step]!r}, uninterrupted {expected[step]!r}"
+    assert logged(resumed, "learning_rate") == logged(whole, "learning_rate")
+    w_whole, w_resumed = whole.model.state_dict(), resumed.model.state_dict()
+    for name, t in w_whole.items():
+        assert torch.equal(w_resumed[name], t), name
+
+
+def test_saved_folders_load_with_from_pretrained(tmp_path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    trainer = _resume_trainer(str(tmp_path / "run"), stage=3, seed=0)
+    trainer.train()
+    trained = trainer.model.state_dict()
+    trainer.save_model(str(tmp_path / "final"))
+    for folder in (tmp_path / "final", tmp_path / "run" / "checkpoint-6"):
+        loaded = GPT2LMHeadModel.from_pretrained(folder)
+        for name, t in loaded.state_dict().items():
+            assert torch.equal(t, trained[name]), f"{folder.name}: {name}"
+    assert (tmp_path / "run" / "checkpoint-6" / "model.safetensors.index.json").is_file()  # consolidated
+    assert (tmp_path / "final" / "training_args.bin").is_file()
+
+
+def test_fp16_scales_gradients_and_skips_overflowing_steps(tmp_path) -> None:
+    from tests._hf import build
+
+    loss_scale = zeroinf.LossScaleConfig(initial_scale=2.0**30, backoff_factor=2.0**-6)
+    trainer = Trainer(
+        model=build("llama"),
+        args=training_arguments(str(tmp_path), max_steps=8),
+        train_dataset=ArithmeticSequences(64),
+        zeroinf_config=zeroinf.Config(stage=3, param_dtype="fp16", loss_scale=loss_scale, persist_threshold_bytes=0),
+    )
+    trainer.train()
+    opt = trainer.optimizer
+    skipped = trainer.state.global_step - opt.step_count
+    assert 1 <= skipped < 8, f"{skipped} overflowing steps: the loss scale must reach the gradients"
+    assert opt.loss_scale < 2.0**30
+    assert trainer.lr_scheduler.last_epoch == opt.step_count  # the schedule waits on skipped steps
+    losses = list(logged(trainer).values())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_epoch_not_divisible_by_accumulation_is_refused_before_training(tmp_path) -> None:
+    from tests._hf import build
+
+    trainer = Trainer(
+        model=build("llama"), args=training_arguments(str(tmp_path), max_steps=-1, num_train_epochs=2),
+        train_dataset=ArithmeticSequences(rows=12),  # 3 batches of 4 per epoch, accumulation 2
+        zeroinf_config=zeroinf.Config(stage=2),
+    )
+    with pytest.raises(TrainerArgumentsError, match=r"3 batches per rank.*max_steps <= 1"):
+        trainer.train()
+
+
+def test_refuses_a_foreign_optimizer_and_conflicting_config(tmp_path) -> None:
+    from tests._hf import build
+
+    args = training_arguments(str(tmp_path))
+    model = build("llama")
+    with pytest.raises(TrainerArgumentsError, match="pass a zeroinf.AdamW"):
+        Trainer(model=model, args=args, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+    with pytest.raises(TrainerArgumentsError, match="grad_accum_steps=4 but gradient_accumulation_steps=2"):
+        Trainer(model=build("llama"), args=args, zeroinf_config=zeroinf.Config(grad_accum_steps=4))
+
+
+def test_resume_needs_a_zeroinf_checkpoint(tmp_path) -> None:
+    from tests._hf import build
+
+    os.makedirs(tmp_path / "checkpoint-2")
+    trainer = Trainer(model=build("llama"), args=training_arguments(str(tmp_path)), train_dataset=ArithmeticSequences())
+    with pytest.raises(ValueError, match="has no zeroinf/ folder"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
