@@ -34,8 +34,13 @@ def broadcast_error(engine: Engine, error: str | None) -> None:
 
 
 def module_state_tensors(model: nn.Module, engine: Engine) -> list[tuple[str, torch.Tensor]]:
-    """Parameters outside units (frozen) and persistent buffers, by their state_dict names."""
+    """Parameters outside units (frozen) and persistent buffers, by their state_dict names.
+
+    Frozen parameters in sharded frozen units (stage 3) are not module state: they never change,
+    and a resume rebuilds them from where they came from (the pretrained folder, the same seed).
+    Those of resident frozen units (the root) are whole on every rank and are saved."""
     in_units = {id(p) for u in engine.units for p in u.params}
+    in_units |= {id(p) for u in engine.frozen_units if not u.resident for p in u.params}
     out, seen = [], set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in in_units and id(p) not in seen:

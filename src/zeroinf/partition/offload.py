@@ -35,10 +35,10 @@ def open_param_files(
     shard_bytes: dict[tuple[str, str], int] = {}
     unsharded: list[int] = []
     for spec in specs:
-        if spec.name in resident:
+        if spec.key in resident:
             continue
         layout = FlatLayout.build([(n, p.shape) for n, p in spec.params], topo.world_size)
-        shard_bytes[(spec.name or "<root>", PARAM_KIND)] = layout.shard_numel * itemsize
+        shard_bytes[(spec.key or "<root>", PARAM_KIND)] = layout.shard_numel * itemsize
         unsharded.append(layout.padded_numel * itemsize)
     if not shard_bytes:
         raise ValueError("offload.params = 'nvme' but every unit is resident; lower persist_threshold_bytes")
@@ -66,7 +66,7 @@ def open_grad_files(specs: list[UnitSpec], cfg: Config, topo: Topology, ledger: 
     """The gradient swap file: room for every unit's fp32 gradient shard."""
     fp32_bytes = 4
     shard_bytes = {
-        (spec.name or "<root>", GRAD_KIND): fp32_bytes
+        (spec.key or "<root>", GRAD_KIND): fp32_bytes
         * FlatLayout.build([(n, p.shape) for n, p in spec.params], topo.world_size).shard_numel
         for spec in specs
     }

@@ -188,27 +188,29 @@ class NvmeSwap:
         self.ledger.reserve(Tier.NVME, nbytes, kind)
         self._reserved_kinds.add(kind)
 
-    def _slot_for(self, unit: str, kind: str, tensor: torch.Tensor, op: str) -> SwapSlot:
+    def _slot_for(self, unit: str, kind: str, tensor: torch.Tensor, op: str, at_bytes: int | None) -> SwapSlot:
         if self._closed:
             raise RuntimeError("NvmeSwap is closed")
         slot = self._slots.get((unit, kind)) or self.layout.slot(unit, kind)  # the layout's error names it
         nbytes = as_bytes(tensor, f"the {kind} shard of {unit!r}").numel()
-        if nbytes != slot.nbytes:
+        start = at_bytes or 0
+        if (nbytes != slot.nbytes if at_bytes is None else not 0 <= start <= start + nbytes <= slot.nbytes):
             raise ValueError(
-                f"{op} of unit {unit!r} {kind}: the tensor has {nbytes} bytes, the slot at offset "
-                f"{slot.offset_bytes} of {slot.path!r} holds {slot.nbytes}"
+                f"{op} of unit {unit!r} {kind}: the tensor has {nbytes} bytes at byte {start}, the slot at "
+                f"offset {slot.offset_bytes} of {slot.path!r} holds {slot.nbytes}"
             )
         return slot
 
-    def swap_out(self, unit: str, kind: str, tensor: torch.Tensor) -> AioHandle:
-        """Start writing a shard to its slot; keep `tensor` unchanged until the handle is waited on."""
-        slot = self._slot_for(unit, kind, tensor, "swap_out")
-        return self._track(self.engine.write(tensor, slot.path, slot.offset_bytes))
+    def swap_out(self, unit: str, kind: str, tensor: torch.Tensor, at_bytes: int | None = None) -> AioHandle:
+        """Start writing a shard to its slot (or, with `at_bytes`, a piece of it at that byte); keep
+        `tensor` unchanged until the handle is waited on."""
+        slot = self._slot_for(unit, kind, tensor, "swap_out", at_bytes)
+        return self._track(self.engine.write(tensor, slot.path, slot.offset_bytes + (at_bytes or 0)))
 
-    def swap_in(self, unit: str, kind: str, tensor: torch.Tensor) -> AioHandle:
-        """Start reading a shard from its slot into `tensor`."""
-        slot = self._slot_for(unit, kind, tensor, "swap_in")
-        return self._track(self.engine.read(tensor, slot.path, slot.offset_bytes))
+    def swap_in(self, unit: str, kind: str, tensor: torch.Tensor, at_bytes: int | None = None) -> AioHandle:
+        """Start reading a shard from its slot (or a piece of it, at `at_bytes`) into `tensor`."""
+        slot = self._slot_for(unit, kind, tensor, "swap_in", at_bytes)
+        return self._track(self.engine.read(tensor, slot.path, slot.offset_bytes + (at_bytes or 0)))
 
     def _track(self, handle: AioHandle) -> AioHandle:
         self._in_flight = [h for h in self._in_flight if not h.done()]
