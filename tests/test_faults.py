@@ -54,6 +54,7 @@ def check_survivor_failed(rank0, swap: Path, ended_after_s: float) -> None:  # t
     message = rank0.stderr.strip().splitlines()[-1]
     assert "CollectiveError" in message and "failed on rank 0 of a world of 2" in message, rank0.stderr[-3000:]
     assert any(kind in message for kind in ("all-gather", "reduce-scatter", "all-reduce")), message
+    print(f"rank 0 ended {ended_after_s:.1f} s after rank 1 stopped (collective_timeout_s {TIMEOUT_S})")
     assert ended_after_s < 2 * TIMEOUT_S, f"rank 0 ended {ended_after_s:.1f} s after rank 1 stopped"
     assert "terminate called" not in rank0.stderr
     assert not processes_mentioning(str(swap)), "a process of the run is still there"
