@@ -24,6 +24,7 @@ from typing import NoReturn
 from zeroinf.checkpoint.format import CheckpointError
 from zeroinf.config import DTYPES, Config, OffloadConfig
 from zeroinf.models.gpt import PRESETS
+from zeroinf.telemetry import configure_cli_logging
 from zeroinf.train import DEFAULT_CONFIG, TrainArgs, available_cores, train
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, CheckpointError)
@@ -306,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `zeroinf` and `python -m zeroinf`; returns the exit code (2: the user's error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    configure_cli_logging()
     prog = f"zeroinf {argv[0]}" if argv and not argv[0].startswith("-") else "zeroinf"
     try:
         return run_command(argv)

@@ -148,10 +148,13 @@ class Engine:
                 specs, self._resident_names, self.cfg, self.topo, ledger
             )
             files = self.param_files
-            weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
-            return lambda name, initial, resident: (
-                MemoryHome(initial, Tier.DEVICE, device, ledger) if resident else NvmeHome(name, initial, files, device)
-            )
+            if files is not None:  # None: every unit is resident, nothing goes to NVMe
+                weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
+                return lambda name, initial, resident: (
+                    MemoryHome(initial, Tier.DEVICE, device, ledger)
+                    if resident
+                    else NvmeHome(name, initial, files, device)
+                )
         return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE if resident else tier, device, ledger)
 
     def _build_unit(self, spec: UnitSpec) -> ShardedUnit:

@@ -20,6 +20,7 @@ from zeroinf.memory import Ledger
 from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.shard_home import GRAD_KIND, PARAM_KIND, NvmeGradFiles, NvmeParamFiles
 from zeroinf.partition.wrap import UnitSpec
+from zeroinf.telemetry import get_logger
 from zeroinf.tiers.host import check_host_cap
 from zeroinf.tiers.nvme import NvmeSwap, plan_swap_layout
 from zeroinf.topology import Topology
@@ -30,7 +31,8 @@ EXTRA_BUFFERS = 3  # the unit running now, one being gathered, one write in flig
 
 def open_param_files(
     specs: list[UnitSpec], resident: set[str], cfg: Config, topo: Topology, ledger: Ledger
-) -> NvmeParamFiles:
+) -> NvmeParamFiles | None:
+    """The parameter swap file and staging pool; None (with a notice) when every unit is resident."""
     itemsize = cfg.param_torch_dtype.itemsize
     shard_bytes: dict[tuple[str, str], int] = {}
     unsharded: list[int] = []
@@ -40,8 +42,13 @@ def open_param_files(
         layout = FlatLayout.build([(n, p.shape) for n, p in spec.params], topo.world_size)
         shard_bytes[(spec.key or "<root>", PARAM_KIND)] = layout.shard_numel * itemsize
         unsharded.append(layout.padded_numel * itemsize)
-    if not shard_bytes:
-        raise ValueError("offload.params = 'nvme' but every unit is resident; lower persist_threshold_bytes")
+    if not shard_bytes:  # small models: keep them resident and run, as DeepSpeed does
+        get_logger().info(
+            "offload.params = 'nvme', but all %d units are resident (the root, or below persist_threshold_bytes "
+            "= %d): every parameter stays on the device; lower persist_threshold_bytes to offload them",
+            len(specs), cfg.persist_threshold_bytes,
+        )
+        return None
     folder = cfg.offload.nvme_dir
     assert folder is not None  # OffloadConfig requires it for nvme
     swap_layout = plan_swap_layout(shard_bytes, folder, topo.rank, alignment_bytes=ALIGN_BYTES)
