@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {name: [] for name in models}
     tokens: dict[str, torch.Tensor] = {}
     read_per_token: dict[str, float] = {}
-    for name, model in models.items():
+    for model in models.values():
         generate(model, ids, 2)  # warm-up: records the inference trace
     for _ in range(args.rounds):
         for name, model in models.items():

@@ -38,6 +38,7 @@ import zeroinf.checkpoint
 from zeroinf.checkpoint.saving import finish_pending_save
 from zeroinf.config import Config
 from zeroinf.data import BatchSampler
+from zeroinf.optional import require
 from zeroinf.train import TrainResult as FinetuneResult
 from zeroinf.train import format_memory, lr_factor, mean_over_ranks, print_summary, resume, save, set_cpu_threads
 
@@ -134,9 +135,8 @@ def tokenize(docs: list[str], model_dir: str, vocab_size: int) -> tuple[torch.Te
     """All documents packed into one int64 tensor of token ids (and the tokenizer, or None)."""
     tokenizer = None
     if any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        transformers = require("transformers", "zeroinf finetune")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     ids: list[int] = []
     for doc in docs:
         if tokenizer is not None:
@@ -154,7 +154,8 @@ def lora_prepare(args: FinetuneArgs) -> Any:
     """`prepare` for `from_pretrained`: peft's LoRA on the targets, or None for a full fine-tune."""
     if args.lora_rank == 0:
         return None
-    from peft import LoraConfig, get_peft_model
+    peft = require("peft", "zeroinf finetune --lora-rank")
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
     targets: str | list[str] = args.lora_targets
     if targets != "all-linear":
@@ -181,7 +182,7 @@ class FinetuneRun:
 
 
 def build_run(args: FinetuneArgs) -> FinetuneRun:
-    from transformers import AutoConfig
+    AutoConfig = require("transformers", "zeroinf finetune").AutoConfig
 
     topo = zeroinf.init_distributed()
     set_cpu_threads(topo)

@@ -32,6 +32,7 @@ from torch import nn
 
 from zeroinf.config import Config
 from zeroinf.engine import shard
+from zeroinf.optional import require
 from zeroinf.partition.init import init
 from zeroinf.topology import Topology
 from zeroinf.weights.safetensors_folder import SafetensorsFolder, WeightsError
@@ -55,7 +56,9 @@ def from_pretrained(
     `cfg.param_dtype` (a `dtype`/`torch_dtype` argument must agree with it). `auto_class` defaults
     to `transformers.AutoModelForCausalLM`.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    transformers = require("transformers", "zeroinf.from_pretrained")
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
+    GenerationConfig = transformers.GenerationConfig
 
     path = os.fspath(path)
     cfg = cfg or Config()
