@@ -6,12 +6,16 @@ is recomputed in backward. The unit's parameters are gathered for the recompute 
 that gathers them for backward (it fires on the unit's outputs before any of its backward runs),
 so stage 3 needs nothing special.
 
-With `Config.offload_activations`, those kept inputs move to host memory as forward goes on
-(pinned, on a side stream, when CUDA is present) and come back when backward needs them: the
-checkpoint saves its inputs through `torch.autograd.graph.saved_tensors_hooks`, so an outer pair
-of pack/unpack hooks sees exactly those tensors (the ops inside the checkpoint are handled by the
-checkpoint's own, inner hooks). On a CPU-only machine the move is a copy into a separate host
-buffer; its bytes are accounted on the host tier of the ledger (tag "activation_offload").
+With `Config.offload_activations`, those kept inputs move to host memory as forward goes on and
+come back when backward needs them: the checkpoint saves its inputs through
+`torch.autograd.graph.saved_tensors_hooks`, so an outer pair of pack/unpack hooks sees exactly
+those tensors (the ops inside the checkpoint are handled by the checkpoint's own, inner hooks).
+The moves go through the engine's transfer owner (runtime/streams.py): on an accelerator, out on
+its d2h stream into a pinned buffer of its pool (the same sizes come back every step, so a steady
+step allocates none), and back on its h2d stream, ordered after the outgoing copy by its event;
+the buffer returns to the pool once the copy back has read it. On a CPU-only machine the move is
+a plain copy into a separate host tensor (the host is the device). Either way the bytes held are
+on the host tier of the ledger (tag "activation_offload").
 
 [Note: how the forward is wrapped]
 `torch.utils.checkpoint.checkpoint` needs the function to recompute, so the unit module's `forward`
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,33 +37,51 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zeroinf.memory import Ledger, Tier
+from zeroinf.runtime.streams import Landing, Transfers, typed_view
 
 TAG = "activation_offload"
+
+
+@dataclass
+class Packed:
+    """A saved tensor while it lives on the host."""
+
+    host: torch.Tensor
+    nbytes: int
+    raw: torch.Tensor | None = None  # the pool buffer under `host` (accelerator)
+    landing: Landing | None = None  # the copy out (accelerator)
 
 
 class ActivationOffloader:
     """Pack hook: copy a saved tensor to host memory; unpack hook: bring it back to its device."""
 
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-        self.pin = torch.cuda.is_available()
+    def __init__(self, ledger: Ledger, transfers: Transfers) -> None:
+        self.ledger, self.transfers = ledger, transfers
         self.offloaded_bytes = 0  # cumulative, for telemetry
-        self._live: dict[int, int] = {}
 
-    def pack(self, tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor, int]:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin)
-        host.copy_(tensor, non_blocking=self.pin)
-        nbytes = host.numel() * host.element_size()
-        self.ledger.reserve(Tier.HOST, nbytes, TAG)
+    def pack(self, tensor: torch.Tensor) -> Packed:
+        nbytes = tensor.numel() * tensor.element_size()
         self.offloaded_bytes += nbytes
-        return tensor.device, host, nbytes
+        if tensor.device.type == "cpu" or not self.transfers.accelerated:  # host is the device: a plain copy
+            host = torch.empty(tensor.shape, dtype=tensor.dtype)
+            self.transfers.to_host(tensor, host)
+            self.ledger.reserve(Tier.HOST, nbytes, TAG)
+            return Packed(host, nbytes)
+        # accelerator branch
+        raw = self.transfers.pool.acquire(nbytes, TAG)
+        host = typed_view(raw, tensor)
+        return Packed(host, nbytes, raw, self.transfers.to_host(tensor, host))
 
-    def unpack(self, packed: tuple[torch.device, torch.Tensor, int]) -> torch.Tensor:
-        device, host, nbytes = packed
-        tensor = host.to(device, non_blocking=self.pin)
-        if nbytes:
-            self.ledger.release(Tier.HOST, nbytes, TAG)
-        return tensor
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        if packed.raw is None:
+            if packed.nbytes:
+                self.ledger.release(Tier.HOST, packed.nbytes, TAG)
+            return packed.host
+        # accelerator branch: back on the h2d stream after the copy out; the buffer is lent again once read
+        copy = self.transfers.to_device(packed.host, after=packed.landing)
+        copy.release()  # the tensor is autograd's now, not engine memory
+        self.transfers.pool.release(packed.raw, after=copy.done, tag=TAG)
+        return copy.tensor
 
     def context(self) -> contextlib.AbstractContextManager[None]:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

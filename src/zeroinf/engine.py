@@ -40,6 +40,7 @@ from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUn
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
+from zeroinf.runtime.streams import Transfers
 from zeroinf.telemetry import CollectiveCounter
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
@@ -56,6 +57,7 @@ class Engine:
         self.module, self.cfg, self.topo = module, cfg, topo
         self.ledger = ledger or Ledger()
         self.counter = CollectiveCounter()
+        self.transfers = Transfers(topo.device, self.ledger)  # every host<->device copy (runtime/streams.py)
         self.policy = ShardingPolicy(cfg.stage)
         for name, p in module.named_parameters():
             if not p.is_floating_point():
@@ -142,7 +144,7 @@ class Engine:
 
     def _make_home_factory(self, specs: list[UnitSpec]) -> HomeFactory:
         """Where each stage-3 shard lives: resident units on the device, the others on offload.params."""
-        tier, device, ledger = Tier(self.cfg.offload.params), self.topo.device, self.ledger
+        tier, device, ledger, transfers = Tier(self.cfg.offload.params), self.topo.device, self.ledger, self.transfers
         if tier is Tier.NVME:
             self.param_files = open_param_files(
                 specs, self._resident_names, self.cfg, self.topo, ledger
@@ -151,11 +153,13 @@ class Engine:
             if files is not None:  # None: every unit is resident, nothing goes to NVMe
                 weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
                 return lambda name, initial, resident: (
-                    MemoryHome(initial, Tier.DEVICE, device, ledger)
+                    MemoryHome(initial, Tier.DEVICE, device, ledger, transfers)
                     if resident
-                    else NvmeHome(name, initial, files, device)
+                    else NvmeHome(name, initial, files, device, transfers)
                 )
-        return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE if resident else tier, device, ledger)
+        return lambda name, initial, resident: MemoryHome(
+            initial, Tier.DEVICE if resident else tier, device, ledger, transfers
+        )
 
     def _build_unit(self, spec: UnitSpec) -> ShardedUnit:
         params = [p for _, p in spec.params]
@@ -170,6 +174,7 @@ class Engine:
             grad_files=self.grad_files,
             source=UnitWeights(self.weights, params) if stored and self.weights is not None else None,
             frozen=spec.frozen,
+            transfers=self.transfers,
         )
 
     def _setup_activation_checkpointing(self) -> None:
@@ -179,7 +184,7 @@ class Engine:
             if spec.name and not any(spec.name.startswith(f"{other}.") for other in paths)
         }.values())
         if self.cfg.offload_activations:
-            self.activation_offloader = ActivationOffloader(self.ledger)
+            self.activation_offloader = ActivationOffloader(self.ledger, self.transfers)
         apply_activation_checkpointing(outermost, self.cfg.checkpoint_every, self.activation_offloader)
 
     # -- stage 3 wiring -------------------------------------------------------------------------------
@@ -368,6 +373,7 @@ class Engine:
     def end_step(self) -> None:
         self.micro_step = 0
         self.counter.end_step()
+        self.transfers.end_step()
         self.ledger_step_peaks = self.ledger.snapshot()
         self.ledger.reset_peak()
 
@@ -379,6 +385,7 @@ class Engine:
 
     def close(self) -> None:
         """Finish pending I/O and remove this rank's parameter swap files (also done at exit)."""
+        self.transfers.close()
         if self.param_files is not None:
             self.param_files.close()
         if self.grad_files is not None:
@@ -414,6 +421,7 @@ class Engine:
         report["io"] = self.io_report()
         report["collectives_last_step"] = dict(self.counter.last_step)
         report["collectives_total"] = dict(self.counter.total)
+        report["transfers"] = self.transfers.stats.report()
         report["units"] = len(self.all_units)
         report["frozen_units"] = len(self.frozen_units)
         report["resident_units"] = sum(u.resident for u in self.all_units)

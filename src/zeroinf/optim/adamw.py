@@ -31,11 +31,13 @@ from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
 from zeroinf.engine import Engine, engine_of
+from zeroinf.memory import Tier
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
 from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline
 from zeroinf.optim.states import MasterSource, build_state_store
 from zeroinf.partition.unit import GradState, ShardedUnit
 from zeroinf.precision import DynamicLossScaler
+from zeroinf.runtime.streams import Landing, Transfers, typed_view
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,46 @@ class _GradOnDisk:
 
     def drop(self) -> None:
         self._loaded = None
+        self.unit.release_owned_grad()
+
+
+class _GradsToHost:
+    """Gradients reduced on the device for a step on the CPU (optimizer states on host or nvme,
+    gradients on the device): each sub-group's gradient slice crosses through a pool buffer of the
+    transfer owner, the next one's copy in flight while this one is updated."""
+
+    def __init__(self, transfers: Transfers, grads: list, sub_groups: list[SubGroup], order: list[int]) -> None:
+        self.transfers, self.grads, self.sub_groups, self.order = transfers, grads, sub_groups, order
+        self._position = {index: pos for pos, index in enumerate(order)}
+        self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor, Landing]] = {}
+
+    def _start(self, pos: int) -> None:
+        if pos >= len(self.order) or pos in self._in_flight:
+            return
+        sg = self.sub_groups[self.order[pos]]
+        grad = self.grads[sg.unit_index]
+        if not isinstance(grad, torch.Tensor) or grad.device.type == "cpu":
+            return
+        piece = grad[sg.start : sg.end]
+        raw = self.transfers.pool.acquire(piece.numel() * piece.element_size(), "grad_to_host")
+        host = typed_view(raw, piece)
+        self._in_flight[pos] = (raw, host, self.transfers.to_host(piece, host))
+
+    def get(self, sg: SubGroup) -> torch.Tensor | None:
+        """The host copy of `sg`'s gradient slice, or None when it needs none."""
+        pos = self._position[sg.index]
+        self._start(pos)
+        self._start(pos + 1)
+        if pos not in self._in_flight:
+            return None
+        _, host, landing = self._in_flight[pos]
+        self.transfers.retire(landing)
+        return host
+
+    def done(self, sg: SubGroup) -> None:
+        entry = self._in_flight.pop(self._position[sg.index], None)
+        if entry is not None:
+            self.transfers.pool.release(entry[0], tag="grad_to_host")
 
 
 class AdamW(torch.optim.Optimizer):
@@ -137,6 +179,9 @@ class AdamW(torch.optim.Optimizer):
         # Adam's step count per parameter (unit, slot): like torch.optim, a parameter without a
         # gradient in a step is not stepped at all (no weight decay, no moment decay, no count).
         self.param_steps = [[0] * len(unit.params) for unit in self.engine.units]
+        # The fused kernel increments the step tensors it is given; these are set to each parameter's
+        # count before every call (one tensor per cut: a parameter split over sub-groups is counted once).
+        self._step_tensors: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     # -- the training-loop protocol ------------------------------------------------------------------
     @property
@@ -164,6 +209,10 @@ class AdamW(torch.optim.Optimizer):
             self.pending_save.wait()
         engine = self.engine
         engine.require_step_boundary()
+        # Gradients still on their way to the host arrive (their NVMe norms are set), and the last
+        # step's parameter uploads have read the masters this step overwrites.
+        engine.transfers.retire()
+        engine.transfers.wait_uploads()
         # Gradient shards on NVMe are read one unit at a time during the update (`_GradOnDisk`); their
         # squared norms were kept when they were written, so the global norm needs no read.
         grads: list[torch.Tensor | _GradOnDisk | None] = [
@@ -210,9 +259,11 @@ class AdamW(torch.optim.Optimizer):
 
     def _update_states(self, grads: list[torch.Tensor | None]) -> None:
         """Swap in, update and swap out every sub-group with a gradient; write the new params."""
-        units, store = self.engine.units, self.states
+        units, store, transfers = self.engine.units, self.states, self.engine.transfers
         handles = []
         on_disk: list[_GradOnDisk | None] = [None]
+        order = [sg.index for sg in store.sub_groups if grads[sg.unit_index] is not None]
+        crossing = _GradsToHost(transfers, grads, store.sub_groups, order) if store.tier is not Tier.DEVICE else None
 
         def update(staged: Staged) -> None:
             sg = staged.sub_group
@@ -223,14 +274,20 @@ class AdamW(torch.optim.Optimizer):
                     on_disk[0].drop()  # sub-groups come unit by unit: the previous unit is done
                 on_disk[0] = grad
                 grad = grad.load()
-            grad = grad[sg.start : sg.end].to(staged.views.master.device)  # host/nvme states step on the CPU
-            self._adamw(sg, staged.views, grad)
+            host_grad = crossing.get(sg) if crossing is not None else None
+            self._adamw(sg, staged.views, host_grad if host_grad is not None else grad[sg.start : sg.end])
+            if crossing is not None:
+                crossing.done(sg)
             master = store.collect_master(staged)
             if master is not None:
                 handles.append(units[sg.unit_index].start_update_params(master))
+                if store.staging_slots is not None:  # a staging buffer, reused soon: uploads must have read it
+                    transfers.wait_uploads()
 
         store.check("read")
-        self._pipeline.run([sg.index for sg in store.sub_groups if grads[sg.unit_index] is not None], update)
+        self._pipeline.run(order, update)
+        if on_disk[0] is not None:
+            on_disk[0].drop()
         for handle in handles:
             handle.wait()
         store.check("write")
@@ -248,11 +305,9 @@ class AdamW(torch.optim.Optimizer):
                 continue
             group = self.param_groups[gi]
             beta1, beta2 = group["betas"]
-            # The kernel increments the step tensors it gets: fresh ones, at each parameter's count.
-            step_tensors = [
-                torch.full((), float(steps[slot]), dtype=torch.float32, device=grad.device)
-                for slot, _, _ in cuts
-            ]
+            step_tensors = self._steps_for(sg.index, gi, len(all_cuts), grad.device)[: len(cuts)]
+            for t, (slot, _, _) in zip(step_tensors, cuts, strict=True):
+                t.fill_(float(steps[slot]))
             functional_adamw(
                 [views.master[a:b] for _, a, b in cuts],
                 [grad[a:b] for _, a, b in cuts],
@@ -269,6 +324,15 @@ class AdamW(torch.optim.Optimizer):
                 eps=group["eps"],
                 maximize=False,
             )
+
+    def _steps_for(self, sg_index: int, group_index: int, n: int, device: torch.device) -> list[torch.Tensor]:
+        """The step tensors of one (sub-group, param group) call, made once."""
+        key = (sg_index, group_index)
+        tensors = self._step_tensors.get(key)
+        if tensors is None or tensors[0].device != device:
+            tensors = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(n)]
+            self._step_tensors[key] = tensors
+        return tensors
 
     # -- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -311,6 +375,7 @@ class AdamW(torch.optim.Optimizer):
         handles = [unit.start_update_params(m) for unit, m in zip(units, masters, strict=True)]
         for handle in handles:
             handle.wait()
+        self.engine.transfers.wait_uploads()  # the caller's tensors may change once this returns
 
     def close(self) -> None:
         """Free the optimizer states (for nvme: remove the swap files). Also done at exit."""

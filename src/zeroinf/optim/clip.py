@@ -26,6 +26,8 @@ def global_grad_norm(
     for g in owned_grads:
         sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
     if sharded:
+        if sq.device != topo.device:  # host shards under NCCL: the collective runs on the device
+            sq = sq.to(topo.device)
         all_reduce(sq, topo, async_op=False)
     return sq.sqrt()
 

@@ -6,15 +6,17 @@ rank's slice only, into a buffer of a fixed pool; bandwidth-centric partitioning
 the gather has consumed it. After the optimizer step, `store` writes the new values (asynchronous
 for NVMe; a later load of the same shard waits for that write first).
 
-On CUDA the host and NVMe homes copy the shard to the device on a side stream before the all-gather
-(runtime/copies.py), and wait for that copy before the host buffer is reused; on a CPU device the
-host buffer is the all-gather input itself (host and device are the same memory).
+On an accelerator the host and NVMe homes copy the shard to the device on the owner's h2d stream
+before the all-gather (runtime/streams.py), and wait for that copy before the host buffer is reused;
+a device home receives updated values from a CPU optimizer the same way (`Transfers.upload`). On a
+CPU device the host buffer is the all-gather input itself (host and device are the same memory).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -22,7 +24,7 @@ import torch
 from zeroinf.aio import AioEngine, AioHandle, BufferPool
 from zeroinf.aio.buffers import PoolBuffer
 from zeroinf.memory import Ledger, Tier
-from zeroinf.runtime.copies import HostCopy, to_device
+from zeroinf.runtime.streams import DeviceCopy, Landing, Transfers
 from zeroinf.tiers.host import host_zeros
 from zeroinf.tiers.nvme import NvmeSwap
 
@@ -41,31 +43,50 @@ class ShardHome(Protocol):
 class MemoryHome:
     """The shard stays in memory: on the device (ledger DEVICE) or on the host (ledger HOST)."""
 
-    def __init__(self, initial: torch.Tensor, tier: Tier, device: torch.device, ledger: Ledger) -> None:
+    def __init__(
+        self, initial: torch.Tensor, tier: Tier, device: torch.device, ledger: Ledger,
+        transfers: Transfers | None = None,
+    ) -> None:
         self.tier, self.device = tier, device
+        self.transfers = transfers or Transfers(device, ledger)
         if tier is Tier.HOST:
             self.shard = host_zeros(initial.numel(), initial.dtype, ledger, "param_shard")
             self.shard.copy_(initial)
         else:
             self.shard = initial.clone()
             ledger.reserve(Tier.DEVICE, self.shard.numel() * self.shard.element_size(), "param_shard")
-        self._copy: HostCopy | None = None
+        self._copy: DeviceCopy | None = None  # the last copy of the host shard to the device
+        self._incoming: Landing | None = None  # new values on their way from a device optimizer
 
     def start_load(self) -> None:
         return None
 
     def finish_load(self) -> torch.Tensor:
-        self._copy = to_device(self.shard, self.device)
+        if self._copy is not None:
+            self._copy.release()
+        self._copy = self.transfers.to_device(self.shard, after=self._incoming)
+        self._incoming = None
         return self._copy.tensor
 
     def end_load(self) -> None:
-        return None
+        if self._copy is not None:
+            self._copy.release()
 
     def store(self, values: torch.Tensor) -> None:
+        if self.tier is not Tier.HOST:  # a device shard: from a CPU optimizer, asynchronously
+            self.transfers.upload(values, self.shard)
+            return
         if self._copy is not None:  # the last copy to the device must have read the old values
             self._copy.wait_source_free()
             self._copy = None
-        self.shard.copy_(values)
+        if self._incoming is not None:  # an earlier store still landing must not overwrite this one
+            self.transfers.retire(self._incoming)
+            self._incoming = None
+        if values.device.type == "cpu":
+            self.shard.copy_(values)
+        else:  # a device optimizer: the next load's copy is ordered after this one on the device
+            private = values.to(self.shard.dtype, copy=True)  # the caller may change `values` meanwhile
+            self._incoming = self.transfers.to_host(private, self.shard)
 
 
 class NvmeParamFiles:
@@ -114,12 +135,16 @@ class NvmeHome:
 
     tier = Tier.NVME
 
-    def __init__(self, unit_name: str, initial: torch.Tensor, files: NvmeParamFiles, device: torch.device) -> None:
+    def __init__(
+        self, unit_name: str, initial: torch.Tensor, files: NvmeParamFiles, device: torch.device,
+        transfers: Transfers | None = None,
+    ) -> None:
         self.unit_name, self.files, self.device = unit_name, files, device
+        self.transfers = transfers or Transfers(device, files.pool.ledger)
         self.numel, self.dtype = initial.numel(), initial.dtype
         self._loading: tuple[AioHandle, PoolBuffer] | None = None
         self._loaded: PoolBuffer | None = None
-        self._copy: HostCopy | None = None
+        self._copy: DeviceCopy | None = None
         self._write: AioHandle | None = None
         self.store(initial)
 
@@ -142,12 +167,13 @@ class NvmeHome:
             self._loading, self._loaded = None, buf
         assert self._loaded is not None
         if self._copy is None:
-            self._copy = to_device(self._view(self._loaded), self.device)
+            self._copy = self.transfers.to_device(self._view(self._loaded))
         return self._copy.tensor
 
     def end_load(self) -> None:
         if self._loaded is not None:
             if self._copy is not None:  # the staging buffer goes back to the pool: the DMA must be done
+                self._copy.release()
                 self._copy.wait_source_free()
                 self._copy = None
             self.files.pool.release(self._loaded)
@@ -156,7 +182,10 @@ class NvmeHome:
     def store(self, values: torch.Tensor) -> None:
         self._finish_own_write()
         buf = self.files.reserve()
-        self._view(buf).copy_(values)
+        if values.device.type == "cpu":
+            self._view(buf).copy_(values)
+        else:  # a device optimizer: the write needs the values on the host now
+            self.transfers.retire(self.transfers.to_host(values.to(self.dtype), self._view(buf)))
         handle = self.files.swap.swap_out(self.unit_name, PARAM_KIND, self._view(buf))
         self.files.pending_writes.append((handle, buf))
         self._write = handle
@@ -188,7 +217,7 @@ class NvmeGradFiles:
 
     def __init__(self, swap: NvmeSwap, timeout_s: float) -> None:
         self.swap, self.timeout_s = swap, timeout_s
-        self._writes: deque[tuple[AioHandle, torch.Tensor]] = deque()
+        self._writes: deque[tuple[AioHandle, torch.Tensor, Callable[[], None] | None]] = deque()
         self.io_wait_s = 0.0
         self.io_busy_s = 0.0
 
@@ -198,19 +227,28 @@ class NvmeGradFiles:
         self.io_wait_s += time.perf_counter() - t0
         self.io_busy_s += handle.in_flight_s
 
+    def _retire_oldest(self) -> None:
+        handle, _, on_written = self._writes.popleft()
+        self._wait(handle)
+        if on_written is not None:
+            on_written()
+
     def drain(self) -> None:
         while self._writes:
-            self._wait(self._writes.popleft()[0])
+            self._retire_oldest()
 
-    def write(self, unit_name: str, shard: torch.Tensor) -> None:
+    def write(self, unit_name: str, shard: torch.Tensor, on_written: Callable[[], None] | None = None) -> None:
+        """Start writing `shard` (host memory, untouched until written); `on_written()` runs then."""
+        if shard.device.type != "cpu":
+            raise ValueError(f"gradient shard of {unit_name} is on {shard.device}: land it on the host first")
         while len(self._writes) >= MAX_GRAD_WRITES_IN_FLIGHT:
-            self._wait(self._writes.popleft()[0])
-        cpu = shard if shard.device.type == "cpu" else shard.to("cpu")
-        self._writes.append((self.swap.swap_out(unit_name, GRAD_KIND, cpu), cpu))
+            self._retire_oldest()
+        self._writes.append((self.swap.swap_out(unit_name, GRAD_KIND, shard), shard, on_written))
 
-    def read(self, unit_name: str, numel: int) -> torch.Tensor:
+    def read(self, unit_name: str, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read a unit's shard into `out` (fp32, `numel`; a fresh tensor if None)."""
         self.drain()  # a read must see every write before it
-        out = torch.empty(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=torch.float32) if out is None else out
         self._wait(self.swap.swap_in(unit_name, GRAD_KIND, out))
         return out
 

@@ -21,6 +21,17 @@ Autograd writes each parameter's gradient into `param.grad` in the compute dtype
 post-accumulate-grad hook adds it into the unit's unsharded gradient buffer in `reduce_dtype`
 (fp32 by default) and drops `param.grad`. So accumulation over micro-steps happens in fp32 even
 for bf16 compute, and the unit knows exactly when all its gradients of a backward have arrived.
+
+[Note: where a reduced gradient lands]
+Stages 2-3 reduce-scatter a unit's gradient into its shard. The first reduced micro-step of a step
+is written over the shard, later ones are added to it, so the shard is never zero-filled. On the
+device tier the shard is the reduce-scatter's output (at world 1 the unsharded buffer itself is
+adopted as the shard). On the host tier the shard is a persistent pinned host buffer, allocated
+once: on a CPU device the collective writes straight into it; on an accelerator the reduced
+shard leaves the device at once on the owner's d2h stream (runtime/streams.py), non-blocking,
+overlapping the rest of backward, copied over the shard or, for a later micro-step, into a pool
+buffer that the CPU adds once the copy's event completed. `owned_grad()` waits for that landing.
+On NVMe the landing goes through a pool buffer to the gradient swap file.
 """
 
 from __future__ import annotations
@@ -38,7 +49,9 @@ from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.park import swap_data
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, ShardHome
+from zeroinf.runtime.streams import Landing, Transfers, typed_view
 from zeroinf.telemetry import CollectiveCounter
+from zeroinf.tiers.host import host_zeros
 from zeroinf.topology import Topology
 
 
@@ -85,9 +98,9 @@ class UnitSource(Protocol):
     def read(self, layout: FlatLayout, start: int, end: int, dtype: torch.dtype) -> torch.Tensor: ...
 
 
-def default_home_factory(device: torch.device, ledger: Ledger) -> HomeFactory:
+def default_home_factory(device: torch.device, ledger: Ledger, transfers: Transfers | None = None) -> HomeFactory:
     """Every shard on the device (stage 3 without parameter offload)."""
-    return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE, device, ledger)
+    return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE, device, ledger, transfers)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -113,6 +126,7 @@ class ShardedUnit:
         grad_files: NvmeGradFiles | None = None,
         source: UnitSource | None = None,
         frozen: bool = False,
+        transfers: Transfers | None = None,
     ) -> None:
         self.name = name or "<root>"
         self.frozen = frozen  # parameters without gradients: gathered like the rest, never stepped
@@ -126,12 +140,14 @@ class ShardedUnit:
         )
         # Stage 3 keeps the root and tiny units unsharded ("resident"); stages 0-2 keep every unit.
         self.resident = (not policy.shard_params) if resident is None else resident or not policy.shard_params
-        self.home_factory = home_factory or default_home_factory(topo.device, ledger)
+        self.transfers = transfers or Transfers(topo.device, ledger)  # every host<->device copy
+        self.home_factory = home_factory or default_home_factory(topo.device, ledger, self.transfers)
         self.grad_tier = grad_tier
         self.grad_files = grad_files  # gradient shards on NVMe (grad_tier NVME)
-        self._grad_on_disk = False  # this step's shard has been written at least once
+        self._grad_landed = False  # this step's shard holds a reduced micro-step (later ones add)
+        self._landing: Landing | None = None  # the last reduced shard on its way to the host or disk
+        self._read_buffer: torch.Tensor | None = None  # NVMe shards: pool buffer lent by owned_grad()
         self.grad_sq_norm: float | None = None  # NVMe shards: squared L2 norm, kept at write time
-        self.grad_device = torch.device("cpu") if grad_tier is Tier.HOST else topo.device
         self._master_source: Callable[[], torch.Tensor] | None = None
         if source is None:
             self._build_buffers(param_dtype, keep_fp32_master)
@@ -139,6 +155,7 @@ class ShardedUnit:
             self._build_from_source(param_dtype, source)
         self.grad_flat: torch.Tensor | None = None  # unsharded, reduce dtype
         self.grad_shard: torch.Tensor | None = None  # stages 2-3: owned shard, reduce dtype
+        self._rs_out: torch.Tensor | None = None  # where the reduce-scatter in flight writes
         self.grad_state = GradState.EMPTY
         self._arrived = [False] * len(self.params)
         # Per parameter: did any rank produce a gradient since zero_grad? (set by the engine after
@@ -355,18 +372,7 @@ class ShardedUnit:
         assert self.grad_flat is not None
         self._zero_unwritten_slots()
         if self.policy.shard_grads:
-            numel, device = self.layout.shard_numel, self.topo.device
-            if self.grad_files is not None:  # the shard goes to disk once reduced
-                self._rs_out = torch.empty(numel, dtype=self.reduce_dtype, device=device)
-            elif self.grad_shard is None:
-                self.grad_shard = torch.zeros(numel, dtype=self.reduce_dtype, device=self.grad_device)
-                self.ledger.reserve(self.grad_tier, _nbytes(self.grad_shard), "grad_shard")
-                fresh_on_device = self.grad_device == device
-                self._rs_out = (
-                    self.grad_shard if fresh_on_device else torch.empty(numel, dtype=self.reduce_dtype, device=device)
-                )
-            else:  # accumulate onto an earlier micro-step's reduced shard
-                self._rs_out = torch.empty(numel, dtype=self.reduce_dtype, device=device)
+            self._rs_out = self._reduce_target()
             self._grad_handles = [reduce_scatter_into(self._rs_out, self.grad_flat, self.topo, average=True)]
             self.counter.add("reduce_scatter")
         else:
@@ -377,58 +383,143 @@ class ShardedUnit:
             self.counter.add("all_reduce", len(self._grad_handles))
         self.grad_state = GradState.REDUCING
 
+    def _reduce_target(self) -> torch.Tensor:
+        """Where this micro-step's reduced shard is written (see [Note: where a reduced gradient
+        lands]): the shard itself when it is empty and lives where the collective runs, else a
+        device buffer (at world 1 the unsharded buffer, which is the shard) it is copied or added from."""
+        assert self.grad_flat is not None
+        numel, device = self.layout.shard_numel, self.topo.device
+        if self.grad_files is None and not self._grad_landed:
+            if self.grad_tier is Tier.DEVICE:
+                if not self.topo.is_distributed:  # adopt the unsharded buffer: no copy, no second buffer
+                    self.grad_shard = self.grad_flat
+                    self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
+                else:
+                    self.grad_shard = torch.empty(numel, dtype=self.reduce_dtype, device=device)
+                self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
+                return self.grad_shard
+            host_shard = self._host_grad_shard()
+            if host_shard.device == device:  # a CPU device: the host shard is where gloo reduces
+                return host_shard
+        if not self.topo.is_distributed:
+            return self.grad_flat
+        out = torch.empty(numel, dtype=self.reduce_dtype, device=device)
+        self.ledger.reserve(Tier.DEVICE, _nbytes(out), "grad_reduce_out")
+        return out
+
+    def _host_grad_shard(self) -> torch.Tensor:
+        """The persistent fp32 gradient shard on the host (pinned with CUDA): allocated on first use,
+        kept for the engine's lifetime, never zero-filled again (the first micro-step overwrites it)."""
+        if self.grad_shard is None:
+            self.grad_shard = host_zeros(self.layout.shard_numel, self.reduce_dtype, self.ledger, "grad_shard")
+        return self.grad_shard
+
     def wait_reduce_grads(self) -> None:
+        """Finish the collective; a reduced shard starts its way to its tier (see [Note: where a
+        reduced gradient lands])."""
         if self.grad_state is not GradState.REDUCING:
             return
         for handle in self._grad_handles:
             handle.wait()
         self._grad_handles = []
-        if self.policy.shard_grads and self.grad_files is not None:
-            assert self.grad_flat is not None
-            shard = self._rs_out.float()
-            if self._grad_on_disk:  # an earlier micro-step's shard: read, add, write back
-                shard.add_(self.grad_files.read(self.name, shard.numel()))
-            self.grad_files.write(self.name, shard)
-            self.grad_sq_norm = float(torch.linalg.vector_norm(shard) ** 2)
-            self._grad_on_disk, self._rs_out = True, None
-            self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
-            self.grad_flat = None
-        elif self.policy.shard_grads:
-            assert self.grad_shard is not None and self.grad_flat is not None
-            if self._rs_out is not self.grad_shard:  # onto the shard's tier (host: a device-to-host copy)
-                # Blocking: a non_blocking device-to-host copy may not have landed when add_ reads it.
-                self.grad_shard.add_(self._rs_out.to(self.grad_device))
-            self._rs_out = None
-            # The unsharded buffer is dead once scattered: free it (only the shard is kept).
-            self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
-            self.grad_flat = None
+        if self.policy.shard_grads:
+            out, self._rs_out = self._rs_out, None
+            accumulate = self._grad_landed
+            if self.grad_files is not None:
+                self._land_on_disk(out, accumulate)
+            elif out is not self.grad_shard:
+                assert self.grad_shard is not None
+                if self.grad_tier is Tier.HOST:
+                    self._landing = self.transfers.land(out, self.grad_shard, accumulate=accumulate)
+                else:
+                    self.grad_shard.add_(out)
+            self._grad_landed = True
+            self._drop_reduce_buffers(out)
         self.grad_state = GradState.REDUCED
 
+    def _land_on_disk(self, out: torch.Tensor, accumulate: bool) -> None:
+        """The reduced shard goes to the gradient swap file through a staging buffer of the pool:
+        once it has arrived, an earlier micro-step's shard is read and added, the squared norm kept,
+        and the write started; the buffer returns to the pool when the write is done."""
+        files = self.grad_files
+        assert files is not None
+        if out.dtype != torch.float32:
+            out = out.float()
+        numel = out.numel()
+        raw = self.transfers.pool.acquire(numel * 4)
+        shard = typed_view(raw, out)
+
+        def arrived() -> None:
+            if accumulate:
+                earlier = self.transfers.pool.acquire(numel * 4)
+                shard.add_(files.read(self.name, numel, out=typed_view(earlier, out)))
+                self.transfers.pool.release(earlier)
+            self.grad_sq_norm = float(torch.linalg.vector_norm(shard) ** 2)
+            files.write(self.name, shard, on_written=lambda: self.transfers.pool.release(raw))
+
+        self._landing = self.transfers.land(out, shard, accumulate=False, then=arrived)
+
+    def _drop_reduce_buffers(self, out: torch.Tensor) -> None:
+        """The unsharded buffer is dead once reduced: free it, and the device buffer the shard was
+        reduced into (on an accelerator the allocator keeps its memory until the copy read it)."""
+        assert self.grad_flat is not None
+        if self.grad_flat is not self.grad_shard:
+            self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
+        if out is not self.grad_flat and out is not self.grad_shard and out.device == self.topo.device:
+            self.ledger.release(Tier.DEVICE, _nbytes(out), "grad_reduce_out")
+        self.grad_flat = None
+
+    def _finish_landing(self) -> None:
+        if self._landing is not None:
+            self.transfers.retire(self._landing)
+            self._landing = None
+
     def owned_grad(self) -> torch.Tensor | None:
-        """The reduced gradient of the owned range (a view; reduce dtype), or None if no gradient."""
+        """The reduced gradient of the owned range (a view; reduce dtype), or None if no gradient.
+
+        On the host, it is there once this returns (the CPU waits for its copy if still running).
+        Shards on NVMe are read into a pool buffer lent until `release_owned_grad()`."""
         if self.grad_state is GradState.EMPTY:
             return None
         if self.grad_state is not GradState.REDUCED:
             raise RuntimeError(f"unit {self.name}: gradients are {self.grad_state.value}, not reduced")
+        self._finish_landing()
         if self.grad_files is not None:
-            return self.grad_files.read(self.name, self.layout.shard_numel)
+            numel = self.layout.shard_numel
+            if self._read_buffer is None:
+                self._read_buffer = self.transfers.pool.acquire(numel * 4)
+            return self.grad_files.read(self.name, numel, out=self._read_buffer.view(torch.float32))
         if self.policy.shard_grads:
             return self.grad_shard
         assert self.grad_flat is not None
         return self.grad_flat[self.owned_start : self.owned_end]
 
+    def release_owned_grad(self) -> None:
+        """Give back the buffer `owned_grad()` read an NVMe shard into."""
+        if self._read_buffer is not None:
+            self.transfers.pool.release(self._read_buffer)
+            self._read_buffer = None
+
     def zero_grad(self) -> None:
+        """Forget this step's gradients. Device buffers are freed; the host shard stays allocated and
+        is not cleared (the next step's first micro-step overwrites it)."""
         for handle in self._grad_handles:
             handle.wait()
         self._grad_handles = []
-        if self.grad_flat is not None:
+        self._finish_landing()  # nothing may still be added into the shard once the next step starts
+        self.release_owned_grad()
+        if self._rs_out is not None:  # reduced but never waited (an error mid-backward)
+            if self._rs_out is not self.grad_flat and self._rs_out is not self.grad_shard:
+                self.ledger.release(Tier.DEVICE, _nbytes(self._rs_out), "grad_reduce_out")
+            self._rs_out = None
+        if self.grad_flat is not None and self.grad_flat is not self.grad_shard:
             self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
-            self.grad_flat = None
-        if self.grad_shard is not None:
-            self.ledger.release(self.grad_tier, _nbytes(self.grad_shard), "grad_shard")
+        self.grad_flat = None
+        if self.grad_shard is not None and self.grad_tier is Tier.DEVICE:
+            self.ledger.release(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
             self.grad_shard = None
         self.grad_state = GradState.EMPTY
-        self._grad_on_disk, self.grad_sq_norm = False, None
+        self._grad_landed, self.grad_sq_norm = False, None
         self.param_had_grad = [False] * len(self.params)
         self.end_backward()
 
@@ -480,8 +571,8 @@ class ShardedUnit:
             if self.state is not ParamState.UNSHARDED:
                 return DoneHandle()  # the next unshard gathers the new values
             source = self.home.finish_load()  # a resident unit: refresh its unsharded copy now
-        else:
-            self.param_flat[self.owned_start : self.owned_end].copy_(master_owned)
+        else:  # from a CPU optimizer: asynchronously, ordered before the all-gather and the next forward
+            self.transfers.upload(master_owned, self.param_flat[self.owned_start : self.owned_end])
             if not self.policy.shard_optimizer:
                 return DoneHandle()
             source = self.param_flat[self.owned_start : self.owned_end]
