@@ -25,8 +25,9 @@ class RankFailure(AssertionError):
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, timeout_s: float, args: tuple,
             results: Any) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+    os.environ.update(  # gloo ranks on the CPU, whatever accelerators the machine has
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        ZEROINF_DEVICE="cpu",
     )
     try:
         import torch

@@ -26,8 +26,8 @@ def free_port() -> int:
 
 
 def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This checkout's sources first on the path, one CPU thread per rank."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """This checkout's sources first on the path, one CPU thread per rank, ranks on the CPU."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZEROINF_DEVICE": "cpu"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, ROOT, os.environ.get("PYTHONPATH")) if p)
     env.pop("ZEROINF_LOG_ALL_RANKS", None)
     return {**env, **(extra or {})}

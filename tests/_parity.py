@@ -88,16 +88,20 @@ def build_model(name: str = "tiny_gpt", seed: int = 0) -> nn.Module:
     return TinyGPT()
 
 
-def train_reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch: fp32 masters + (for bf16/fp16) a low-precision compute copy; whole global batch."""
-    master = build_model(case.model)
+def train_reference(
+    case: Case, device: torch.device | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch: fp32 masters + (for bf16/fp16) a low-precision compute copy; whole global batch.
+    On `device` (default: the CPU)."""
+    device = device or torch.device("cpu")
+    master = build_model(case.model).to(device)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
     compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
     scale = case.initial_scale if case.dtype == "fp16" else 1.0
     losses = []
     for step in range(case.steps):
-        x, y = global_batch(step)
+        x, y = (t.to(device) for t in global_batch(step))
         if step == case.overflow_step:  # the engine skips this step and halves the scale
             scale /= 2
             losses.append(float("nan"))
@@ -117,11 +121,12 @@ def train_reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
             torch.nn.utils.clip_grad_norm_(master.parameters(), case.clip)
         opt.step()
         opt.zero_grad()
-    return losses, {n: p.detach().float().clone() for n, p in master.named_parameters()}
+    return losses, {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in master.named_parameters()}
 
 
-def train_zeroinf(case: Case, rank: int, world_size: int) -> dict:
-    """The same training through zeroinf on this rank's slice of every global batch."""
+def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device | None = None) -> dict:
+    """The same training through zeroinf on this rank's slice of every global batch; on `device`
+    (default: the topology's)."""
     import zeroinf
 
     cfg = zeroinf.Config(
@@ -129,15 +134,17 @@ def train_zeroinf(case: Case, rank: int, world_size: int) -> dict:
         sync_every_micro_step=case.sync_every_micro_step, grad_clip_norm=case.clip,
         loss_scale=zeroinf.LossScaleConfig(initial_scale=case.initial_scale), **dict(case.overrides),
     )
-    model = zeroinf.shard(build_model(case.model), cfg)
+    topology = zeroinf.Topology.single(device) if device is not None else None
+    model = zeroinf.shard(build_model(case.model), cfg, topology)
+    device = zeroinf.engine_of(model).topo.device
     opt = zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
     per_rank = GLOBAL_BATCH // world_size
     micro = per_rank // case.accum
     losses, skipped = [], []
     for step in range(case.steps):
         x, y = global_batch(step)
-        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
-        total = torch.zeros(())
+        x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device) for t in (x, y))
+        total = torch.zeros((), device=device)
         for m in range(case.accum):
             loss = model(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / case.accum
             total += loss.detach().float()
@@ -156,13 +163,16 @@ def train_zeroinf(case: Case, rank: int, world_size: int) -> dict:
         "weights": _weights(model, rank),
         "optimizer_state_bytes": report["device"]["by_tag"].get("optimizer_state", 0),
         "collectives_last_step": report["collectives_last_step"],
+        "transfers": report["transfers"],
     }
 
 
 def _weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
     full = model.state_dict()  # a collective at stage 3: every rank calls it
     names = {n for n, _ in model.named_parameters()}
-    return {n: t.float().clone() for n, t in full.items() if n in names} if rank == 0 else None
+    if rank != 0:
+        return None
+    return {n: t.detach().to("cpu", torch.float32, copy=True) for n, t in full.items() if n in names}
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:

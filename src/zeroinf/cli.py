@@ -25,6 +25,7 @@ from zeroinf.checkpoint.format import CheckpointError
 from zeroinf.config import DTYPES, Config, OffloadConfig
 from zeroinf.models.gpt import PRESETS
 from zeroinf.telemetry import configure_cli_logging
+from zeroinf.topology import check_ranks_fit
 from zeroinf.train import DEFAULT_CONFIG, TrainArgs, available_cores, train
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, CheckpointError)
@@ -256,6 +257,7 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
 
 def relaunch_with_torchrun(nproc: int, command_name: str, train_argv: Sequence[str]) -> int:
     """Run `zeroinf <command_name>` as `nproc` ranks on this machine; returns torchrun's exit code."""
+    check_ranks_fit(nproc)
     command = [
         sys.executable,
         "-m",

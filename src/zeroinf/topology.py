@@ -31,11 +31,56 @@ if dist.is_available() and not dist.is_initialized():
     import torch.distributed.nn  # noqa: F401  - see [Note: a process group that outlives destroy_process_group]
 
 
+DEVICE_ENV = "ZEROINF_DEVICE"  # "cpu" runs on the CPU (gloo) even where a GPU is present
+
+
 def default_device() -> torch.device:
-    """The accelerator of this rank (cuda:LOCAL_RANK) or the CPU when there is none."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """The device of this rank: `ZEROINF_DEVICE` when set ("cpu", "cuda", "cuda:1"), else the
+    accelerator cuda:LOCAL_RANK, else the CPU when there is none.
+
+    A rank whose LOCAL_RANK has no GPU (more processes per node than GPUs) fails here, naming the
+    ranks and the devices, instead of with CUDA's "invalid device ordinal" later."""
+    pinned = os.environ.get(DEVICE_ENV, "").strip()
+    if pinned:
+        device = torch.device(pinned)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        return torch.device("cpu")
+    if device.type == "cuda":
+        _require_gpu(device)
+    return device
+
+
+def check_ranks_fit(nproc: int) -> None:
+    """Before launching `nproc` ranks on this machine: each needs a GPU of its own unless the ranks
+    run on the CPU (no CUDA, or ZEROINF_DEVICE=cpu). Raises ValueError naming the fix."""
+    pinned = os.environ.get(DEVICE_ENV, "").strip()
+    if (pinned and torch.device(pinned).type == "cpu") or not torch.cuda.is_available():
+        return
+    count = torch.cuda.device_count()
+    if nproc > count:
+        raise ValueError(
+            f"--nproc {nproc} needs {nproc} GPUs (one per rank) but this machine has {count}: "
+            f"use --nproc {count}, or set {DEVICE_ENV}=cpu to run {nproc} ranks on the CPU with gloo"
+        )
+
+
+def _require_gpu(device: torch.device) -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.index is not None and device.index < count:
+        return
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    visible = f"cuda:0..cuda:{count - 1}" if count else "none"
+    raise RuntimeError(
+        f"rank with LOCAL_RANK={local_rank} (of {local_world} processes on this node) needs {device}, "
+        f"but this machine has {count} CUDA device(s) ({visible}): launch at most {max(count, 1)} "
+        f"process(es) per node (torchrun --nproc-per-node {max(count, 1)}), or set {DEVICE_ENV}=cpu "
+        "to run every rank on the CPU with gloo"
+    )
 
 
 def default_backend(device: torch.device) -> str:
