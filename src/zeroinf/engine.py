@@ -46,7 +46,7 @@ from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
 
 _ATTR = "_zeroinf_engine"
-MAX_REDUCTIONS_IN_FLIGHT = 2  # stage 3: bounds the unsharded gradient buffers alive in backward
+MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient collectives in flight in backward before the oldest is finished
 
 
 class Engine:
@@ -311,9 +311,12 @@ class Engine:
             unit.start_reduce_grads()
             if self.scheduler is not None:
                 self.scheduler.release(unit_index)
-                self._reducing.append(unit_index)
-                while len(self._reducing) > MAX_REDUCTIONS_IN_FLIGHT:
-                    self.units[self._reducing.popleft()].wait_reduce_grads()
+            # Finishing the oldest reduction as a new one starts bounds the unsharded gradient buffers
+            # alive (stages 2-3) and starts the reduced shard on its way to its tier while backward
+            # goes on (a host shard: the owner's d2h copy; see unit.py [Note: where a reduced gradient lands]).
+            self._reducing.append(unit_index)
+            while len(self._reducing) > MAX_REDUCTIONS_IN_FLIGHT:
+                self.units[self._reducing.popleft()].wait_reduce_grads()
 
     def _begin_backward(self) -> None:
         if self.micro_step >= self.cfg.grad_accum_steps:
