@@ -64,6 +64,7 @@ def load(
     """
     finish_pending_save(optimizer)  # a background save of this optimizer reads the states being replaced
     engine = engine_of(model)
+    engine.transfers.wait_uploads()  # the last step's parameter uploads may still read masters replaced here
     rank = engine.topo.rank
     body, data, error = None, None, None
     try:

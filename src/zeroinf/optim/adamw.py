@@ -362,6 +362,7 @@ class AdamW(torch.optim.Optimizer):
                 f"optimizer state was saved at (world_size, stage) = {there} but this run is {here}; "
                 "use zeroinf checkpoints to reshard"
             )
+        self.engine.transfers.wait_uploads()  # uploads of the last step may still read the masters replaced here
         units = self.engine.units
         masters = state["master"]
         for ui in range(len(units)):

@@ -539,6 +539,7 @@ class ShardedUnit:
         if self.initial_master is not None:  # no optimizer has taken the masters yet
             self.initial_master[changed] = owned[changed].float()
         elif self._master_taken and states is not None:
+            self.transfers.wait_uploads()  # an upload of the last step may still read the master
             views = states.read_unit(unit_index)  # type: ignore[attr-defined]
             mask = changed.to(views.master.device)
             views.master[mask] = owned[changed].float().to(views.master.device)
@@ -557,6 +558,7 @@ class ShardedUnit:
             return
         owned = (self.owned_start, self.owned_end)
         if self._master_taken and states is not None:
+            self.transfers.wait_uploads()  # an upload of the last step may still read the master
             views = states.read_unit(unit_index)  # type: ignore[attr-defined]
             views.master.copy_(source.read(self.layout, *owned, torch.float32))
             states.write_unit(unit_index, views)  # type: ignore[attr-defined]
