@@ -54,7 +54,9 @@ def latest(root: Path) -> str | None:
 def train(args: argparse.Namespace, folder: Path, name: str, extra: list[str]) -> tuple[dict, list[dict]]:
     """Run `zeroinf train`, sampling it; returns its report and the samples (time, rss, swap, latest)."""
     config = folder / "soak.toml"
-    config.write_text("stage = 3\nparam_dtype = \"bf16\"\ngrad_clip_norm = 1.0\npersist_threshold_bytes = 0\n")
+    config.write_text(
+        f"stage = 3\nparam_dtype = \"{args.dtype}\"\ngrad_clip_norm = 1.0\npersist_threshold_bytes = 0\n"
+    )
     report = folder / f"{name}.json"
     command = [
         sys.executable, "-m", "zeroinf", "train", "--model", "tiny", "--steps", str(args.steps),
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--resume-from", type=int, default=500)
     ap.add_argument("--interval", type=float, default=0.5)
+    # fp32 where the CPU has no bf16 instructions (bf16 is emulated there, several times slower)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary folder under /tmp)")
     args = ap.parse_args(argv)
     folder = Path(args.dir or tempfile.mkdtemp(prefix="zeroinf-soak-", dir="/tmp"))
