@@ -424,6 +424,7 @@ class ShardedUnit:
         self._grad_handles = []
         if self.policy.shard_grads:
             out, self._rs_out = self._rs_out, None
+            assert out is not None
             accumulate = self._grad_landed
             if self.grad_files is not None:
                 self._land_on_disk(out, accumulate)
