@@ -32,12 +32,12 @@ from zeroinf.activations import ActivationOffloader, apply_activation_checkpoint
 from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
-from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.init import InitFn, map_large_buffers, materialize_and_build, needs_materializing
 from zeroinf.partition.offload import open_grad_files, open_param_files
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
+from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.telemetry import CollectiveCounter
@@ -63,6 +63,8 @@ class Engine:
         if not specs:
             raise ValueError("zeroinf.shard: the model has no trainable parameters")
         self.specs = specs
+        # What to build for each unit, computed before any memory is touched; `zeroinf.plan` reads the same.
+        self.unit_plan = plan_units([UnitShape.of(spec) for spec in specs], cfg, topo.world_size)
         offload = cfg.offload
         if "device" != offload.params or "device" != offload.optimizer or "device" != offload.gradients:
             map_large_buffers()
@@ -71,7 +73,7 @@ class Engine:
         self._home_factory = self._make_home_factory(specs) if self.policy.shard_params else None
         self.grad_files: NvmeGradFiles | None = None
         if cfg.offload.gradients == "nvme":
-            self.grad_files = open_grad_files(specs, cfg, topo, self.ledger)
+            self.grad_files = open_grad_files(self.unit_plan, cfg, topo, self.ledger)
             weakref.finalize(self, self.grad_files.close)
         # Built under zeroinf.init (parked parameters) or on the meta device: unit by unit.
         self._built_from_meta = needs_materializing(module)
@@ -125,19 +127,13 @@ class Engine:
 
     def _is_resident(self, spec: UnitSpec) -> bool:
         """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded."""
-        if not self.policy.shard_params:
-            return True
-        layout = FlatLayout.build([(n, p.shape) for n, p in spec.params], self.topo.world_size)
-        unsharded_bytes = layout.padded_numel * self.cfg.param_torch_dtype.itemsize
-        return spec.name == "" or unsharded_bytes < self.cfg.persist_threshold_bytes
+        return self.unit_plan.unit(spec.name).resident
 
     def _make_home_factory(self, specs: list[UnitSpec]) -> HomeFactory:
         """Where each stage-3 shard lives: resident units on the device, the others on offload.params."""
         tier, device, ledger = Tier(self.cfg.offload.params), self.topo.device, self.ledger
         if tier is Tier.NVME:
-            self.param_files = open_param_files(
-                specs, self._resident_names, self.cfg, self.topo, ledger
-            )
+            self.param_files = open_param_files(self.unit_plan, self.cfg, self.topo, ledger)
             files = self.param_files
             weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
             return lambda name, initial, resident: (

@@ -36,6 +36,7 @@ from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipelin
 from zeroinf.optim.states import MasterSource, build_state_store
 from zeroinf.partition.unit import GradState, ShardedUnit
 from zeroinf.precision import DynamicLossScaler
+from zeroinf.telemetry import phase
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ class AdamW(torch.optim.Optimizer):
         self.engine.zero_grad()
 
     @torch.no_grad()
+    @phase("zeroinf::optimizer")
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise NotImplementedError("zeroinf.AdamW.step does not take a closure")

@@ -23,6 +23,7 @@ from zeroinf.aio import AioEngine, AioHandle, BufferPool
 from zeroinf.aio.buffers import PoolBuffer
 from zeroinf.memory import Ledger, Tier
 from zeroinf.runtime.copies import HostCopy, to_device
+from zeroinf.telemetry import phase
 from zeroinf.tiers.host import host_zeros
 from zeroinf.tiers.nvme import NvmeSwap
 
@@ -92,6 +93,7 @@ class NvmeParamFiles:
         while self.pending_writes:
             self.retire_oldest_write()
 
+    @phase("zeroinf::wait_io.params")
     def wait(self, handle: AioHandle) -> None:
         t0 = time.perf_counter()
         handle.wait(self.timeout_s)
@@ -120,6 +122,7 @@ class NvmeHome:
     def _view(self, buf: PoolBuffer) -> torch.Tensor:
         return buf.tensor[: self.numel * self.dtype.itemsize].view(self.dtype)
 
+    @phase("zeroinf::swap_in")
     def start_load(self) -> None:
         if self._loading is not None or self._loaded is not None:
             return
@@ -147,6 +150,7 @@ class NvmeHome:
             self.files.pool.release(self._loaded)
             self._loaded = None
 
+    @phase("zeroinf::swap_out")
     def store(self, values: torch.Tensor) -> None:
         self._finish_own_write()
         buf = self.files.reserve()
@@ -186,6 +190,7 @@ class NvmeGradFiles:
         self.io_wait_s = 0.0
         self.io_busy_s = 0.0
 
+    @phase("zeroinf::wait_io.grads")
     def _wait(self, handle: AioHandle) -> None:
         t0 = time.perf_counter()
         handle.wait(self.timeout_s)
@@ -196,12 +201,14 @@ class NvmeGradFiles:
         while self._writes:
             self._wait(self._writes.popleft()[0])
 
+    @phase("zeroinf::swap_out")
     def write(self, unit_name: str, shard: torch.Tensor) -> None:
         while len(self._writes) >= MAX_GRAD_WRITES_IN_FLIGHT:
             self._wait(self._writes.popleft()[0])
         cpu = shard if shard.device.type == "cpu" else shard.to("cpu")
         self._writes.append((self.swap.swap_out(unit_name, GRAD_KIND, cpu), cpu))
 
+    @phase("zeroinf::swap_in")
     def read(self, unit_name: str, numel: int) -> torch.Tensor:
         self.drain()  # a read must see every write before it
         out = torch.empty(numel, dtype=torch.float32)

@@ -36,7 +36,7 @@ from zeroinf.comm import DoneHandle, Handle, all_gather_into, all_reduce, reduce
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, ShardHome
-from zeroinf.telemetry import CollectiveCounter
+from zeroinf.telemetry import CollectiveCounter, phase
 from zeroinf.topology import Topology
 
 
@@ -201,6 +201,7 @@ class ShardedUnit:
         """True when bringing the shard in is I/O worth starting an event before the all-gather."""
         return self.home is not None and self.home.tier is Tier.NVME
 
+    @phase("zeroinf::swap_in")
     def start_fetch(self) -> None:
         """Start bringing this rank's shard in from its tier (an NVMe read); no collective yet."""
         if self.state is ParamState.SHARDED:
@@ -208,6 +209,7 @@ class ShardedUnit:
             self.home.start_load()
             self.state = ParamState.FETCHING
 
+    @phase("zeroinf::unshard")
     def start_unshard(self) -> None:
         """Allocate the unsharded buffer and start the all-gather of the shards (idempotent)."""
         if self.state not in (ParamState.SHARDED, ParamState.FETCHING):
@@ -222,6 +224,7 @@ class ShardedUnit:
         self.counter.add("all_gather")
         self.state = ParamState.UNSHARDING
 
+    @phase("zeroinf::unshard")
     def wait_unshard(self) -> None:
         """Finish a started unshard (or do it now) and point the parameters at the full buffer."""
         if self.state is ParamState.UNSHARDED:
@@ -236,6 +239,7 @@ class ShardedUnit:
         self._point_params_at_flat()
         self.state = ParamState.UNSHARDED
 
+    @phase("zeroinf::reshard")
     def reshard(self) -> None:
         """Free the unsharded buffer (all aliases at once) and point params at empty placeholders."""
         if self.state is ParamState.SHARDED:
@@ -302,6 +306,7 @@ class ShardedUnit:
         """Forget which gradients arrived (the next backward starts counting again)."""
         self._arrived = [False] * len(self.params)
 
+    @phase("zeroinf::reduce")
     def start_reduce_grads(self) -> None:
         """Launch the gradient collective (all-reduce or reduce-scatter) asynchronously."""
         if self.grad_state is not GradState.ACCUMULATING:
@@ -331,6 +336,7 @@ class ShardedUnit:
             self.counter.add("all_reduce", len(self._grad_handles))
         self.grad_state = GradState.REDUCING
 
+    @phase("zeroinf::reduce")
     def wait_reduce_grads(self) -> None:
         if self.grad_state is not GradState.REDUCING:
             return
