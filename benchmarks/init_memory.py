@@ -59,9 +59,10 @@ def sizes(layers: int, hidden: int, intermediate: int, vocab: int) -> dict[str, 
 
 
 def build_once(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    import zeroinf
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
+
+    import zeroinf
 
     hf_logging.set_verbosity_error()
     folder = os.path.join(args.nvme_dir, variant)

@@ -77,12 +77,14 @@ def prompts(rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (PROMPTS_PER_RANK, PROMPT_LEN), generator=g)
 
 
-def greedy(model: torch.nn.Module, ids: torch.Tensor, synced: bool) -> torch.Tensor:
+def greedy(model: torch.nn.Module, ids: torch.Tensor, synced: bool | None = None) -> torch.Tensor:
+    """Greedy decoding; `synced=None` leaves `synced_gpus` to `generate` (zeroinf models default it)."""
+    kwargs = {} if synced is None else {"synced_gpus": synced}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-            pad_token_id=0, synced_gpus=synced,
+            pad_token_id=0, **kwargs,
         )
 
 
@@ -163,7 +165,7 @@ def _generate_and_compare(model: torch.nn.Module, case: Case, rank: int, world: 
     departures_before = zeroinf.memory_report(model)["trace_departures"]
     plan_before = sched.forward_plan
     with _live_blocks_probe(engine) as live:
-        ours = greedy(model, ids, synced=world > 1)
+        ours = greedy(model, ids)  # no synced_gpus: a sharded model makes generate default it at world > 1
     gathers = engine.counter.total.get("all_gather", 0) - gathers_before
     with torch.no_grad():
         logits = model(input_ids=ours).logits
@@ -174,11 +176,14 @@ def _generate_and_compare(model: torch.nn.Module, case: Case, rank: int, world: 
     return {
         "ours": ours, "theirs": theirs,
         "logit_diff": (logits - plain_logits).abs().max().item(),
-        # every decoding step is one forward pass that gathers every block on demand, once
+        # every decoding step is one forward pass that gathers every block once (on demand or prefetched)
         "gathers": gathers, "expected_gathers": expected,
-        # on demand, nothing is prefetched: only the running block is unsharded when it starts
-        "peak_live_blocks": max(live),
-        "trace_state": sched.forward_trace.state.value,  # the no-grad passes ran off the trace
+        # the first no-grad pass records the inference trace (one block live as each starts); the
+        # next ones prefetch the following block along it (two live)
+        "live_blocks": live, "peak_live_blocks": max(live),
+        "inference_trace_state": sched.inference_trace.state.value,
+        "inference_planned": sched.inference_plan is not None,
+        "trace_state": sched.forward_trace.state.value,
         "plan_kept": sched.forward_plan is plan_before,
         "departures_delta": zeroinf.memory_report(model)["trace_departures"] - departures_before,
         # on-demand fetches are released right after use: only resident units stay unsharded

@@ -357,8 +357,11 @@ def test_meta_build_never_allocates_the_untiled_weight(run: tuple[int, list[dict
         largest_unit = max(u["padded_numel"] for u in r["meta"]["units"])
         assert r["meta_build_largest_numel"] == largest_unit, r["meta_build_largest_op"]
         assert largest_unit < D * H / 4
-        # and the ledger saw one unit unsharded at a time
-        assert r["meta_build_tag_peak"] == max(u["unsharded_bytes"] for u in r["meta"]["units"])
+        # and the ledger saw one unit unsharded at a time besides the resident root (whole from its build on)
+        units = r["meta"]["units"]
+        resident = sum(u["unsharded_bytes"] for u in units if u["resident"])
+        largest = max(u["unsharded_bytes"] for u in units if not u["resident"])
+        assert max(resident, largest) <= r["meta_build_tag_peak"] <= resident + largest
 
 
 def test_meta_built_model_trains_within_budget_like_untiled_reference(run: tuple[int, list[dict]]) -> None:

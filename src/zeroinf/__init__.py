@@ -16,8 +16,10 @@ from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.adamw import AdamW
 from zeroinf.partition.gathered import gathered
 from zeroinf.partition.init import init
+from zeroinf.pretrained import from_pretrained
 from zeroinf.tiling import TiledLinear, tile_linears
 from zeroinf.topology import Topology, init_distributed
+from zeroinf.weights.load import load_weights
 
 __all__ = [
     "AdamW",
@@ -31,9 +33,11 @@ __all__ = [
     "Topology",
     "consolidate",
     "engine_of",
+    "from_pretrained",
     "gathered",
     "init",
     "init_distributed",
+    "load_weights",
     "load",
     "memory_report",
     "save",

@@ -1,4 +1,4 @@
-"""The `zeroinf` command line: `zeroinf train`, `zeroinf plan`, `zeroinf bench-io` and `zeroinf consolidate`.
+"""The `zeroinf` command line: `zeroinf train`, `finetune`, `plan`, `bench-io` and `consolidate`.
 
 zeroinf train                          # the demo GPT on the standard library's sources
 zeroinf train --nproc 2 --stage 2      # two ranks on this machine (through torch.distributed.run)
@@ -26,6 +26,7 @@ from typing import NoReturn
 from zeroinf.checkpoint.format import CheckpointError
 from zeroinf.config import AUTO, DTYPES, Config, OffloadConfig
 from zeroinf.models.gpt import PRESETS
+from zeroinf.telemetry import configure_cli_logging
 from zeroinf.train import DEFAULT_CONFIG, TrainArgs, available_cores, train
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, CheckpointError)
@@ -74,6 +75,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.eval_batches,
         help="validation batches at the end, 0 to skip (default: %(default)s)",
     )
+    add_engine_arguments(parser)
+    add_launch_arguments(parser)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by `train` and `finetune`: a config file and per-field overrides."""
     engine = parser.add_argument_group("engine (override the fields of --config or --deepspeed)")
     source = engine.add_mutually_exclusive_group()
     source.add_argument("--config", metavar="FILE", help="zeroinf config, .toml or .json")
@@ -100,6 +107,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--nvme-dir", metavar="DIR", help="folder for the swap files (default: a temporary folder, removed at exit)"
     )
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Launch, checkpoint and report options shared by `train` and `finetune`."""
     launch = parser.add_argument_group("launch and output")
     launch.add_argument(
         "--nproc",
@@ -117,12 +128,46 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--no-progress", action="store_true", help="no progress bar and no summary")
 
 
-def engine_config(ns: argparse.Namespace) -> Config:
+def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `zeroinf finetune`; defaults are those of `zeroinf.finetune.FinetuneArgs`."""
+    from zeroinf.finetune import FinetuneArgs
+
+    d = FinetuneArgs(model="", data=["-"])
+    what = parser.add_argument_group("model and data")
+    what.add_argument(
+        "--model", required=True, metavar="DIR", help="a Hugging Face model folder (config + safetensors)"
+    )
+    what.add_argument("--data", required=True, nargs="+", metavar="FILE", help=".txt or .jsonl files")
+    what.add_argument("--format", default=d.format, choices=("auto", "text", "jsonl"), help="(default: by extension)")
+    what.add_argument("--text-field", default=d.text_field, help="the JSON field holding the text (default: text)")
+    what.add_argument(
+        "--lora-rank", type=int, default=d.lora_rank, help="LoRA rank, 0 for a full fine-tune (default: %(default)s)"
+    )
+    what.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: twice the rank)")
+    what.add_argument("--lora-targets", default=d.lora_targets, help="modules with adapters (default: all-linear)")
+    what.add_argument("--out", metavar="DIR", help="write the fine-tuned model (LoRA merged) as a Hugging Face folder")
+    run = parser.add_argument_group("run")
+    length = run.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer steps (default: one epoch)")
+    length.add_argument("--epochs", type=float, help="passes over the tokens")
+    run.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default: %(default)s)")
+    run.add_argument(
+        "--batch", type=int, default=d.global_batch, help="sequences per step, all ranks (default: %(default)s)"
+    )
+    run.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    run.add_argument("--warmup", type=int, default=d.warmup_steps, help="warm-up steps (default: %(default)s)")
+    run.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
+    run.add_argument("--seed", type=int, default=d.seed, help="seed of the adapters and batches (default: %(default)s)")
+    add_engine_arguments(parser)
+    add_launch_arguments(parser)
+
+
+def engine_config(ns: argparse.Namespace, default: Config = DEFAULT_CONFIG) -> Config:
     """The config file's settings (or the default ones), with the command-line overrides applied."""
     if ns.deepspeed:
         cfg = Config.from_deepspeed(ns.deepspeed)
     else:
-        cfg = Config.load(ns.config) if ns.config else DEFAULT_CONFIG
+        cfg = Config.load(ns.config) if ns.config else default
     overrides = {
         "stage": ns.stage,
         "param_dtype": ns.dtype,
@@ -162,7 +207,7 @@ def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if ns.nproc < 1:
         raise ValueError(f"--nproc {ns.nproc} is invalid: use a positive number of ranks")
     if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return relaunch_with_torchrun(ns.nproc, argv)
+        return relaunch_with_torchrun(ns.nproc, "train", argv)
     args = TrainArgs(
         model=ns.model,
         n_layer=ns.n_layer,
@@ -188,6 +233,26 @@ def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def run_finetune(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from zeroinf.finetune import DEFAULT_CONFIG as FINETUNE_CONFIG
+    from zeroinf.finetune import FinetuneArgs, finetune
+
+    if ns.nproc < 1:
+        raise ValueError(f"--nproc {ns.nproc} is invalid: use a positive number of ranks")
+    if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return relaunch_with_torchrun(ns.nproc, "finetune", argv)
+    args = FinetuneArgs(
+        model=ns.model, data=ns.data, format=ns.format, text_field=ns.text_field, lora_rank=ns.lora_rank,
+        lora_alpha=ns.lora_alpha, lora_targets=ns.lora_targets, steps=ns.steps, epochs=ns.epochs,
+        seq_len=ns.seq_len, global_batch=ns.batch, lr=ns.lr, warmup_steps=ns.warmup,
+        weight_decay=ns.weight_decay, seed=ns.seed, config=engine_config(ns, FINETUNE_CONFIG), out=ns.out,
+        save_every=ns.save_every, save_dir=ns.save_dir, resume=ns.resume, progress=not ns.no_progress,
+        report_path=ns.report,
+    )
+    finetune(args)
+    return 0
+
+
 def without_nproc(argv: Sequence[str]) -> list[str]:
     """`argv` of the train subcommand without its `--nproc N` / `--nproc=N`."""
     out: list[str] = []
@@ -202,8 +267,8 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def relaunch_with_torchrun(nproc: int, train_argv: Sequence[str]) -> int:
-    """Run `zeroinf train` as `nproc` ranks on this machine; returns torchrun's exit code."""
+def relaunch_with_torchrun(nproc: int, command_name: str, train_argv: Sequence[str]) -> int:
+    """Run `zeroinf <command_name>` as `nproc` ranks on this machine; returns torchrun's exit code."""
     command = [
         sys.executable,
         "-m",
@@ -212,7 +277,7 @@ def relaunch_with_torchrun(nproc: int, train_argv: Sequence[str]) -> int:
         f"--nproc-per-node={nproc}",
         "-m",
         "zeroinf",
-        "train",
+        command_name,
         *without_nproc(train_argv),
     ]
     env = dict(os.environ)
@@ -237,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(
         sub.add_parser("train", help="train the demo GPT (byte-level) on a text corpus", allow_abbrev=False)
     )
+    add_finetune_arguments(
+        sub.add_parser(
+            "finetune", help="fine-tune a Hugging Face model folder on text (LoRA or full)", allow_abbrev=False
+        )
+    )
     bench = sub.add_parser("bench-io", help="measure NVMe read/write bandwidth", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     from zeroinf.checkpoint.consolidate import add_arguments as add_consolidate_arguments
@@ -258,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `zeroinf` and `python -m zeroinf`; returns the exit code (2: the user's error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    configure_cli_logging()
     prog = f"zeroinf {argv[0]}" if argv and not argv[0].startswith("-") else "zeroinf"
     try:
         return run_command(argv)
@@ -279,6 +350,8 @@ def run_command(argv: list[str]) -> int:
         from zeroinf.planner.command import run as run_plan
 
         return run_plan(ns)
+    if ns.command == "finetune":
+        return run_finetune(ns, argv[1:])
     return run_train(ns, argv[1:])
 
 

@@ -103,7 +103,7 @@ class OffloadConfig:
     gradients: str = "device"
     """Tier of the fp32 gradient shards."""
     nvme_dir: str | None = None
-    """Folder for the swap files, required when any tier is `nvme`; checked for room before training."""
+    """Folder for the swap files, required when any tier is `nvme`; created if missing, checked for room."""
     sub_group_numel: int = 2**22
     """Most elements per optimizer sub-group on `nvme`; staging takes 12 B/element (48 MiB per buffer)."""
     buffer_count: int = 3

@@ -42,6 +42,7 @@ from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.telemetry import CollectiveCounter
 from zeroinf.topology import Topology
+from zeroinf.weights.source import CheckpointWeights, UnitWeights
 
 _ATTR = "_zeroinf_engine"
 MAX_REDUCTIONS_IN_FLIGHT = 2  # stage 3: bounds the unsharded gradient buffers alive in backward
@@ -50,7 +51,7 @@ MAX_REDUCTIONS_IN_FLIGHT = 2  # stage 3: bounds the unsharded gradient buffers a
 class Engine:
     def __init__(
         self, module: nn.Module, cfg: Config, topo: Topology, ledger: Ledger | None = None,
-        init_fn: InitFn | None = None,
+        init_fn: InitFn | None = None, weights: CheckpointWeights | None = None,
     ) -> None:
         self.module, self.cfg, self.topo = module, cfg, topo
         self.ledger = ledger or Ledger()
@@ -62,30 +63,38 @@ class Engine:
         specs = discover_units(module, cfg.unit_classes)
         if not specs:
             raise ValueError("zeroinf.shard: the model has no trainable parameters")
-        self.specs = specs
+        self.specs = specs  # the trainable units: gradients, optimizer, checkpoints
+        # Stage 3 shards frozen parameters too (a LoRA fine-tune's base): units of their own,
+        # gathered like the rest, with no gradient and no optimizer state.
+        frozen_specs = discover_units(module, cfg.unit_classes, False, frozen=True) if cfg.stage == 3 else []
+        self.all_specs = specs + frozen_specs
+        self.weights = weights
         # What to build for each unit, computed before any memory is touched; `zeroinf.plan` reads the same.
-        self.unit_plan = plan_units([UnitShape.of(spec) for spec in specs], cfg, topo.world_size)
+        self.unit_plan = plan_units([UnitShape.of(spec) for spec in self.all_specs], cfg, topo.world_size)
         offload = cfg.offload
         if "device" != offload.params or "device" != offload.optimizer or "device" != offload.gradients:
             map_large_buffers()
-        self._resident_names = {spec.name for spec in specs if self._is_resident(spec)}
+        self._resident_names = {spec.key for spec in self.all_specs if self._is_resident(spec)}
         self.param_files: NvmeParamFiles | None = None
-        self._home_factory = self._make_home_factory(specs) if self.policy.shard_params else None
+        self._home_factory = self._make_home_factory(self.all_specs) if self.policy.shard_params else None
         self.grad_files: NvmeGradFiles | None = None
         if cfg.offload.gradients == "nvme":
             self.grad_files = open_grad_files(self.unit_plan, cfg, topo, self.ledger)
             weakref.finalize(self, self.grad_files.close)
         # Built under zeroinf.init (parked parameters) or on the meta device: unit by unit.
         self._built_from_meta = needs_materializing(module)
-        if self._built_from_meta:
-            self.units: list[ShardedUnit] = materialize_and_build(  # type: ignore[assignment]
-                module, specs, self._build_unit, topo.device, init_fn
+        if self._built_from_meta or weights is not None:
+            built: list[ShardedUnit] = materialize_and_build(  # type: ignore[assignment]
+                module, self.all_specs, self._build_unit, topo.device, init_fn, weights
             )
         else:
             if init_fn is not None:
                 with torch.no_grad():
                     module.apply(init_fn)
-            self.units = [self._build_unit(spec) for spec in specs]
+            built = [self._build_unit(spec) for spec in self.all_specs]
+        self.units = built[: len(specs)]
+        self.frozen_units = built[len(specs) :]
+        self.all_units = built  # trainable first: a trainable unit's index is the same in both lists
         module.to(topo.device)  # buffers and frozen parameters; unit parameters are already there
         # Frozen parameters and floating-point buffers take the compute dtype in place (as
         # `module.to(param_dtype)` would), so mixed-dtype arithmetic does not upcast activations.
@@ -98,7 +107,7 @@ class Engine:
                     continue  # derived tables (e.g. rotary inv_freq) keep the precision they were built in
                 if b is not None and b.is_floating_point() and b.dtype != cfg.param_torch_dtype:
                     sub._buffers[name] = b.to(cfg.param_torch_dtype)
-        self._unit_of_param = {id(p): ui for ui, u in enumerate(self.units) for p in u.params}
+        self._unit_of_param = {id(p): ui for ui, u in enumerate(self.all_units) for p in u.params}
         self.micro_step = 0  # backward passes since the last optimizer step
         self._in_backward = False
         self._sync_this_backward = False
@@ -127,7 +136,7 @@ class Engine:
 
     def _is_resident(self, spec: UnitSpec) -> bool:
         """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded."""
-        return self.unit_plan.unit(spec.name).resident
+        return self.unit_plan.unit(spec.key).resident
 
     def _make_home_factory(self, specs: list[UnitSpec]) -> HomeFactory:
         """Where each stage-3 shard lives: resident units on the device, the others on offload.params."""
@@ -135,29 +144,36 @@ class Engine:
         if tier is Tier.NVME:
             self.param_files = open_param_files(self.unit_plan, self.cfg, self.topo, ledger)
             files = self.param_files
-            weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
-            return lambda name, initial, resident: (
-                MemoryHome(initial, Tier.DEVICE, device, ledger) if resident else NvmeHome(name, initial, files, device)
-            )
+            if files is not None:  # None: every unit is resident, nothing goes to NVMe
+                weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
+                return lambda name, initial, resident: (
+                    MemoryHome(initial, Tier.DEVICE, device, ledger)
+                    if resident
+                    else NvmeHome(name, initial, files, device)
+                )
         return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE if resident else tier, device, ledger)
 
     def _build_unit(self, spec: UnitSpec) -> ShardedUnit:
+        params = [p for _, p in spec.params]
+        stored = self.weights is not None and self.weights.covers(params)
         return ShardedUnit(
-            spec.name, list(spec.params), self.topo, self.policy, self.cfg.param_torch_dtype,
+            spec.key, list(spec.params), self.topo, self.policy, self.cfg.param_torch_dtype,
             self.cfg.reduce_torch_dtype, self.ledger, self.cfg.bucket_bytes, self.counter,
-            keep_fp32_master=not self._built_from_meta,
-            resident=spec.name in self._resident_names,
+            keep_fp32_master=not self._built_from_meta and not spec.frozen,
+            resident=spec.key in self._resident_names,
             home_factory=self._home_factory,
             grad_tier=Tier(self.cfg.offload.gradients),
             grad_files=self.grad_files,
+            source=UnitWeights(self.weights, params) if stored and self.weights is not None else None,
+            frozen=spec.frozen,
         )
 
     def _setup_activation_checkpointing(self) -> None:
-        paths = [spec.name for spec in self.specs if spec.name]
-        outermost = [
-            spec.module for spec in self.specs
+        paths = {spec.name for spec in self.all_specs if spec.name}
+        outermost = list({
+            id(spec.module): spec.module for spec in self.all_specs
             if spec.name and not any(spec.name.startswith(f"{other}.") for other in paths)
-        ]
+        }.values())
         if self.cfg.offload_activations:
             self.activation_offloader = ActivationOffloader(self.ledger)
         apply_activation_checkpointing(outermost, self.cfg.checkpoint_every, self.activation_offloader)
@@ -168,7 +184,7 @@ class Engine:
             prefetch_bytes=self.cfg.prefetch_bytes,
             max_live_bytes=self.cfg.max_live_bytes if self.cfg.max_live_bytes is not None else 2**62,
         )
-        self.scheduler = UnshardScheduler(self.units, budget)
+        self.scheduler = UnshardScheduler(self.all_units, budget)
         self._external: dict[int, list[int]] = {}  # id(module) -> units fetched for it on demand
         handles = hooks.register_forward_hooks(self.module, self._root_pre_forward, self._root_post_forward)
         handles.append(
@@ -177,17 +193,21 @@ class Engine:
             )
         )
         unit_modules = set()
-        for ui, spec in enumerate(self.specs):
-            if spec.name and not self.units[ui].resident:
+        for ui, spec in enumerate(self.all_specs):
+            if spec.name and not self.all_units[ui].resident:
                 unit_modules.add(id(spec.module))
                 handles += hooks.register_forward_hooks(
                     spec.module,
                     lambda m, ui=ui: self._unit_pre_forward(ui),
                     lambda m, out, ui=ui: self._unit_post_forward(ui, out),
                 )
+                if spec.frozen:  # no gradients to say when it is done: the gradients of its inputs do
+                    handles.append(
+                        hooks.register_input_hook(spec.module, lambda ins, ui=ui: self._frozen_inputs(ui, ins))
+                    )
         for m in self.module.modules():
             owned = {self._unit_of_param[id(p)] for p in m.parameters(recurse=False) if id(p) in self._unit_of_param}
-            owned = {u for u in owned if not self.units[u].resident}
+            owned = {u for u in owned if not self.all_units[u].resident}
             if owned and id(m) not in unit_modules:
                 handles += hooks.register_forward_hooks(
                     m,
@@ -204,7 +224,7 @@ class Engine:
         names_of: dict[int, list[str]] = {}  # every name of a parameter (tied ones have several)
         for name, p in self.module.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(prefix + name)
-        for unit in self.units:
+        for unit in self.all_units:
             was_sharded = unit.state is not ParamState.UNSHARDED
             unit.wait_unshard()
             for p in unit.params:
@@ -226,7 +246,7 @@ class Engine:
     def _unit_pre_forward(self, index: int) -> None:
         assert self.scheduler is not None
         if self._in_backward:  # activation-checkpoint recompute: the unit stays until its grads are in
-            self.units[index].wait_unshard()
+            self.all_units[index].wait_unshard()
             return
         self.scheduler.pre_forward(index)
 
@@ -238,11 +258,17 @@ class Engine:
         if torch.is_grad_enabled():
             hooks.register_pre_backward(output, lambda: self._pre_backward(index))
 
+    def _frozen_inputs(self, index: int, inputs: Any) -> None:
+        """A frozen unit is released in backward once the gradients of its inputs are computed."""
+        if torch.is_grad_enabled() and not self._in_backward and self.scheduler is not None:
+            scheduler = self.scheduler
+            hooks.register_pre_backward(inputs, lambda: scheduler.release(index))
+
     def _external_pre_forward(self, module: nn.Module, owned: tuple[int, ...]) -> None:
         """A module whose parameters belong to a unit that is not gathered: fetch them on demand."""
-        fetched = [u for u in owned if self.units[u].state is not ParamState.UNSHARDED]
+        fetched = [u for u in owned if self.all_units[u].state is not ParamState.UNSHARDED]
         for u in fetched:
-            self.units[u].wait_unshard()
+            self.all_units[u].wait_unshard()
         if fetched:
             self._external[id(module)] = fetched
 
@@ -253,7 +279,7 @@ class Engine:
         if torch.is_grad_enabled():
             hooks.register_pre_backward(output, lambda: self._external_pre_backward(fetched))
         for u in fetched:
-            self.units[u].reshard()
+            self.all_units[u].reshard()
 
     def _pre_backward(self, index: int) -> None:
         if not self._in_backward:
@@ -265,7 +291,7 @@ class Engine:
         if not self._in_backward:
             self._begin_backward()
         for u in units:
-            self.units[u].wait_unshard()
+            self.all_units[u].wait_unshard()
 
     # -- backward -------------------------------------------------------------------------------------
     def _on_grad_ready(self, unit_index: int, param_index: int) -> None:
@@ -384,8 +410,9 @@ class Engine:
         report["io"] = self.io_report()
         report["collectives_last_step"] = dict(self.counter.last_step)
         report["collectives_total"] = dict(self.counter.total)
-        report["units"] = len(self.units)
-        report["resident_units"] = sum(u.resident for u in self.units)
+        report["units"] = len(self.all_units)
+        report["frozen_units"] = len(self.frozen_units)
+        report["resident_units"] = sum(u.resident for u in self.all_units)
         if self.scheduler is not None:
             traces = (self.scheduler.forward_trace, self.scheduler.backward_trace)
             report["trace_departures"] = sum(t.departures for t in traces)
@@ -393,20 +420,28 @@ class Engine:
 
 
 def shard(
-    module: nn.Module, cfg: Config | None = None, topology: Topology | None = None, init_fn: InitFn | None = None
+    module: nn.Module, cfg: Config | None = None, topology: Topology | None = None, init_fn: InitFn | None = None,
+    weights: CheckpointWeights | None = None,
 ) -> nn.Module:
     """Shard `module` in place according to `cfg` (default: `Config()`) and return it.
 
     `topology` defaults to the initialized default process group (or a single process). A module
     built under `zeroinf.init()` is materialized here unit by unit; `init_fn(module)` runs on every
     module while its unit is unsharded (after `reset_parameters`), for custom initialization.
+    `weights` (zeroinf.from_pretrained builds it): parameters it covers are read from its files,
+    each rank reading only its own shards, unit by unit.
     """
     if hasattr(module, _ATTR):
         raise RuntimeError("zeroinf.shard: this module is already sharded")
     cfg = cfg or Config()
     topo = topology or Topology.current()
-    engine = Engine(module, cfg, topo, init_fn=init_fn)
+    engine = Engine(module, cfg, topo, init_fn=init_fn, weights=weights)
     setattr(module, _ATTR, engine)
+    if engine.policy.shard_params:
+        # What Hugging Face's `generate` reads to default `synced_gpus=True` at world > 1 (its FSDP2
+        # integration sets it too): parameters are sharded, so a rank that has finished generating
+        # must keep running forward passes until every rank has.
+        module._is_fsdp_managed_module = True
     _engines.add(engine)
     return module
 

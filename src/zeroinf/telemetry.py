@@ -1,4 +1,13 @@
-"""One rank-aware logger, and counters of what the engine did in a step."""
+"""The `zeroinf` logger, and counters of what the engine did in a step.
+
+[Note: logging like a library]
+Importing zeroinf configures nothing: the package logger gets only a `NullHandler` (so a program
+that configures no logging sees no "no handlers" noise), keeps its level and propagation, and
+every record flows to whatever handlers the program set up. Only an application configures
+logging; ours is the `zeroinf` command, which calls `configure_cli_logging`: one stream handler
+on the package logger whose lines carry the rank, and INFO and below from rank 0 only (every rank
+logs the same notices), unless `ZEROINF_LOG_ALL_RANKS=1`. Warnings and errors come from every rank.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +15,61 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 import torch
 from torch.profiler import record_function
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+LOGGER_NAME = "zeroinf"
+ALL_RANKS_ENV = "ZEROINF_LOG_ALL_RANKS"
 
-def get_logger() -> logging.Logger:
-    """The `zeroinf` logger; messages are prefixed with the rank when running distributed."""
-    logger = logging.getLogger("zeroinf")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        rank = os.environ.get("RANK")
-        prefix = f"[zeroinf rank {rank}] " if rank is not None else "[zeroinf] "
-        handler.setFormatter(logging.Formatter(prefix + "%(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-    return logger
+logging.getLogger(LOGGER_NAME).addHandler(logging.NullHandler())
+_cli_handler: logging.Handler | None = None
+
+
+def get_logger(name: str = "") -> logging.Logger:
+    """The `zeroinf` logger, or its child `zeroinf.<name>`; configured by the application, not here."""
+    return logging.getLogger(f"{LOGGER_NAME}.{name}" if name else LOGGER_NAME)
+
+
+class RankFilter(logging.Filter):
+    """Sets `record.rank`; on ranks other than 0 passes only records at WARNING or above, unless
+    `all_ranks`. Attached to the CLI's handler, never to the package logger."""
+
+    def __init__(self, rank: int, all_ranks: bool) -> None:
+        super().__init__()
+        self.rank, self.all_ranks = rank, all_ranks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return self.all_ranks or self.rank == 0 or record.levelno >= logging.WARNING
+
+
+def configure_cli_logging(level: int = logging.INFO, stream: TextIO | None = None) -> logging.Handler:
+    """Set up the `zeroinf` command's logging (see [Note: logging like a library]); returns the handler.
+
+    The rank comes from torchrun's `RANK`; the line prefix names it only when running distributed.
+    """
+    global _cli_handler
+    rank = int(os.environ.get("RANK", "0"))
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.addFilter(RankFilter(rank, os.environ.get(ALL_RANKS_ENV, "") not in ("", "0")))
+    prefix = "[zeroinf rank %(rank)s] " if distributed else "[zeroinf] "
+    handler.setFormatter(logging.Formatter(prefix + "%(levelname)s %(message)s"))
+    logger = get_logger()
+    if _cli_handler is not None:  # called again in one process (tests run `main` in-process)
+        logger.removeHandler(_cli_handler)
+    logger.addHandler(handler)
+    _cli_handler = handler
+    if logger.level == logging.NOTSET or logger.level > level:
+        logger.setLevel(level)
+    return handler
 
 
 class CollectiveCounter:

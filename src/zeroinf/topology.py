@@ -2,6 +2,20 @@
 
 A `Topology` is a value passed to everything that communicates; nothing reads global state.
 World size 1 is a first-class path: the collectives become copies and no process group is needed.
+
+[Note: a process group that outlives destroy_process_group]
+`torch.distributed.nn.functional` evaluates `group.WORLD` in its functions' default arguments when
+it is first imported. Nothing imports it until something imports `torch._dynamo`, which
+`torch.optim.Optimizer.__init__` does lazily, so in a training script it is first imported after
+`init_process_group`, and the default process group is captured in those defaults for good:
+`destroy_process_group()` then unregisters the group but cannot free it. Its gloo threads (two
+`pt_gloo_runloop` workers and the `gloo_tcp_loop` socket loop) live on into interpreter shutdown,
+where they are torn down with the interpreter half gone while the other ranks exit and close their
+sockets; that is the "terminate called without an active exception" abort seen after
+`destroy_process_group()`. (Measured: with a zeroinf.AdamW built, the three threads were still
+there after destroy_process_group() and gc.collect(); importing the module before
+init_process_group leaves none.) So this module imports it first: `import zeroinf` before
+initializing the process group is enough, and `init_distributed` does it in that order.
 """
 
 from __future__ import annotations
@@ -12,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+if dist.is_available() and not dist.is_initialized():
+    import torch.distributed.nn  # noqa: F401  - see [Note: a process group that outlives destroy_process_group]
 
 
 def default_device() -> torch.device:
@@ -66,6 +83,8 @@ class Topology:
 def init_distributed(timeout_s: float = 600.0) -> Topology:
     """Initialize the default process group from torchrun's environment, if there is one.
 
+    `timeout_s` bounds every collective (pass `Config.collective_timeout_s`): a rank that dies or
+    hangs makes the others fail with an error after at most that long instead of waiting forever.
     Safe to call more than once and in a plain single process (then it returns a world of one).
     """
     device = default_device()

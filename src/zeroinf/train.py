@@ -23,6 +23,7 @@ from tqdm import tqdm
 import zeroinf
 import zeroinf.checkpoint
 from zeroinf.checkpoint.saving import finish_pending_save
+from zeroinf.comm import naming_failures
 from zeroinf.config import Config
 from zeroinf.data import DEFAULT_MAX_CORPUS_BYTES, BatchSampler, load_corpus, split_corpus
 from zeroinf.memory import format_bytes
@@ -169,7 +170,8 @@ def mean_over_ranks(value: float, topo: Topology) -> float:
     if not topo.is_distributed:
         return value
     tensor = torch.tensor([value], dtype=torch.float64, device=topo.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=topo.group)
+    with naming_failures("loss all-reduce", 1, topo):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=topo.group)
     return float(tensor.item()) / topo.world_size
 
 
@@ -214,9 +216,9 @@ class Run:
 
 def build_run(args: TrainArgs) -> Run:
     """Join the ranks, read the corpus, build and shard the model, and make its optimizer and schedule."""
-    topo = zeroinf.init_distributed()
-    set_cpu_threads(topo)
     cfg = args.engine_config()
+    topo = zeroinf.init_distributed(timeout_s=cfg.collective_timeout_s)
+    set_cpu_threads(topo)
     corpus = load_corpus(args.data, args.max_corpus_bytes)
     train_bytes, val_bytes = split_corpus(corpus, args.val_fraction)
 

@@ -210,10 +210,20 @@ def test_fp16_overflow_skips_the_step_without_touching_the_swap_files(tmp_path: 
 
 
 # -- pre-flight checks ---------------------------------------------------------------------------------
-def test_missing_swap_folder_is_reported_before_training(tmp_path: Path) -> None:
+def test_missing_swap_folder_is_created(tmp_path: Path) -> None:
     cfg = zeroinf.Config(offload=OffloadConfig(optimizer="nvme", nvme_dir=str(tmp_path / "absent")))
     model = zeroinf.shard(Net(), cfg, CPU)
-    with pytest.raises(SwapFolderError, match=r"absent' does not exist.*rank 0 need \d+ bytes"):
+    opt = zeroinf.AdamW(model)
+    assert sorted(p.name for p in (tmp_path / "absent").iterdir()) == [
+        f"zeroinf-rank0-optimizer_{kind}.swap" for kind in ("exp_avg", "exp_avg_sq", "master")
+    ]
+    opt.close()
+
+
+def test_swap_folder_whose_parent_is_missing_is_reported_before_training(tmp_path: Path) -> None:
+    cfg = zeroinf.Config(offload=OffloadConfig(optimizer="nvme", nvme_dir=str(tmp_path / "no" / "absent")))
+    model = zeroinf.shard(Net(), cfg, CPU)
+    with pytest.raises(SwapFolderError, match=r"absent' does not exist.*parent .* either.*rank 0 need \d+ bytes"):
         zeroinf.AdamW(model)
 
 

@@ -73,7 +73,7 @@ def test_swap_round_trip_preallocation_ledger_and_removal(tmp_path: Path, engine
     assert engine.ledger.live_bytes(Tier.NVME) == 0
 
 
-def test_leftover_from_a_crashed_run_is_reported_not_reused(tmp_path: Path) -> None:
+def test_leftover_from_a_crashed_run_is_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     script = """
 import os, sys
 from zeroinf.aio import AioEngine
@@ -87,13 +87,21 @@ os._exit(1)  # a crash: no close()
     )
     leftover = tmp_path / "zeroinf-rank0-param.swap"
     assert leftover.exists()
+    with open(leftover, "r+b") as f:
+        f.write(b"\xff" * 5000)  # what the crashed run had written
     with AioEngine(SMALL) as engine:
         layout = plan_swap_layout({("u", "param"): 5000}, tmp_path, rank=0)
-        with pytest.raises(SwapLeftoverError, match=r"did not shut down cleanly.*rank0-param.swap"):
-            NvmeSwap(layout, engine)
-        assert leftover.exists()  # reported, left for the user to inspect or delete
-        other_rank = NvmeSwap(plan_swap_layout({("u", "param"): 5000}, tmp_path, rank=1), engine)
-        other_rank.close()
+        with caplog.at_level("WARNING", logger="zeroinf"), NvmeSwap(layout, engine) as swap:
+            fresh = torch.ones(5000, dtype=torch.uint8)
+            swap.swap_in("u", "param", fresh).wait()
+            assert not fresh.any()  # a new, preallocated file: the crashed run's bytes are gone
+            data = torch.arange(5000, dtype=torch.uint8)
+            swap.swap_out("u", "param", data).wait()
+            back = torch.empty_like(data)
+            swap.swap_in("u", "param", back).wait()
+            assert torch.equal(back, data)
+        assert "did not shut down cleanly" in caplog.text and "rank0-param.swap" in caplog.text
+    assert not leftover.exists()
 
 
 def test_files_of_a_live_run_are_reported_in_use(tmp_path: Path, engine: AioEngine) -> None:
@@ -102,11 +110,19 @@ def test_files_of_a_live_run_are_reported_in_use(tmp_path: Path, engine: AioEngi
         NvmeSwap(layout, engine)
 
 
-def test_missing_folder(tmp_path: Path, engine: AioEngine) -> None:
+def test_missing_folder_is_created(tmp_path: Path, engine: AioEngine) -> None:
     layout = plan_swap_layout({("u", "param"): 4096}, tmp_path / "absent", rank=0)
-    with pytest.raises(AioError, match="does not exist") as info:
+    with NvmeSwap(layout, engine):
+        assert os.path.isfile(layout.path("param"))
+    assert (tmp_path / "absent").is_dir()  # the folder stays; the files go
+
+
+def test_missing_parent_of_the_folder(tmp_path: Path, engine: AioEngine) -> None:
+    layout = plan_swap_layout({("u", "param"): 4096}, tmp_path / "no" / "absent", rank=0)
+    with pytest.raises(AioError, match=r"absent' does not exist.*parent .*/no' does not exist either") as info:
         NvmeSwap(layout, engine)
     assert info.value.op == "create" and info.value.path == layout.path("param")
+    assert not (tmp_path / "no").exists()
 
 
 def test_truncated_swap_file_is_a_short_read(tmp_path: Path, engine: AioEngine) -> None:

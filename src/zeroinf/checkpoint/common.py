@@ -9,20 +9,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroinf.checkpoint.format import CheckpointError
+from zeroinf.checkpoint.format import CheckpointError, as_bytes
+from zeroinf.comm import naming_failures
 from zeroinf.engine import Engine
 
 
 def barrier(engine: Engine) -> None:
     if engine.topo.is_distributed:
-        dist.barrier(group=engine.topo.group)
+        with naming_failures("checkpoint barrier", 0, engine.topo):
+            dist.barrier(group=engine.topo.group)
 
 
 def gather(engine: Engine, obj: Any) -> list[Any]:
     if not engine.topo.is_distributed:
         return [obj]
     out: list[Any] = [None] * engine.topo.world_size
-    dist.all_gather_object(out, obj, group=engine.topo.group)
+    with naming_failures("checkpoint all-gather of objects", engine.topo.world_size, engine.topo):
+        dist.all_gather_object(out, obj, group=engine.topo.group)
     return out
 
 
@@ -34,8 +37,13 @@ def broadcast_error(engine: Engine, error: str | None) -> None:
 
 
 def module_state_tensors(model: nn.Module, engine: Engine) -> list[tuple[str, torch.Tensor]]:
-    """Parameters outside units (frozen) and persistent buffers, by their state_dict names."""
+    """Parameters outside units (frozen) and persistent buffers, by their state_dict names.
+
+    Frozen parameters in sharded frozen units (stage 3) are not module state: they never change,
+    and a resume rebuilds them from where they came from (the pretrained folder, the same seed).
+    Those of resident frozen units (the root) are whole on every rank and are saved."""
     in_units = {id(p) for u in engine.units for p in u.params}
+    in_units |= {id(p) for u in engine.frozen_units if not u.resident for p in u.params}
     out, seen = [], set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in in_units and id(p) not in seen:
@@ -53,8 +61,8 @@ def module_state_tensors(model: nn.Module, engine: Engine) -> list[tuple[str, to
 def rng_state(engine: Engine) -> dict[str, str | None]:
     cuda = None
     if engine.topo.device.type == "cuda":
-        cuda = base64.b64encode(torch.cuda.get_rng_state(engine.topo.device).numpy().tobytes()).decode()
-    return {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "cuda": cuda}
+        cuda = base64.b64encode(as_bytes(torch.cuda.get_rng_state(engine.topo.device))).decode()
+    return {"cpu": base64.b64encode(as_bytes(torch.get_rng_state())).decode(), "cuda": cuda}
 
 
 def set_rng_state(engine: Engine, state: dict[str, str | None]) -> None:

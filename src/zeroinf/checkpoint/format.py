@@ -22,6 +22,7 @@ body (sorted keys, no spaces), so a flipped byte inside it is caught too.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from typing import Any
@@ -76,9 +77,16 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (any dtype, any shape)."""
+    """A zero-copy byte view of a CPU tensor (any dtype, any shape) that keeps its memory alive.
+
+    Built on ctypes rather than `Tensor.numpy()`, so the package runs without numpy installed.
+    """
     flat = tensor_bytes(t)
-    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+    if not flat.numel():
+        return memoryview(b"")
+    raw = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
+    raw._owner = flat  # type: ignore[attr-defined]  # the memoryview holds `raw`, `raw` holds the tensor
+    return memoryview(raw).cast("B")
 
 
 def chunk_what(kind_index: int, pname: str, chunk: dict[str, Any]) -> str:

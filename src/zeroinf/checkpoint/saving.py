@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -104,6 +105,10 @@ class PendingSave:
         self._thread = threading.Thread(target=job.write, name="zeroinf-ckpt-save", daemon=True)
         self._thread.start()
         self._result: str | None = None
+        # A process that exits with the save unfinished: let the writes end before the state store's
+        # own finalizer (created earlier, so run later) closes the swap files they read. The
+        # checkpoint stays an unpublished `.tmp-` folder: publishing it is a collective.
+        weakref.finalize(self, self._thread.join)
 
     def done_writing(self) -> bool:
         """Whether this rank's background writes are over (the checkpoint still needs `wait()`)."""

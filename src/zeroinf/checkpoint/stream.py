@@ -25,7 +25,7 @@ import xxhash
 from zeroinf.aio import AioEngine, AioError, BufferPool, PoolBuffer
 from zeroinf.aio.buffers import round_up
 from zeroinf.aio.engine import AioHandle
-from zeroinf.checkpoint.format import tensor_bytes
+from zeroinf.checkpoint.format import as_bytes, tensor_bytes
 
 STAGING_BYTES = 16 * 1024 * 1024  # one staging buffer: 16 blocks of 1 MiB in flight per submit
 STAGING_COUNT = 4
@@ -71,7 +71,7 @@ class StreamWriter:
         src = tensor_bytes(t)
         at = self.size
         # xxh3 releases the GIL: hash on the helper thread while this one copies into staging.
-        digest = self._hasher.submit(xxhash.xxh3_64_hexdigest, src.numpy() if src.numel() else b"")
+        digest = self._hasher.submit(xxhash.xxh3_64_hexdigest, as_bytes(src))
         pos, n = 0, src.numel()
         while pos < n:
             if self._current is None:

@@ -47,7 +47,7 @@ from zeroinf.optim.pipeline import Pending, Staged, StateViews, SubGroup, plan_s
 from zeroinf.planner.unit_plan import OPTIMIZER_SWAP_KINDS, plan_optimizer_staging
 from zeroinf.telemetry import phase
 from zeroinf.tiers.host import check_host_cap, host_zeros, release_host
-from zeroinf.tiers.nvme import NvmeSwap, plan_swap_layout
+from zeroinf.tiers.nvme import NvmeSwap, SwapFolderError, ensure_swap_folder, plan_swap_layout
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 SWAP_KINDS = OPTIMIZER_SWAP_KINDS  # swap file kinds and NVME ledger tags: optimizer_<state kind>
@@ -205,17 +205,13 @@ class ResidentStateStore:
         self.states = []
 
 
-class SwapFolderError(OSError):
-    """The swap folder is missing, not writable or too small; the message names it and the bytes."""
-
-
 def preflight_swap_folder(folder: str, needed_bytes: int, rank: int) -> None:
-    """Check before training that `folder` exists, is writable and has room for `needed_bytes`."""
+    """Check before training that `folder` exists (or create it), is writable and has room for `needed_bytes`."""
     what = f"the optimizer swap files of rank {rank} need {needed_bytes} bytes ({format_bytes(needed_bytes)})"
-    if not os.path.isdir(folder):
-        raise SwapFolderError(
-            f"offload.nvme_dir {folder!r} does not exist: create it or choose another; {what}"
-        )
+    try:
+        ensure_swap_folder(folder)
+    except SwapFolderError as exc:
+        raise SwapFolderError(f"{exc}; {what}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SwapFolderError(
             f"offload.nvme_dir {folder!r} is not writable: choose a writable folder; {what}"

@@ -37,7 +37,7 @@ class _UnitGather:
 
     def __init__(self, engine: Engine, index: int, modify: bool) -> None:
         self.engine, self.index, self.modify = engine, index, modify
-        unit = engine.units[index]
+        unit = engine.all_units[index]
         if engine._in_backward:
             raise RuntimeError(
                 f"zeroinf.gathered: unit {unit.name} is in a backward pass; gather between optimizer steps"
@@ -57,7 +57,7 @@ class _UnitGather:
             self.owned_before = unit.param_flat[unit.owned_start : unit.owned_end].clone()
 
     def end(self, commit: bool, modifier_rank: int | None) -> None:
-        unit, topo = self.engine.units[self.index], self.engine.topo
+        unit, topo = self.engine.all_units[self.index], self.engine.topo
         try:
             if commit and self.modify:
                 assert self.owned_before is not None

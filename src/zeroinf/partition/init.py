@@ -34,9 +34,10 @@ from torch.utils._pytree import tree_leaves
 
 from zeroinf.config import Config
 from zeroinf.memory import Tier
-from zeroinf.partition.park import MemoryParkStore, ParamPark, ParkStore
+from zeroinf.partition.park import MemoryParkStore, ParamPark, ParkStore, swap_data
 from zeroinf.partition.wrap import UnitSpec
 from zeroinf.topology import Topology
+from zeroinf.weights.source import CheckpointWeights
 
 InitFn = Callable[[nn.Module], None]
 DEFAULT_LIVE_BYTES = 0  # built parameters are parked as soon as their module is attached
@@ -72,6 +73,11 @@ _active: list[ParamPark] = []  # parks of builds in progress or not yet sharded
 def park_of(p: torch.Tensor) -> ParamPark | None:
     """The park holding `p`, if `zeroinf.init()` parked it."""
     return next((park for park in _active if park.holds(p)), None)
+
+
+def deferring_park(p: torch.Tensor) -> ParamPark | None:
+    """The park that built `p` without values (they come from files), if any."""
+    return next((park for park in _active if park.defers(p)), None)
 
 
 class ConstructionMode(TorchFunctionMode):
@@ -123,7 +129,8 @@ def _park_store(cfg: Config | None, topo: Topology) -> ParkStore:
 
 @contextlib.contextmanager
 def init(
-    cfg: Config | None = None, *, topology: Topology | None = None, live_bytes: int = DEFAULT_LIVE_BYTES
+    cfg: Config | None = None, *, topology: Topology | None = None, live_bytes: int = DEFAULT_LIVE_BYTES,
+    defer_values: bool = False,
 ) -> Iterator[ParamPark]:
     """Build modules as usual, keeping only 1/world of each built parameter (in `cfg`'s compute
     dtype, on the tier it gives stage-3 parameters; without `cfg`, as built, on the device).
@@ -133,12 +140,14 @@ def init(
 
     Every rank must run the same construction code (unparking is a collective at world > 1).
     Leave the block before `zeroinf.shard(model, cfg)`; every parameter built in it is parked then.
+    `defer_values`: keep no values at all (meta placeholders; `zeroinf.from_pretrained` reads them
+    from files at `shard`); the park's `defer_values` may be switched off inside the block.
     """
     if any(park.collecting for park in _active):
         raise RuntimeError("zeroinf.init() is already active: build the whole model inside one `with` block")
     topo = topology or Topology.current()
     park_dtype = cfg.param_torch_dtype if cfg is not None else None
-    park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype)
+    park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype, defer_values)
     _active.append(park)
 
     def adopt(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -226,7 +235,7 @@ def _materialize_meta(module: nn.Module, device: torch.device) -> bool:
     """Give this module's own meta parameters (not parked ones) real storage; True if any was."""
     fresh = False
     for p in module._parameters.values():
-        if p is not None and p.is_meta and park_of(p) is None:
+        if p is not None and p.is_meta and park_of(p) is None and deferring_park(p) is None:
             real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
             torch.utils.swap_tensors(p, real)
             fresh = True
@@ -241,6 +250,30 @@ def _check_buffers_real(model: nn.Module) -> None:
             "recovered. Build the model under `zeroinf.init()` (which runs each module's own code on real "
             "memory) instead of `torch.device('meta')`, or set those buffers in init_fn"
         )
+
+
+def _forget_deferred(params: list[nn.Parameter]) -> None:
+    for p in params:
+        park = deferring_park(p)
+        if park is not None:
+            park.take_deferred(p)
+
+
+def _load_deferred(params: list[nn.Parameter], weights: CheckpointWeights | None) -> None:
+    """Whole values from `weights` for deferred parameters outside units (every rank reads them)."""
+    for p in dict.fromkeys(params):
+        park = deferring_park(p)
+        if park is None:
+            continue
+        stored = weights.stored(p) if weights is not None else None
+        if stored is None:
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} was built without values (zeroinf.from_pretrained) and "
+                "no weights file holds it"
+            )
+        device = park.take_deferred(p)
+        assert weights is not None
+        swap_data(p, weights.folder.read(stored.key).to(device=device, dtype=p.dtype))
 
 
 def _unpark(params: list[nn.Parameter], as_parked: bool = False) -> None:
@@ -261,8 +294,10 @@ def materialize_and_build(
     build_unit: Callable[[UnitSpec], object],
     device: torch.device,
     init_fn: InitFn | None = None,
+    weights: CheckpointWeights | None = None,
 ) -> list[object]:
-    """Build each unit right after its last module, unparking its parameters just before.
+    """Build each unit right after its last module, unparking its parameters just before
+    (parameters built without values are read from `weights` by the unit itself).
 
     Meta parameters (a model built on `torch.device("meta")`) get storage and `reset_parameters()`
     module by module in registration order (so random numbers are drawn in a plain build's order);
@@ -292,11 +327,14 @@ def materialize_and_build(
             with torch.no_grad():
                 init_fn(m)
         for k in sorted(ready_at.get(mi, [])):
-            _unpark([p for _, p in specs[k].params], as_parked=True)
+            params = [p for _, p in specs[k].params]
+            _unpark(params, as_parked=True)
             built[k] = build_unit(specs[k])
+            _forget_deferred(params)
             return_freed_memory()
-    # Parameters outside every unit (frozen ones) take their values too.
+    # Parameters outside every unit (frozen ones below stage 3) take their values too.
     _unpark(list(model.parameters()))
+    _load_deferred(list(model.parameters()), weights)
     for park in list(_active):
         if not park.collecting:
             park.forget_unreachable()

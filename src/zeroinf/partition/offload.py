@@ -17,13 +17,22 @@ from zeroinf.memory import Ledger
 from zeroinf.partition.shard_home import NvmeGradFiles, NvmeParamFiles
 from zeroinf.planner.unit_plan import SWAP_ALIGN_BYTES as ALIGN_BYTES
 from zeroinf.planner.unit_plan import ModelPlan
+from zeroinf.telemetry import get_logger
 from zeroinf.tiers.host import check_host_cap
 from zeroinf.tiers.nvme import NvmeSwap, plan_swap_layout
 from zeroinf.topology import Topology
 
 
-def open_param_files(plan: ModelPlan, cfg: Config, topo: Topology, ledger: Ledger) -> NvmeParamFiles:
-    """The parameter swap file and staging pool, sized by the unit plan (planner/unit_plan.py)."""
+def open_param_files(plan: ModelPlan, cfg: Config, topo: Topology, ledger: Ledger) -> NvmeParamFiles | None:
+    """The parameter swap file and staging pool, sized by the unit plan (planner/unit_plan.py); None
+    (with a notice) when every unit is resident."""
+    if not plan.sharded_units:  # small models: keep them resident and run, as DeepSpeed does
+        get_logger().info(
+            "offload.params = 'nvme', but all %d units are resident (the root, or below persist_threshold_bytes "
+            "= %d): every parameter stays on the device; lower persist_threshold_bytes to offload them",
+            len(plan.units), cfg.persist_threshold_bytes,
+        )
+        return None
     shard_bytes = plan.param_swap_bytes()
     staging = plan.param_staging()
     folder = cfg.offload.nvme_dir
@@ -46,7 +55,7 @@ def open_param_files(plan: ModelPlan, cfg: Config, topo: Topology, ledger: Ledge
 
 
 def open_grad_files(plan: ModelPlan, cfg: Config, topo: Topology, ledger: Ledger) -> NvmeGradFiles:
-    """The gradient swap file: room for every unit's fp32 gradient shard (sizes from the unit plan)."""
+    """The gradient swap file: room for every trainable unit's fp32 gradient shard (sizes from the unit plan)."""
     shard_bytes = plan.grad_swap_bytes()
     folder = cfg.offload.nvme_dir
     assert folder is not None

@@ -57,7 +57,11 @@ from zeroinf.topology import Topology
 class ParkStore(Protocol):
     """Where this rank's slices of parked parameters live; keys are small integers."""
 
-    def put(self, key: int, values: torch.Tensor) -> None: ...  # store (or overwrite) a slice; takes ownership
+    def put(self, key: int, values: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
+        """Store (or overwrite) a slice of `numel` elements in `dtype`: `values` (a view of the
+        parameter, read during the call) then padding (any value: it is cut off when unparked)."""
+        ...
+
     def take(self, key: int, device: torch.device) -> torch.Tensor: ...  # the slice, as a fresh tensor
     def close(self) -> None: ...
 
@@ -69,8 +73,11 @@ class MemoryParkStore:
         self.device = device
         self._slices: dict[int, torch.Tensor] = {}
 
-    def put(self, key: int, values: torch.Tensor) -> None:
-        self._slices[key] = values.to(self.device)
+    def put(self, key: int, values: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
+        kept = torch.empty(numel, dtype=dtype, device=self.device)
+        kept[: values.numel()].copy_(values)
+        kept[values.numel() :].zero_()
+        self._slices[key] = kept
 
     def take(self, key: int, device: torch.device) -> torch.Tensor:
         return self._slices.pop(key).to(device)
@@ -106,7 +113,7 @@ def _parkable(p: nn.Parameter) -> bool:
     return not _storage_shared(p) and not weakref.getweakrefcount(p)
 
 
-def _swap_data(p: nn.Parameter, data: torch.Tensor) -> None:
+def swap_data(p: nn.Parameter, data: torch.Tensor) -> None:
     """Give `p` new contents in place (also across devices, e.g. to and from meta), keeping its
     identity, class, requires_grad and Python attributes (Hugging Face marks some)."""
     new = nn.Parameter(data, requires_grad=p.requires_grad)
@@ -118,12 +125,17 @@ class ParamPark:
     """Parked parameters of one `zeroinf.init()` build, and the live ones it may park."""
 
     def __init__(
-        self, store: ParkStore, topo: Topology, live_budget_bytes: int, park_dtype: torch.dtype | None = None
+        self, store: ParkStore, topo: Topology, live_budget_bytes: int, park_dtype: torch.dtype | None = None,
+        defer_values: bool = False,
     ) -> None:
         if live_budget_bytes < 0:
             raise ValueError(f"zeroinf.init: live_bytes = {live_budget_bytes} must be >= 0")
         self.store, self.topo, self.live_budget_bytes = store, topo, live_budget_bytes
         self.park_dtype = park_dtype  # None: keep each parameter's own dtype
+        # defer_values: parameters become meta placeholders as soon as they are registered, with no
+        # values kept at all (they will be read from a checkpoint; see zeroinf.from_pretrained)
+        self.defer_values = defer_values
+        self.deferred: dict[int, tuple[nn.Parameter, torch.device]] = {}
         self.parked: dict[int, _Parked] = {}  # id(param) ->
         self.live: OrderedDict[int, nn.Parameter] = OrderedDict()  # built or unparked, oldest first
         self.settled: set[int] = set()  # live parameters whose module is attached to a parent: built
@@ -143,7 +155,17 @@ class ParamPark:
 
     def device_of(self, p: torch.Tensor) -> torch.device | None:
         entry = self.parked.get(id(p))
-        return entry.device if entry is not None else None
+        if entry is not None:
+            return entry.device
+        deferred = self.deferred.get(id(p))
+        return deferred[1] if deferred is not None else None
+
+    def defers(self, p: torch.Tensor) -> bool:
+        return id(p) in self.deferred
+
+    def take_deferred(self, p: torch.Tensor) -> torch.device:
+        """Forget a deferred parameter (its values are being loaded); its real device."""
+        return self.deferred.pop(id(p))[1]
 
     def parked_among(self, tensors: Iterable[object]) -> list[nn.Parameter]:
         """The parked parameters among `tensors`, each once, in order of appearance."""
@@ -160,6 +182,12 @@ class ParamPark:
             p is None or not self.collecting or type(p) is not nn.Parameter or p.is_meta
             or p.numel() == 0 or not p.is_floating_point() or id(p) in self.parked or id(p) in self.live
         ):
+            return
+        if self.defer_values:
+            device = p.device
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))  # `torch.empty`: no page touched
+            self.deferred[id(p)] = (p, device)
             return
         self.live[id(p)] = p
 
@@ -214,15 +242,11 @@ class ParamPark:
             dtype = p.dtype  # the slice is parked in `park_dtype` when narrower: see [Note: parking ...]
             if self.park_dtype is not None and p.dtype.itemsize > self.park_dtype.itemsize:
                 dtype = self.park_dtype
-            owned = torch.empty(per_rank, dtype=dtype, device=p.device)
-            owned[: piece.numel()].copy_(piece)
-            owned[piece.numel() :].zero_()  # padding: the last ranks' tails
-            piece = owned
             key = self._key_of.setdefault(id(p), len(self._key_of))
-            self.store.put(key, piece)
-            self.parked_bytes += piece.numel() * piece.element_size()
+            self.store.put(key, piece, per_rank, dtype)
+            self.parked_bytes += per_rank * dtype.itemsize
             device = p.device
-            _swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+            swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
         self.parked[id(p)] = _Parked(key, p, device, numel)
         self.parks += 1
 
@@ -248,7 +272,7 @@ class ParamPark:
                 values = piece[: entry.numel].view(p.shape)
                 if values.dtype != p.dtype and not as_parked:  # parked narrower, or `model.to()` while parked
                     values = values.to(p.dtype)
-                _swap_data(p, values)
+                swap_data(p, values)
             self.unparks += 1
             if self.collecting:  # back to live, built: parked again once the touching op is done
                 self.live[id(p)] = p
@@ -261,10 +285,13 @@ class ParamPark:
             # references: the entry, the loop's `entry`, getrefcount's argument
             if sys.getrefcount(entry.param) <= 3:
                 del self.parked[key]
+        for key, (param, _) in list(self.deferred.items()):
+            if sys.getrefcount(param) <= 4:  # + the unpacked tuple
+                del self.deferred[key]
 
     def close_if_done(self) -> bool:
         """Close once the build is over and nothing is parked any more; True when closed."""
-        if not self.collecting and not self.parked:
+        if not self.collecting and not self.parked and not self.deferred:
             self.close()
         return self.closed
 

@@ -101,8 +101,14 @@ class NvmeParamFiles:
         self.io_busy_s += handle.in_flight_s
 
     def close(self) -> None:
-        self.drain()
-        self.swap.close()
+        """Finish the writes in flight, remove the swap file, stop the I/O threads (idempotent)."""
+        try:
+            self.drain()
+        finally:
+            self.swap.close()
+            self.engine.close()
+            if self.pool.free_count == self.pool.count:  # a unit still holding its shard keeps the pool
+                self.pool.close()
 
 
 class NvmeHome:
@@ -216,5 +222,9 @@ class NvmeGradFiles:
         return out
 
     def close(self) -> None:
-        self.drain()
-        self.swap.close()
+        """Finish the writes in flight, remove the swap file, stop the I/O threads (idempotent)."""
+        try:
+            self.drain()
+        finally:
+            self.swap.close()
+            self.swap.engine.close()

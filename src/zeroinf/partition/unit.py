@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from torch import nn
 from zeroinf.comm import DoneHandle, Handle, all_gather_into, all_reduce, reduce_scatter_into
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
+from zeroinf.partition.park import swap_data
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, ShardHome
 from zeroinf.telemetry import CollectiveCounter, phase
 from zeroinf.topology import Topology
@@ -76,6 +78,13 @@ class GradState(Enum):
 HomeFactory = Callable[[str, torch.Tensor, bool], ShardHome]
 
 
+class UnitSource(Protocol):
+    """Initial values of a unit that are not in its parameters (a checkpoint's files): flat
+    elements [start, end) of `layout` in `dtype`, on the CPU, padding zero."""
+
+    def read(self, layout: FlatLayout, start: int, end: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
 def default_home_factory(device: torch.device, ledger: Ledger) -> HomeFactory:
     """Every shard on the device (stage 3 without parameter offload)."""
     return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE, device, ledger)
@@ -102,8 +111,11 @@ class ShardedUnit:
         home_factory: HomeFactory | None = None,
         grad_tier: Tier = Tier.DEVICE,
         grad_files: NvmeGradFiles | None = None,
+        source: UnitSource | None = None,
+        frozen: bool = False,
     ) -> None:
         self.name = name or "<root>"
+        self.frozen = frozen  # parameters without gradients: gathered like the rest, never stepped
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.topo, self.policy, self.ledger = topo, policy, ledger
@@ -120,7 +132,11 @@ class ShardedUnit:
         self._grad_on_disk = False  # this step's shard has been written at least once
         self.grad_sq_norm: float | None = None  # NVMe shards: squared L2 norm, kept at write time
         self.grad_device = torch.device("cpu") if grad_tier is Tier.HOST else topo.device
-        self._build_buffers(param_dtype, keep_fp32_master)
+        self._master_source: Callable[[], torch.Tensor] | None = None
+        if source is None:
+            self._build_buffers(param_dtype, keep_fp32_master)
+        else:
+            self._build_from_source(param_dtype, source)
         self.grad_flat: torch.Tensor | None = None  # unsharded, reduce dtype
         self.grad_shard: torch.Tensor | None = None  # stages 2-3: owned shard, reduce dtype
         self.grad_state = GradState.EMPTY
@@ -154,6 +170,34 @@ class ShardedUnit:
         )
         self._master_taken = False
         self.param_flat = full.to(param_dtype)
+        self._finish_build(param_dtype)
+
+    def _build_from_source(self, param_dtype: torch.dtype, source: UnitSource) -> None:
+        """Read only this rank's shard from `source`; all-gather it where the unit is kept whole.
+
+        The fp32 masters are not held meanwhile: the optimizer reads them from the source when it
+        takes them (`take_initial_master`), exact in fp32 whatever the compute dtype.
+        """
+        device = self.topo.device
+        start, end = self.layout.shard_range(self.topo.rank)
+        shard = source.read(self.layout, start, end, param_dtype).to(device)
+        self.param_flat = torch.zeros(self.layout.padded_numel, dtype=param_dtype, device=device)
+        if not self.policy.shard_params or self.resident:
+            all_gather_into(self.param_flat, shard, self.topo, async_op=False)
+        else:
+            self.param_flat[start:end].copy_(shard)
+        del shard
+        self.initial_master = None
+        self._master_taken = False
+        owned = (self.owned_start, self.owned_end)
+        self._master_source = lambda: source.read(self.layout, *owned, torch.float32).to(device)
+        for p in self.params:
+            if p.is_meta:  # a placeholder of a parameter read from files: give it a real (empty) tensor
+                swap_data(p, torch.empty((0,) * max(1, p.dim()), dtype=param_dtype, device=device))
+        self._finish_build(param_dtype)
+
+    def _finish_build(self, param_dtype: torch.dtype) -> None:
+        device = self.topo.device
         self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_flat), "param_unsharded")
         self.home: ShardHome | None = None  # stage 3: where the compute-dtype shard lives between uses
         # Empty, but with each parameter's number of dimensions: code that tells matrices from vectors
@@ -166,7 +210,7 @@ class ShardedUnit:
             self.home = self.home_factory(self.name, self.param_flat[start:end], self.resident)
         self.state = ParamState.UNSHARDED
         self._point_params_at_flat()
-        if self.policy.shard_params:
+        if self.policy.shard_params and not self.resident:  # a resident unit stays whole from the start
             self.reshard()
 
     @property
@@ -183,6 +227,8 @@ class ShardedUnit:
             raise RuntimeError(f"unit {self.name}: the initial master weights were already taken by an optimizer")
         self._master_taken = True
         master, self.initial_master = self.initial_master, None
+        if master is None and self._master_source is not None:  # read from the checkpoint, in fp32
+            master, self._master_source = self._master_source(), None
         if master is None:  # built under zeroinf.init: start from the compute-dtype values
             if self.home is not None:
                 master = self.home.finish_load().float().clone()
@@ -401,8 +447,10 @@ class ShardedUnit:
         if self.home is not None:
             self.home.store(owned)
         changed = owned != owned_before
-        if not bool(changed.any()):
-            return
+        if self.frozen or not bool(changed.any()):
+            return  # a frozen unit has no masters: its shard is all there is
+        if not self._master_taken and self._master_source is not None:  # hold the file's masters now
+            self.initial_master, self._master_source = self._master_source(), None
         if self.initial_master is not None:  # no optimizer has taken the masters yet
             self.initial_master[changed] = owned[changed].float()
         elif self._master_taken and states is not None:
@@ -410,6 +458,26 @@ class ShardedUnit:
             mask = changed.to(views.master.device)
             views.master[mask] = owned[changed].float().to(views.master.device)
             states.write_unit(unit_index, views)  # type: ignore[attr-defined]
+
+    def load_values(self, source: UnitSource, states: object | None, unit_index: int) -> None:
+        """Replace the unit's values by `source`'s (zeroinf.load_weights): this rank's shard on its
+        tier, the whole unit where it is kept whole, and the fp32 masters."""
+        start, end = self.layout.shard_range(self.topo.rank)
+        shard = source.read(self.layout, start, end, self.param_flat.dtype).to(self.topo.device)
+        if self.home is not None:
+            self.home.store(shard)
+        if self.state is ParamState.UNSHARDED:
+            all_gather_into(self.param_flat, shard, self.topo, async_op=False)
+        if self.frozen:
+            return
+        owned = (self.owned_start, self.owned_end)
+        if self._master_taken and states is not None:
+            views = states.read_unit(unit_index)  # type: ignore[attr-defined]
+            views.master.copy_(source.read(self.layout, *owned, torch.float32))
+            states.write_unit(unit_index, views)  # type: ignore[attr-defined]
+        else:
+            self.initial_master, self._master_source = None, None
+            self._master_source = lambda: source.read(self.layout, *owned, torch.float32).to(self.topo.device)
 
     def start_update_params(self, master_owned: torch.Tensor) -> Handle:
         """Write the new master weights (owned range) into the compute params; all-gather where needed."""

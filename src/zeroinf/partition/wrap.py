@@ -20,6 +20,12 @@ class UnitSpec:
     name: str
     module: nn.Module
     params: tuple[tuple[str, nn.Parameter], ...]  # (fully qualified name, parameter)
+    frozen: bool = False  # a unit of the module's frozen parameters (stage 3), beside its trainable one
+
+    @property
+    def key(self) -> str:
+        """The unit's name among units (swap-file slots): a frozen unit is told from its trainable twin."""
+        return f"{self.name}#frozen" if self.frozen else self.name
 
 
 def _is_repeated_container(module: nn.Module) -> bool:
@@ -64,10 +70,13 @@ def _unit_modules(model: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple
     return found
 
 
-def discover_units(model: nn.Module, unit_classes: tuple[str, ...] = (), trainable_only: bool = True) -> list[UnitSpec]:
+def discover_units(
+    model: nn.Module, unit_classes: tuple[str, ...] = (), trainable_only: bool = True, frozen: bool = False
+) -> list[UnitSpec]:
     """Unit specs in module order, the root unit last; units without parameters are dropped.
 
-    With `trainable_only`, frozen parameters (requires_grad=False) stay out of every unit.
+    With `trainable_only`, frozen parameters (requires_grad=False) stay out of every unit; with
+    `frozen`, the specs hold only the frozen ones (the same modules: a frozen twin of each unit).
     """
     if unit_classes:
         present = {type(m).__name__ for m in model.modules()}
@@ -83,7 +92,7 @@ def discover_units(model: nn.Module, unit_classes: tuple[str, ...] = (), trainab
     def take(prefix: str, module: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
         params = []
         for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
-            if id(p) in owner or (trainable_only and not p.requires_grad):
+            if id(p) in owner or (trainable_only and not p.requires_grad) or (frozen and p.requires_grad):
                 continue
             owner[id(p)] = name
             params.append((name, p))
@@ -94,8 +103,8 @@ def discover_units(model: nn.Module, unit_classes: tuple[str, ...] = (), trainab
     taken = {path: take(f"{path}.", module) for path, module, _ in sorted(found, key=lambda f: -f[2])}
     for path, module, _ in found:
         if taken[path]:
-            specs.append(UnitSpec(path, module, taken[path]))
+            specs.append(UnitSpec(path, module, taken[path], frozen))
     root_params = take("", model)
     if root_params:
-        specs.append(UnitSpec("", model, root_params))
+        specs.append(UnitSpec("", model, root_params, frozen))
     return specs

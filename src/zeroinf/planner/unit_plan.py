@@ -42,6 +42,14 @@ class UnitShape:
 
     name: str
     params: tuple[tuple[str, tuple[int, ...]], ...]
+    frozen: bool = False
+    """A unit of frozen parameters (stage 3, e.g. a LoRA base): gathered like the rest, no gradient or
+    optimizer state."""
+
+    @property
+    def key(self) -> str:
+        """The unit's name among units, as `UnitSpec.key`: a frozen unit is told from its trainable twin."""
+        return f"{self.name}#frozen" if self.frozen else self.name
 
     @property
     def numel(self) -> int:
@@ -50,7 +58,8 @@ class UnitShape:
     @classmethod
     def of(cls, spec: object) -> UnitShape:
         """From a `partition.wrap.UnitSpec` (its parameters may live on any device, meta included)."""
-        return cls(spec.name, tuple((n, tuple(p.shape)) for n, p in spec.params))  # type: ignore[attr-defined]
+        params = tuple((n, tuple(p.shape)) for n, p in spec.params)  # type: ignore[attr-defined]
+        return cls(spec.name, params, bool(getattr(spec, "frozen", False)))  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -66,12 +75,19 @@ class UnitPlan:
     param_itemsize: int
     reduce_itemsize: int
     owned_numel: int
-    """Elements this rank's optimizer steps: the whole flat buffer at stage 0, one shard from stage 1."""
+    """Elements this rank's optimizer steps: the whole flat buffer at stage 0, one shard from stage 1;
+    0 for a frozen unit."""
+    frozen: bool = False
+
+    @property
+    def key(self) -> str:
+        """The unit's name among units (`UnitSpec.key`, `ShardedUnit.name`)."""
+        return f"{self.name}#frozen" if self.frozen else self.name
 
     @property
     def swap_key(self) -> str:
         """The unit's name in the swap layouts."""
-        return self.name or "<root>"
+        return self.key or "<root>"
 
     @property
     def numel(self) -> int:
@@ -164,13 +180,19 @@ class ModelPlan:
 
     @cached_property
     def _by_name(self) -> dict[str, UnitPlan]:
-        return {u.name: u for u in self.units}
+        return {u.key: u for u in self.units}
 
-    def unit(self, name: str) -> UnitPlan:
+    def unit(self, key: str) -> UnitPlan:
+        """The unit of this key (`UnitSpec.key`: the name, with `#frozen` for a frozen unit)."""
         try:
-            return self._by_name[name]
+            return self._by_name[key]
         except KeyError:
-            raise KeyError(f"the unit plan has no unit {name!r}; units: {[u.name for u in self.units][:8]}") from None
+            raise KeyError(f"the unit plan has no unit {key!r}; units: {[u.key for u in self.units][:8]}") from None
+
+    @property
+    def trainable_units(self) -> tuple[UnitPlan, ...]:
+        """Units with gradients and optimizer state (`Engine.units`); frozen units come after them."""
+        return tuple(u for u in self.units if not u.frozen)
 
     @property
     def sharded_units(self) -> tuple[UnitPlan, ...]:
@@ -204,12 +226,13 @@ class ModelPlan:
 
     # -- gradients on NVMe --------------------------------------------------------------------------------
     def grad_swap_bytes(self) -> dict[tuple[str, str], int]:
-        """Slots of the gradient swap file: every unit's fp32 gradient shard."""
-        return {(u.swap_key, GRAD_SWAP_KIND): FP32_BYTES * u.layout.shard_numel for u in self.units}
+        """Slots of the gradient swap file: every trainable unit's fp32 gradient shard."""
+        return {(u.swap_key, GRAD_SWAP_KIND): FP32_BYTES * u.layout.shard_numel for u in self.trainable_units}
 
     # -- optimizer states ---------------------------------------------------------------------------------
     def optimizer_staging(self, aio: AioConfig | None = None) -> OptimizerStaging:
-        return plan_optimizer_staging([u.owned_numel for u in self.units], self.cfg.offload, aio or AioConfig())
+        owned = [u.owned_numel for u in self.trainable_units]
+        return plan_optimizer_staging(owned, self.cfg.offload, aio or AioConfig())
 
 
 def is_resident(unit: UnitShape, cfg: Config, world_size: int, layout: FlatLayout | None = None) -> bool:
@@ -237,6 +260,6 @@ def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int) -> Mode
         layout = _layout(unit, world_size)
         resident = is_resident(unit, cfg, world_size, layout)
         tier = Tier(cfg.offload.params) if cfg.stage == 3 and not resident else Tier.DEVICE
-        owned = layout.shard_numel if cfg.stage >= 1 else layout.padded_numel
-        planned.append(UnitPlan(unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned))
+        owned = 0 if unit.frozen else layout.shard_numel if cfg.stage >= 1 else layout.padded_numel
+        planned.append(UnitPlan(unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned, unit.frozen))
     return ModelPlan(tuple(planned), cfg, world_size)

@@ -60,3 +60,8 @@ def register_pre_backward(output: Any, callback: Callable[[], None]) -> None:
     )
     if tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: callback(), mode="any")
+
+
+def register_input_hook(module: nn.Module, fn: Callable[[Any], None]) -> RemovableHandle:
+    """`fn((args, kwargs))` with the inputs of every call of `module`, before it runs."""
+    return module.register_forward_pre_hook(lambda m, args, kwargs: fn((args, kwargs)), with_kwargs=True)

@@ -8,8 +8,10 @@ Forward: the root pre-forward begins a pass; each unit's pre-forward waits for t
 it on demand if the plan did not prefetch it), then starts the plan's prefetches; its post-forward
 releases it unless the plan keeps it for a reuse soon. Backward: each unit's pre-backward (a hook
 on its forward outputs) waits for it and prefetches ahead; the unit is released once all its
-gradients have arrived (the engine calls `release`). A pass that departs from the trace, or runs
-without grad (eval, generation), fetches on demand and releases right after use.
+gradients have arrived (the engine calls `release`). A pass that departs from its trace fetches
+on demand and releases right after use. Passes without grad (eval, each decoding step of
+generation) follow a trace of their own, recorded by the first of them, so decoding prefetches
+the next units as training does.
 """
 
 from __future__ import annotations
@@ -36,23 +38,31 @@ class UnshardScheduler:
         self.forward_trace, self.backward_trace = PassTrace(), PassTrace()
         self.forward_plan: PrefetchPlan | None = None
         self.backward_plan: PrefetchPlan | None = None
+        # No-grad passes (eval, each decoding step of `generate`) have a trace and plan of their own:
+        # the first is recorded (on demand), the next ones prefetch along it. The training trace never
+        # sees them, so a generation between steps leaves training's plan alone.
+        self.inference_trace = PassTrace()
+        self.inference_plan: PrefetchPlan | None = None
         self._forward_step_of: dict[int, int | None] = {}
         self._training_pass = False
         self._to_gather: list[int] = []  # read from NVMe at the previous event, gathered at the next
 
     # -- plans ----------------------------------------------------------------------------------------
-    def _build_plans(self) -> None:
+    def _plan_args(self) -> dict[str, object]:
         sizes = {i: u.unsharded_bytes for i, u in enumerate(self.units)}
         # a unit stays gathered while the units nested in it run (its hooks fire around theirs)
         nested = {
             i: frozenset(j for j, v in enumerate(self.units) if v.name.startswith(f"{u.name}."))
             for i, u in enumerate(self.units)
         }
-        args = dict(
+        return dict(
             sizes=sizes, resident=self.resident, prefetch_bytes=self.budget.prefetch_bytes,
             max_live_bytes=self.budget.max_live_bytes, reuse_window=self.budget.reuse_window,
             nested={i: js for i, js in nested.items() if js},
         )
+
+    def _build_plans(self) -> None:
+        args = self._plan_args()
         self.forward_plan = plan_prefetch(self.forward_trace.order, release_lag=0, **args)  # type: ignore[arg-type]
         self.backward_plan = plan_prefetch(self.backward_trace.order, release_lag=1, **args)  # type: ignore[arg-type]
 
@@ -82,36 +92,46 @@ class UnshardScheduler:
                 unit.reshard()
 
     # -- forward --------------------------------------------------------------------------------------
+    def _pass(self) -> tuple[PassTrace, PrefetchPlan | None]:
+        """The trace and plan of the pass under way: training's, or the no-grad passes'."""
+        if self._training_pass:
+            return self.forward_trace, self.forward_plan
+        return self.inference_trace, self.inference_plan
+
     def begin_forward(self, training: bool) -> None:
         self.release_all()
         self._training_pass = training
-        self.forward_trace.begin_pass(record=training)
-        if self.forward_plan is None:  # no plan yet: on demand, without departing the trace
-            if self.forward_trace.state is TraceState.FOLLOWING:
-                self.forward_trace.state = TraceState.DEPARTED
+        trace, plan = self._pass()
+        trace.begin_pass(record=True)
+        if plan is None and trace.state is TraceState.FOLLOWING:  # no plan yet: on demand, not departed
+            trace.state = TraceState.DEPARTED
         for i in self.resident:
             self.units[i].wait_unshard()
 
     def pre_forward(self, index: int) -> None:
-        position = self.forward_trace.observe(index)
+        trace, plan = self._pass()
+        position = trace.observe(index)
         self._forward_step_of[index] = position
         self._gather_fetched()
         self.units[index].wait_unshard()
-        self._prefetch(self.forward_plan, position)
+        self._prefetch(plan, position)
 
     def post_forward(self, index: int) -> None:
         if index in self.resident:
             return
         position = self._forward_step_of.pop(index, None)
-        plan = self.forward_plan
+        _, plan = self._pass()
         keep = position is not None and plan is not None and not plan.steps[position].release_after
         if not keep:
             self.units[index].reshard()
 
     def end_forward(self) -> None:
-        self.forward_trace.end_pass()
+        trace, _ = self._pass()
+        trace.end_pass()
         if not self._training_pass:
             self.release_all()
+            if self.inference_plan is None and trace.recorded:
+                self.inference_plan = plan_prefetch(trace.order, release_lag=0, **self._plan_args())  # type: ignore[arg-type]
 
     # -- backward -------------------------------------------------------------------------------------
     def begin_backward(self) -> None:

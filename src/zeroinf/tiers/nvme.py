@@ -1,14 +1,17 @@
 """The nvme tier: per-rank swap files, one per kind of state, with shards at aligned offsets.
 
 `plan_swap_layout` is a pure function from shard sizes to a `SwapLayout` that maps (unit, state kind)
-to (file, offset, bytes). `NvmeSwap` makes the layout real: it refuses leftovers of an earlier run,
-preallocates every file (so a full disk fails now, not mid-step), moves shards with the aio engine
-(`swap_out` / `swap_in`) and removes its files on `close()`.
+to (file, offset, bytes). `NvmeSwap` makes the layout real: it replaces leftovers of a crashed run
+(and refuses files of a live one), preallocates every file (so a full disk fails now, not mid-step),
+moves shards with the aio engine (`swap_out` / `swap_in`) and removes its files on `close()`.
 
 [Note: leftover swap files]
-A clean shutdown removes the files, so one that exists at start-up was left by a run that crashed,
-or belongs to a run still going. Each live file holds an exclusive flock for its lifetime; the
-error says which case it is. Leftovers are never reused: their contents match no current layout.
+A clean shutdown removes the files, so one that exists at start-up was left by a run that crashed
+(a rank killed, a node lost), or belongs to a run still going. Each live file holds an exclusive
+flock for its lifetime, and the kernel drops the lock when its process dies however it dies, so
+the lock tells the two apart: a locked file is refused (two runs must not share a folder); an
+unlocked one is removed with a warning and created afresh, so the next run after a crash starts
+in the same folder. Their contents are never read: they match no current layout.
 """
 
 from __future__ import annotations
@@ -26,12 +29,39 @@ from zeroinf.aio.buffers import as_bytes, round_up
 from zeroinf.aio.engine import AioEngine, AioHandle
 from zeroinf.aio.errors import AioError
 from zeroinf.memory import Ledger, Tier, format_bytes
+from zeroinf.telemetry import get_logger
 
 _KIND_PATTERN = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 def swap_file_name(rank: int, kind: str) -> str:
     return f"zeroinf-rank{rank}-{kind}.swap"
+
+
+class SwapFolderError(OSError):
+    """The swap folder is missing (and cannot be created), not writable or too small; the message names it."""
+
+
+def ensure_swap_folder(folder: str) -> None:
+    """Create the swap folder if it is missing (as DeepSpeed does); its parent must exist.
+
+    Several ranks may race here: the loser's "already exists" is success.
+    """
+    if os.path.isdir(folder):
+        return
+    parent = os.path.dirname(os.path.abspath(folder))
+    if not os.path.isdir(parent):
+        raise SwapFolderError(
+            f"offload.nvme_dir {folder!r} does not exist and cannot be created: its parent {parent!r} does "
+            "not exist either; create the parent or choose another folder"
+        )
+    with contextlib.suppress(FileExistsError):
+        try:
+            os.mkdir(folder)
+        except OSError as exc:
+            raise SwapFolderError(f"offload.nvme_dir {folder!r} does not exist and cannot be created: {exc}") from exc
+    if not os.path.isdir(folder):
+        raise SwapFolderError(f"offload.nvme_dir {folder!r} exists but is not a folder: choose another path")
 
 
 class SwapLeftoverError(RuntimeError):
@@ -121,8 +151,10 @@ class NvmeSwap:
         folder = self.layout.folder
         first = next(iter(self.layout.file_bytes.items()), None)
         path, nbytes = (self.layout.path(first[0]), first[1]) if first else (folder, 0)
-        if not os.path.isdir(folder):
-            raise AioError("create", path, 0, nbytes, f"the swap folder {folder!r} does not exist")
+        try:
+            ensure_swap_folder(folder)
+        except SwapFolderError as exc:
+            raise AioError("create", path, 0, nbytes, str(exc)) from exc
         # Root passes access() on any folder that is not on a read-only filesystem; creating the
         # files below then reports the error with its errno.
         if not os.access(folder, os.W_OK | os.X_OK):
@@ -141,10 +173,13 @@ class NvmeSwap:
                 f"swap files of rank {self.layout.rank} are in use by a running process: {in_use}; "
                 "give each run its own swap folder"
             )
-        raise SwapLeftoverError(
-            f"swap files of rank {self.layout.rank} were left by a run that did not shut down cleanly: "
-            f"{found}; they are not reused. Delete them (rm {' '.join(found)}) and start again"
+        get_logger("tiers").warning(
+            "removing swap files of rank %d left by a run that did not shut down cleanly: %s",
+            self.layout.rank, found,
         )
+        for path in found:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
     def add_slot(self, unit: str, kind: str, nbytes: int, alignment_bytes: int = 4096) -> SwapSlot:
         """Append a slot for a shard not in the planned layout (the file grows, preallocated)."""
@@ -188,27 +223,29 @@ class NvmeSwap:
         self.ledger.reserve(Tier.NVME, nbytes, kind)
         self._reserved_kinds.add(kind)
 
-    def _slot_for(self, unit: str, kind: str, tensor: torch.Tensor, op: str) -> SwapSlot:
+    def _slot_for(self, unit: str, kind: str, tensor: torch.Tensor, op: str, at_bytes: int | None) -> SwapSlot:
         if self._closed:
             raise RuntimeError("NvmeSwap is closed")
         slot = self._slots.get((unit, kind)) or self.layout.slot(unit, kind)  # the layout's error names it
         nbytes = as_bytes(tensor, f"the {kind} shard of {unit!r}").numel()
-        if nbytes != slot.nbytes:
+        start = at_bytes or 0
+        if (nbytes != slot.nbytes if at_bytes is None else not 0 <= start <= start + nbytes <= slot.nbytes):
             raise ValueError(
-                f"{op} of unit {unit!r} {kind}: the tensor has {nbytes} bytes, the slot at offset "
-                f"{slot.offset_bytes} of {slot.path!r} holds {slot.nbytes}"
+                f"{op} of unit {unit!r} {kind}: the tensor has {nbytes} bytes at byte {start}, the slot at "
+                f"offset {slot.offset_bytes} of {slot.path!r} holds {slot.nbytes}"
             )
         return slot
 
-    def swap_out(self, unit: str, kind: str, tensor: torch.Tensor) -> AioHandle:
-        """Start writing a shard to its slot; keep `tensor` unchanged until the handle is waited on."""
-        slot = self._slot_for(unit, kind, tensor, "swap_out")
-        return self._track(self.engine.write(tensor, slot.path, slot.offset_bytes))
+    def swap_out(self, unit: str, kind: str, tensor: torch.Tensor, at_bytes: int | None = None) -> AioHandle:
+        """Start writing a shard to its slot (or, with `at_bytes`, a piece of it at that byte); keep
+        `tensor` unchanged until the handle is waited on."""
+        slot = self._slot_for(unit, kind, tensor, "swap_out", at_bytes)
+        return self._track(self.engine.write(tensor, slot.path, slot.offset_bytes + (at_bytes or 0)))
 
-    def swap_in(self, unit: str, kind: str, tensor: torch.Tensor) -> AioHandle:
-        """Start reading a shard from its slot into `tensor`."""
-        slot = self._slot_for(unit, kind, tensor, "swap_in")
-        return self._track(self.engine.read(tensor, slot.path, slot.offset_bytes))
+    def swap_in(self, unit: str, kind: str, tensor: torch.Tensor, at_bytes: int | None = None) -> AioHandle:
+        """Start reading a shard from its slot (or a piece of it, at `at_bytes`) into `tensor`."""
+        slot = self._slot_for(unit, kind, tensor, "swap_in", at_bytes)
+        return self._track(self.engine.read(tensor, slot.path, slot.offset_bytes + (at_bytes or 0)))
 
     def _track(self, handle: AioHandle) -> AioHandle:
         self._in_flight = [h for h in self._in_flight if not h.done()]

@@ -3,23 +3,25 @@
 A `ParkStore` (partition/park.py) on the nvme tier. Slots are appended as parameters are parked
 (`NvmeSwap.add_slot`: the file grows, preallocated, so a full disk fails at the parking that does
 not fit) and reused when the same parameter is parked again. Writes are asynchronous: the slice is
-copied into a CPU buffer owned by the write until the disk has it, and a `take` of a slice whose
-write is still in flight returns that buffer without reading. The file (`zeroinf-rank<r>-park.swap`)
+converted into one of a few fixed 16 MiB staging buffers, chunk by chunk, and written from there,
+so parking a parameter never makes a slice-sized copy (a 262 MB fp32 embedding is parked with
+64 MiB of buffers). The file (`zeroinf-rank<r>-park.swap`)
 is removed when the park closes: after `zeroinf.shard` has built every unit, or at exit.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import deque
 
 import torch
 
-from zeroinf.aio import AioConfig, AioEngine, AioHandle
+from zeroinf.aio import AioConfig, AioEngine, AioHandle, aligned_empty
 from zeroinf.tiers.nvme import NvmeSwap, plan_swap_layout
 
 PARK_KIND = "park"
-MAX_WRITES_IN_FLIGHT = 8
+CHUNK_BYTES = 16 * 2**20
+STAGING_BUFFERS = 4  # writes in flight, each from its own chunk buffer: construction holds 64 MiB of them
 
 
 class NvmeParkStore:
@@ -32,7 +34,8 @@ class NvmeParkStore:
             self.engine.close()
             raise
         self._slots: dict[int, tuple[str, torch.dtype, int]] = {}  # key -> (slot name, dtype, numel)
-        self._writes: OrderedDict[int, tuple[AioHandle, torch.Tensor]] = OrderedDict()
+        self._staging = [aligned_empty(CHUNK_BYTES) for _ in range(STAGING_BUFFERS)]
+        self._writes: deque[tuple[AioHandle, int, int]] = deque()  # (handle, staging buffer, key)
         self.io_wait_s = 0.0
 
     def _wait(self, handle: AioHandle) -> None:
@@ -40,24 +43,41 @@ class NvmeParkStore:
         handle.wait(self.timeout_s)
         self.io_wait_s += time.perf_counter() - t0
 
-    def put(self, key: int, values: torch.Tensor) -> None:
-        if key in self._writes:  # the slot is about to be rewritten: the older write must land first
-            self._wait(self._writes.pop(key)[0])
-        buffer = values.detach().to("cpu").contiguous()  # ours (put takes ownership): held until written
+    def _free_buffer(self) -> int:
+        busy = {b for _, b, _ in self._writes}
+        free = next((b for b in range(STAGING_BUFFERS) if b not in busy), None)
+        if free is not None:
+            return free
+        handle, buffer, _ = self._writes.popleft()
+        self._wait(handle)
+        return buffer
+
+    def _drain(self, key: int | None = None) -> None:
+        """Wait for the writes of `key` (all writes when None): a read must see them."""
+        while any(key is None or k == key for _, _, k in self._writes):
+            self._wait(self._writes.popleft()[0])
+
+    def put(self, key: int, values: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
+        """Convert and write `values` chunk by chunk through the staging buffers (no slice-sized copy)."""
+        self._drain(key)  # the slot is about to be rewritten: its older writes land first
         slot = self._slots.get(key)
-        if slot is None or slot[1:] != (buffer.dtype, buffer.numel()):
+        if slot is None or slot[1:] != (dtype, numel):
             name = f"p{key}.{len(self._slots)}"
-            self.swap.add_slot(name, PARK_KIND, buffer.numel() * buffer.element_size())
-            slot = self._slots[key] = (name, buffer.dtype, buffer.numel())
-        self._writes[key] = (self.swap.swap_out(slot[0], PARK_KIND, buffer), buffer)
-        while len(self._writes) > MAX_WRITES_IN_FLIGHT:
-            self._wait(self._writes.popitem(last=False)[1][0])
+            self.swap.add_slot(name, PARK_KIND, numel * dtype.itemsize)
+            slot = self._slots[key] = (name, dtype, numel)
+        flat = values.detach().reshape(-1)
+        per_chunk = CHUNK_BYTES // dtype.itemsize
+        for start in range(0, flat.numel(), per_chunk):
+            piece = flat[start : start + per_chunk]
+            buffer = self._free_buffer()
+            staged = self._staging[buffer][: piece.numel() * dtype.itemsize].view(dtype)
+            staged.copy_(piece)
+            handle = self.swap.swap_out(slot[0], PARK_KIND, staged, at_bytes=start * dtype.itemsize)
+            self._writes.append((handle, buffer, key))
+        # the padding after the values is never read back as data (unparking cuts it off)
 
     def take(self, key: int, device: torch.device) -> torch.Tensor:
-        pending = self._writes.pop(key, None)
-        if pending is not None:  # still in memory: no need to read it back
-            self._wait(pending[0])
-            return pending[1].to(device)
+        self._drain(key)
         name, dtype, numel = self._slots[key]
         out = torch.empty(numel, dtype=dtype)
         self._wait(self.swap.swap_in(name, PARK_KIND, out))
@@ -68,7 +88,7 @@ class NvmeParkStore:
         return self.engine.stats().bytes_written
 
     def close(self) -> None:
-        for handle, _ in self._writes.values():
+        for handle, _, _ in self._writes:
             handle.wait_done()
         self._writes.clear()
         self.swap.close()

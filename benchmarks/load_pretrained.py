@@ -1,0 +1,191 @@
+"""Load a pretrained Llama checkpoint larger than you would like in RAM, straight into NVMe shards.
+
+1. Writes (once) a Hugging Face folder: config.json and bf16 safetensors of random weights (N(0, 0.02))
+   for a Llama shape of about `--params` parameters, tensor by tensor (never the whole model).
+2. Measures this disk's O_DIRECT read speed on that checkpoint, in the same run.
+3. In a fresh process: `zeroinf.from_pretrained` at world 1, stage 3, parameters on NVMe (peak RSS
+   above the process's RSS before the load, from the kernel's high-water mark; load seconds), then
+   `--steps` fine-tuning steps with the optimizer states on NVMe (full, or LoRA with --lora-rank).
+Prints JSON. Check free disk first: checkpoint + parameter swap (+ 12 bytes per trainable parameter
+of optimizer states).
+
+    python benchmarks/load_pretrained.py --dir /tmp/zi-load --params 3e9
+    python benchmarks/load_pretrained.py --dir /tmp/zi-14b --params 14e9 --dtype bf16 --lora-rank 8 --steps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _bench import reset_peak_rss, rss_bytes  # noqa: E402
+
+VOCAB = 32000
+SHAPES = [(1.5e9, 2048, 5632, 16), (4.5e9, 3200, 8640, 32), (9e9, 4096, 11008, 32), (float("inf"), 5120, 13824, 40)]
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def llama_config(params: float) -> Any:
+    from transformers import LlamaConfig
+
+    _, hidden, inter, heads = next(s for s in SHAPES if params <= s[0])
+    layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    layers = max(1, round((params - 2 * VOCAB * hidden) / layer))
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None, dtype="bfloat16", tie_word_embeddings=False,
+    )
+
+
+def write_checkpoint(folder: str, params: float) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from zeroinf.weights.export import write_safetensors_files
+
+    config = llama_config(params)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    entries = [(n, tuple(t.shape), torch.bfloat16) for n, t in meta.state_dict().items()]
+    t0 = time.perf_counter()
+    generator = torch.Generator().manual_seed(0)
+
+    def produce(i: int) -> torch.Tensor:
+        name, shape, dtype = entries[i]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=dtype)
+        return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+
+    write_safetensors_files(folder, entries, produce, max_shard_bytes=4 * 10**9)
+    config.save_pretrained(folder)
+    return {"write_s": time.perf_counter() - t0, "params": sum(int(torch.Size(s).numel()) for _, s, _ in entries)}
+
+
+def checkpoint_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def disk_read_speed(folder: str, limit_bytes: int = 2 * 2**30) -> float:
+    """Bytes/s of O_DIRECT reads of the checkpoint files through the aio engine (1 GiB requests)."""
+    from zeroinf.aio import AioConfig, AioEngine, aligned_empty
+
+    files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    chunk = aligned_empty(2**30)
+    done, t0 = 0, time.perf_counter()
+    with AioEngine(AioConfig()) as engine:
+        for path in files:
+            size = os.path.getsize(path) // 4096 * 4096
+            for offset in range(0, size, chunk.numel()):
+                n = min(chunk.numel(), size - offset, limit_bytes - done)
+                if n <= 0:
+                    break
+                engine.read(chunk[:n], path, offset).wait()
+                done += n
+    return done / (time.perf_counter() - t0)
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    import zeroinf
+
+    swap = os.path.join(args.dir, "swap")
+    shutil.rmtree(swap, ignore_errors=True)
+    os.makedirs(swap)
+    offload = zeroinf.OffloadConfig(params="nvme", optimizer="nvme", nvme_dir=swap)
+    cfg = zeroinf.Config(stage=3, param_dtype=args.dtype, persist_threshold_bytes=0, offload=offload,
+                         activation_checkpointing=True)
+    prepare = None
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=args.lora_rank, target_modules="all-linear", lora_dropout=0.0)
+        prepare = lambda m: get_peft_model(m, lora)  # noqa: E731
+    import transformers  # noqa: F401  (imported before the baseline: its import is not the load's)
+
+    reset_peak_rss()
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    model = zeroinf.from_pretrained(os.path.join(args.dir, "model"), cfg, prepare=prepare)
+    load_s = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "rss_before_bytes": before, "load_s": load_s, "load_peak_above_bytes": peak_rss_bytes() - before,
+        "after_load_above_bytes": rss_bytes() - before,
+    }
+    model.train()
+    t1 = time.perf_counter()
+    opt = zeroinf.AdamW(model, lr=1e-5)
+    out["optimizer_build_s"] = time.perf_counter() - t1
+    ids = torch.randint(0, VOCAB, (1, args.seq_len), generator=torch.Generator().manual_seed(1))
+    out["step_s"], out["losses"] = [], []
+    for _ in range(args.steps):
+        t2 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        out["step_s"].append(time.perf_counter() - t2)
+        out["losses"].append(loss.item())
+    out["peak_rss_above_bytes"] = peak_rss_bytes() - before
+    report = zeroinf.memory_report(model)
+    out["io"] = report["io"]
+    out["nvme_bytes"] = report["nvme"]["live_bytes"]
+    opt.close()
+    zeroinf.engine_of(model).close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", required=True, help="holds the checkpoint (model/) and the swap files (swap/)")
+    ap.add_argument("--params", type=float, default=3e9)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype of the run")
+    ap.add_argument("--lora-rank", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args)))
+        return 0
+    model_dir = os.path.join(args.dir, "model")
+    out: dict[str, Any] = {"free_disk_bytes_before": shutil.disk_usage(args.dir if os.path.exists(args.dir) else
+                                                                       os.path.dirname(args.dir)).free}
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        out["write"] = write_checkpoint(model_dir, args.params)
+    out["checkpoint_bytes"] = checkpoint_bytes(model_dir)
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    out["model"] = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")}
+    out["disk_read_bytes_per_s"] = disk_read_speed(model_dir)
+    cmd = [sys.executable, __file__, "--child", "--dir", args.dir, "--params", str(args.params), "--dtype",
+           args.dtype, "--lora-rank", str(args.lora_rank), "--steps", str(args.steps), "--seq-len", str(args.seq_len)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        print(done.stderr[-4000:], file=sys.stderr)
+        return done.returncode
+    run = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    out["run"] = run
+    out["load_read_bytes_per_s"] = out["checkpoint_bytes"] / run["load_s"]
+    out["load_speed_vs_disk_read"] = out["load_read_bytes_per_s"] / out["disk_read_bytes_per_s"]
+    out["cpu"] = open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": \t")
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""`zeroinf.from_pretrained`: a sharded Hugging Face model from a local folder, never whole in memory.
+
+    model = zeroinf.from_pretrained("path/to/llama", cfg)                   # stage 3, say params on NVMe
+    model = zeroinf.from_pretrained(path, cfg, prepare=lambda m: get_peft_model(m, lora))   # LoRA
+
+1. The folder is checked (config.json, the safetensors files and their headers: a missing shard or a
+   truncated file is refused before anything is built).
+2. The model is built from its config under `zeroinf.init(cfg, defer_values=True)`: every module's
+   own code runs (buffers such as rotary tables are computed as Hugging Face computes them), but
+   each parameter becomes a meta placeholder as soon as it is registered, so no memory is touched
+   and no random numbers are drawn for weights that the files will replace.
+3. `prepare(model)` runs inside the same construction context with values switched back on: new
+   parameters (LoRA adapters) are built and initialized for real, and code that asks a base
+   weight's device gets the real one.
+4. Every stored key is matched to a parameter (by the names it had before `prepare`) and checked.
+5. `zeroinf.shard(model, cfg, weights=...)` builds unit by unit: each rank reads only the byte
+   ranges of its own shards, straight into the shard's tier; fp32 masters are read from the files
+   (exact fp32 whatever the compute dtype) when an optimizer takes them. Host memory stays about one
+   unit's shard. Persistent buffers are read whole.
+
+The weights equal `AutoModelForCausalLM.from_pretrained(path)`'s, converted to `cfg.param_dtype`
+(tied embeddings stay tied; the model is returned in eval mode, as Hugging Face returns it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from zeroinf.config import Config
+from zeroinf.engine import shard
+from zeroinf.optional import require
+from zeroinf.partition.init import init
+from zeroinf.topology import Topology
+from zeroinf.weights.safetensors_folder import SafetensorsFolder, WeightsError
+from zeroinf.weights.source import CheckpointWeights, persistent_buffers
+
+Prepare = Callable[[nn.Module], nn.Module]
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    cfg: Config | None = None,
+    *,
+    prepare: Prepare | None = None,
+    topology: Topology | None = None,
+    auto_class: Any = None,
+    **hf_kwargs: Any,
+) -> nn.Module:
+    """A sharded model of the Hugging Face folder `path`; see the module docstring.
+
+    `hf_kwargs` go to `from_config` (e.g. `attn_implementation`); the compute dtype is
+    `cfg.param_dtype` (a `dtype`/`torch_dtype` argument must agree with it). `auto_class` defaults
+    to `transformers.AutoModelForCausalLM`.
+    """
+    transformers = require("transformers", "zeroinf.from_pretrained")
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
+    GenerationConfig = transformers.GenerationConfig
+
+    path = os.fspath(path)
+    cfg = cfg or Config()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise WeightsError(f"{path}: no config.json: not a Hugging Face model folder")
+    for name in ("dtype", "torch_dtype"):
+        asked = hf_kwargs.pop(name, None)
+        if asked is not None and asked != "auto" and asked != cfg.param_torch_dtype:
+            raise ValueError(
+                f"from_pretrained: {name}={asked} but cfg.param_dtype is {cfg.param_dtype}; the compute dtype is "
+                "the config's (set Config(param_dtype=...))"
+            )
+    folder = SafetensorsFolder(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with init(cfg, topology=topology, defer_values=True) as park:
+            model = (auto_class or AutoModelForCausalLM).from_config(config, **hf_kwargs)
+            names: dict[int, list[str]] = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(name)
+            buffers = persistent_buffers(model)
+            if prepare is not None:
+                park.defer_values = False  # what `prepare` adds (adapters) is built for real
+                model = prepare(model)
+        weights = CheckpointWeights(folder, model, names=names, buffers=buffers)
+        model = shard(model, cfg, topology=topology, weights=weights)
+        weights.load_buffers()
+    finally:
+        folder.close()
+    if os.path.isfile(os.path.join(path, "generation_config.json")) and hasattr(model, "generation_config"):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()
+    return model

@@ -1,0 +1,170 @@
+"""Write a sharded model's weights as a Hugging Face safetensors folder, one unit at a time.
+
+`save_pretrained_weights(model, out_dir)` is a collective: every rank gathers each unit in turn
+(stage 3: an all-gather; the unit is sharded again right after) and rank 0 writes its tensors. The
+files are planned from the unit layouts before anything is gathered (a safetensors header must
+precede its data), so host memory is one unit whatever the model size. Names go through `rename`
+(None drops a tensor, e.g. LoRA adapters after merging), tied parameters are written once, and
+the files are `model.safetensors`, or `model-0000k-of-0000n.safetensors` with an index when the
+weights exceed `max_shard_bytes`, as `save_pretrained` writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroinf.checkpoint.format import as_bytes, fsync_dir, write_atomic
+from zeroinf.engine import engine_of
+from zeroinf.partition.unit import ParamState
+from zeroinf.weights.safetensors_folder import DTYPES, INDEX_FILE, SINGLE_FILE
+
+ST_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+Rename = Callable[[str], str | None]
+Entry = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype of a stored tensor
+
+
+def _plan(entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int) -> list[list[int]]:
+    files: list[list[int]] = [[]]
+    size = 0
+    for i, (_, shape, dtype) in enumerate(entries):
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(i)
+        size += nbytes
+    return files
+
+
+def save_pretrained_weights(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    rename: Rename | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+) -> dict[str, str]:
+    """Write the weights (parameters and persistent buffers) of sharded `model`; returns the
+    weight map (name -> file). `dtype`: of floating tensors (default: as they are)."""
+    engine = engine_of(model)
+    rename = rename or (lambda name: name)
+    rank0 = engine.topo.rank == 0
+    first_name: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        first_name.setdefault(id(p), name)
+    # (name, shape, dtype) in the order they are gathered: unit by unit, then what is outside units
+    entries: list[Entry] = []
+    sources: list[tuple[int, int] | torch.Tensor] = []  # (unit index, slot index) or a whole tensor
+    in_units: set[int] = set()
+    for ui, unit in enumerate(engine.all_units):
+        for si, (p, slot) in enumerate(zip(unit.params, unit.layout.slots, strict=True)):
+            in_units.add(id(p))
+            new = rename(first_name.get(id(p), slot.name))
+            if new is not None:
+                entries.append((new, tuple(slot.shape), dtype or unit.param_flat.dtype))
+                sources.append((ui, si))
+    outside = [(n, p) for n, p in model.named_parameters() if id(p) not in in_units]
+    buffers = [
+        (f"{m}.{b}" if m else b, t) for m, mod in model.named_modules() for b, t in mod._buffers.items()
+        if t is not None and b not in mod._non_persistent_buffers_set
+    ]
+    for name, t in outside + buffers:
+        new = rename(name)
+        if new is not None:
+            entries.append((new, tuple(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype))
+            sources.append(t.detach())
+    handles: dict[int, Any] = {}
+    current_unit: list[int] = []  # the unit gathered now (its index), released when the next comes
+
+    def values(i: int) -> torch.Tensor:
+        source = sources[i]
+        if isinstance(source, torch.Tensor):
+            return source
+        ui, si = source
+        unit = engine.all_units[ui]
+        if not current_unit or current_unit[0] != ui:
+            release()
+            current_unit.append(ui)
+            handles[ui] = unit.state is not ParamState.UNSHARDED
+            unit.wait_unshard()
+        return unit.params[si].detach()
+
+    def release() -> None:
+        if current_unit:
+            ui = current_unit.pop()
+            if handles.pop(ui):
+                engine.all_units[ui].reshard()
+
+    try:  # copies we own: writing a view would export the flat buffer's storage, which then can no
+        # longer be resized (freed) when its unit is sharded again
+        return write_safetensors_files(
+            out_dir, entries, lambda i: values(i).to("cpu", dtype=entries[i][2], copy=True),
+            max_shard_bytes=max_shard_bytes, write=rank0,
+        )
+    finally:
+        release()
+
+
+
+def write_safetensors_files(
+    out_dir: str | os.PathLike[str],
+    entries: list[Entry],
+    produce: Callable[[int], torch.Tensor],
+    *,
+    max_shard_bytes: int = 5 * 10**9,
+    write: bool = True,
+) -> dict[str, str]:
+    """Write `entries` (name, shape, dtype) as safetensors files in Hugging Face's layout, asking
+    `produce(i)` for tensor i (a CPU tensor of that dtype) in order, one at a time; returns the
+    weight map. With `write=False` the tensors are still produced (a collective's other ranks) but
+    nothing is written. Files appear under their final names only when complete."""
+    files = _plan(entries, max_shard_bytes)
+    names = [SINGLE_FILE] if len(files) == 1 else [
+        f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))
+    ]
+    out = os.fspath(out_dir)
+    if write:
+        os.makedirs(out, exist_ok=True)
+    weight_map = {entries[i][0]: names[k] for k, members in enumerate(files) for i in members}
+    for k, members in enumerate(files):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for i in members:
+            name, shape, dt = entries[i]
+            nbytes = int(torch.Size(shape).numel()) * dt.itemsize
+            header[name] = {"dtype": ST_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        path = os.path.join(out, names[k])
+        f = open(f"{path}.tmp", "wb", buffering=2**20) if write else None
+        try:
+            if f is not None:
+                f.write(struct.pack("<Q", len(raw)))
+                f.write(raw)
+            for i in members:
+                t = produce(i).contiguous()
+                if f is not None:
+                    f.write(as_bytes(t.reshape(-1)))
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if f is not None:
+                f.close()
+        if write:
+            os.replace(f"{path}.tmp", path)
+    if write:
+        if len(files) > 1:
+            total = sum(int(torch.Size(s).numel()) * d.itemsize for _, s, d in entries)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            write_atomic(os.path.join(out, INDEX_FILE), json.dumps(index, indent=2).encode())
+        fsync_dir(out)
+    return weight_map

@@ -1,0 +1,172 @@
+"""A folder of safetensors weights in the Hugging Face layout, read by element ranges.
+
+`model.safetensors`, or `model-0000k-of-0000n.safetensors` files listed by
+`model.safetensors.index.json`. Only the headers are parsed up front (8 bytes of little-endian
+header length, then a JSON header giving each tensor's dtype, shape and byte range); the data is
+read later, a range of elements at a time, through the aio engine (O_DIRECT where the filesystem
+allows it, so loading a model larger than RAM leaves no page cache behind, and many requests in
+flight). A tensor's elements are stored row-major, so any range of its flattened elements is one
+contiguous byte range: each rank reads exactly the bytes of its own shards.
+
+Every structural problem is found before any data is read and named with its file: a missing
+shard file, an index that names a file that is not there, a header that does not parse, a tensor
+whose bytes run past the end of its file (a truncated download), a dtype we cannot convert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from zeroinf.aio import AioConfig, AioEngine, AioHandle
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 * 2**20
+
+
+class WeightsError(ValueError):
+    """A weights folder or file that cannot be loaded; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    key: str
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset_bytes: int  # absolute offset of the first element in `path`
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _read_header(path: str) -> dict[str, StoredTensor]:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WeightsError(f"{path}: not a safetensors file ({size} bytes, shorter than its header length)")
+            (header_bytes,) = struct.unpack("<Q", head)
+            if header_bytes > min(MAX_HEADER_BYTES, size - 8):
+                raise WeightsError(
+                    f"{path}: not a safetensors file (header length {header_bytes} for a {size}-byte file)"
+                )
+            header = json.loads(f.read(header_bytes))
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: the weights file is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WeightsError(f"{path}: its safetensors header does not parse ({exc})") from None
+    data_start = 8 + header_bytes
+    out = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise WeightsError(f"{path}: tensor {key!r} has dtype {meta.get('dtype')!r}, which zeroinf cannot load")
+        begin, end = meta["data_offsets"]
+        stored = StoredTensor(key, path, dtype, tuple(meta["shape"]), data_start + begin)
+        if end - begin != stored.numel * dtype.itemsize:
+            raise WeightsError(f"{path}: tensor {key!r} spans {end - begin} bytes for shape {stored.shape} {dtype}")
+        if data_start + end > size:
+            raise WeightsError(
+                f"{path}: tensor {key!r} ends at byte {data_start + end} but the file has {size} bytes: "
+                "the file is truncated (an interrupted download or copy?)"
+            )
+        out[key] = stored
+    return out
+
+
+class SafetensorsFolder:
+    """The tensors of a Hugging Face weights folder (or of one .safetensors file), by key."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        path = os.fspath(path)
+        self.path = path
+        if os.path.isfile(path) and path.endswith(".safetensors"):
+            files = [path]
+        elif os.path.isfile(os.path.join(path, INDEX_FILE)):
+            files = self._files_from_index(path)
+        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+            files = [os.path.join(path, SINGLE_FILE)]
+        elif os.path.isdir(path):
+            raise WeightsError(
+                f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}: not a Hugging Face weights folder (zeroinf loads "
+                "safetensors; convert .bin weights with `save_pretrained(..., safe_serialization=True)`)"
+            )
+        else:
+            raise WeightsError(f"{path}: no such folder or .safetensors file")
+        self.tensors: dict[str, StoredTensor] = {}
+        for file in files:
+            for key, stored in _read_header(file).items():
+                if key in self.tensors:
+                    raise WeightsError(f"tensor {key!r} is in both {self.tensors[key].path} and {file}")
+                self.tensors[key] = stored
+        self._engine: AioEngine | None = None
+
+    @staticmethod
+    def _files_from_index(folder: str) -> list[str]:
+        index_path = os.path.join(folder, INDEX_FILE)
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise WeightsError(f"{index_path}: not a safetensors index ({exc!r})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
+        if missing:
+            raise WeightsError(f"{index_path} lists {missing[:3]}, which are missing from {folder}")
+        return [os.path.join(folder, name) for name in files]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __getitem__(self, key: str) -> StoredTensor:
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise WeightsError(f"{self.path}: no tensor named {key!r}") from None
+
+    # -- reading --------------------------------------------------------------------------------------
+    @property
+    def engine(self) -> AioEngine:
+        if self._engine is None:
+            self._engine = AioEngine(AioConfig())
+        return self._engine
+
+    def start_read(self, stored: StoredTensor, start: int, out: torch.Tensor) -> AioHandle:
+        """Start reading elements [start, start + out.numel()) of `stored` into `out` (its dtype, CPU)."""
+        if out.dtype != stored.dtype or start < 0 or start + out.numel() > stored.numel:
+            raise ValueError(f"read of {stored.key!r}: elements [{start}, {start + out.numel()}) {out.dtype}")
+        return self.engine.read(out, stored.path, stored.offset_bytes + start * stored.dtype.itemsize)
+
+    def read(self, key: str) -> torch.Tensor:
+        """A whole tensor, in its stored dtype and shape (small ones: buffers)."""
+        stored = self[key]
+        out = torch.empty(stored.numel, dtype=stored.dtype)
+        self.start_read(stored, 0, out).wait()
+        return out.view(stored.shape)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None

@@ -1,0 +1,158 @@
+"""Which stored tensor each parameter of a model takes, checked before anything is read, and the
+per-unit reader that `shard` and `load_weights` use to fill one rank's shard from the files.
+
+Matching is by `state_dict` name: a parameter takes the first of its names (tied parameters have
+several) that the files hold. Names may come from before the model was wrapped (a PEFT model's
+base layers keep their parameter objects, so the names recorded at construction still find them)
+or through `key_map`. Errors name the key and the file: a parameter no file holds (missing), a
+stored tensor the model has no place for (unexpected; a model's `_keys_to_ignore_on_load_unexpected`
+patterns are honoured, as Hugging Face does), a shape or dtype that does not fit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from zeroinf.partition.flat_buffer import FlatLayout
+from zeroinf.weights.safetensors_folder import SafetensorsFolder, StoredTensor, WeightsError
+
+KeyMap = Callable[[str], str]
+
+
+def _ignored(model: nn.Module, attr: str) -> list[re.Pattern[str]]:
+    return [re.compile(p) for p in (getattr(model, attr, None) or [])]
+
+
+class CheckpointWeights:
+    """The stored tensor of every floating parameter and persistent buffer of `model`."""
+
+    def __init__(
+        self,
+        folder: SafetensorsFolder,
+        model: nn.Module,
+        names: dict[int, list[str]] | None = None,
+        shapes: dict[int, tuple[int, ...]] | None = None,
+        key_map: KeyMap | None = None,
+        buffers: list[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """`names`: id(param) -> candidate keys (default: the model's own names); `shapes`: id(param)
+        -> true shape where the parameter object no longer shows it (a sharded placeholder);
+        `buffers`: (key, tensor) of the persistent buffers (default: the model's own)."""
+        self.folder = folder
+        key_map = key_map or (lambda k: k)
+        self.key_map = key_map
+        if names is None:
+            names = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(name)
+        self.of_param: dict[int, StoredTensor] = {}
+        used: set[str] = set()
+        missing = []
+        params = {id(p): p for p in model.parameters()}
+        for pid, candidates in names.items():
+            if pid not in params:
+                continue
+            keys = [key_map(n) for n in candidates]
+            found = next((k for k in keys if k in folder), None)
+            used.update(k for k in keys if k in folder)
+            if found is None:
+                missing.append(keys[0])
+                continue
+            stored = folder[found]
+            shape = shapes.get(pid) if shapes else None
+            self._check(stored, params[pid], tuple(shape) if shape is not None else tuple(params[pid].shape))
+            self.of_param[pid] = stored
+        self.buffers: list[tuple[torch.Tensor, StoredTensor]] = []
+        for name, b in persistent_buffers(model) if buffers is None else buffers:
+            key = key_map(name)
+            if key in folder:
+                self._check(folder[key], b, tuple(b.shape))
+                self.buffers.append((b, folder[key]))
+                used.add(key)
+        ignore_missing = _ignored(model, "_keys_to_ignore_on_load_missing")
+        missing = [k for k in missing if not any(p.search(k) for p in ignore_missing)]
+        if missing:
+            raise WeightsError(
+                f"{folder.path}: {len(missing)} parameters of the model are in no weights file, e.g. "
+                f"{missing[:5]}; the folder does not hold this model's weights (or the names differ)"
+            )
+        ignore_unexpected = _ignored(model, "_keys_to_ignore_on_load_unexpected")
+        unexpected = [
+            k for k in folder if k not in used and not any(p.search(k) for p in ignore_unexpected)
+        ]
+        if unexpected:
+            raise WeightsError(
+                f"{folder.path}: {len(unexpected)} stored tensors have no place in the model, e.g. "
+                f"{[(k, folder[k].path) for k in unexpected[:3]]}; load the matching architecture/config"
+            )
+
+    @staticmethod
+    def _check(stored: StoredTensor, target: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if stored.shape != shape:
+            raise WeightsError(
+                f"{stored.path}: tensor {stored.key!r} has shape {stored.shape}, the model's has {shape}"
+            )
+        if stored.dtype.is_floating_point != target.dtype.is_floating_point:
+            raise WeightsError(
+                f"{stored.path}: tensor {stored.key!r} is {stored.dtype}, the model's is {target.dtype}"
+            )
+
+    def stored(self, p: torch.Tensor) -> StoredTensor | None:
+        return self.of_param.get(id(p))
+
+    def covers(self, params: Iterable[torch.Tensor]) -> bool:
+        return any(id(p) in self.of_param for p in params)
+
+    def read_range(
+        self, layout: FlatLayout, params: list[torch.Tensor], start: int, end: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Flat elements [start, end) of a unit (layout over `params`) in `dtype`, on the CPU: stored
+        parameters read from their files (only these bytes), others taken from their own values."""
+        out = torch.zeros(end - start, dtype=dtype)
+        pending = []
+        for piece in layout.pieces(start, end):
+            p = params[piece.slot_index]
+            dst = out[piece.start - start : piece.end - start]
+            stored = self.stored(p)
+            if stored is None:
+                dst.copy_(p.detach().reshape(-1)[piece.param_offset : piece.param_offset + piece.numel])
+                continue
+            buf = dst if stored.dtype == dtype else torch.empty(piece.numel, dtype=stored.dtype)
+            pending.append((self.folder.start_read(stored, piece.param_offset, buf), buf, dst))
+        for handle, buf, dst in pending:
+            handle.wait()
+            if buf is not dst:
+                dst.copy_(buf)  # the dtype conversion, rounding as `.to(dtype)` does
+        return out
+
+    def load_buffers(self) -> None:
+        """Copy the stored persistent buffers into the model's (every rank reads them whole)."""
+        with torch.no_grad():
+            for b, stored in self.buffers:
+                b.copy_(self.folder.read(stored.key).to(b.dtype))
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(state_dict name, buffer) of every persistent buffer, each buffer once."""
+    out, seen = [], set()
+    for mod_name, mod in model.named_modules():
+        for bname, b in mod._buffers.items():
+            if b is None or bname in mod._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append((f"{mod_name}.{bname}" if mod_name else bname, b))
+    return out
+
+
+class UnitWeights:
+    """`ShardedUnit`'s source of initial values: a unit's flat ranges from the checkpoint."""
+
+    def __init__(self, weights: CheckpointWeights, params: list[torch.Tensor]) -> None:
+        self.weights, self.params = weights, params
+
+    def read(self, layout: FlatLayout, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.weights.read_range(layout, self.params, start, end, dtype)

@@ -1,0 +1,235 @@
+"""`zeroinf.from_pretrained` and `zeroinf.load_weights` against Hugging Face's own loading.
+
+Folders are written by `save_pretrained` (no hub): GPT-2 (tied), Llama (untied) and Qwen2 (tied),
+each in fp32 and bf16 and as one file or several shards. For each folder x stage-3 parameter tier
+{device, host, nvme} x world {1, 2} (one spawned group), the sharded model's gathered `state_dict`
+and buffers equal `AutoModelForCausalLM.from_pretrained(folder, dtype=fp32)` bitwise, the logits
+agree within 1e-5, tied embeddings stay tied, and the fp32 masters an optimizer takes are the stored
+values. `load_weights` streams the same files into a sharded model of another seed (and a plain
+module's safetensors into a sharded non-HF module). Bad folders are refused naming the key or file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+import zeroinf
+from tests._harness import run_ranks
+from tests.partition._construction import VOCAB, build
+from zeroinf.weights import WeightsError
+
+FOLDERS = [  # (arch, dtype saved, max_shard_size)
+    ("gpt2", torch.float32, "1GB"),
+    ("gpt2", torch.bfloat16, "20KB"),
+    ("llama", torch.float32, "20KB"),
+    ("llama", torch.bfloat16, "1GB"),
+    ("qwen2", torch.bfloat16, "20KB"),
+    ("qwen2", torch.float32, "1GB"),
+]
+TIERS = ["device", "host", "nvme"]
+
+
+def _save(root: str) -> list[str]:
+    paths = []
+    for arch, dtype, shard in FOLDERS:
+        path = os.path.join(root, f"{arch}-{str(dtype)[6:]}-{shard}")
+        build(arch, seed=11).to(dtype).save_pretrained(path, safe_serialization=True, max_shard_size=shard)
+        paths.append(path)
+    return paths
+
+
+def _cfg(tier: str, folder: str) -> zeroinf.Config:
+    offload = zeroinf.OffloadConfig(params=tier, nvme_dir=folder if tier == "nvme" else None)
+    return zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload)
+
+
+def _compare(path: str, tier: str, rank: int, swap_root: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    swap = os.path.join(swap_root, f"{os.path.basename(path)}-{tier}-rank{rank}")
+    os.makedirs(swap, exist_ok=True)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ours = zeroinf.from_pretrained(path, _cfg(tier, swap))
+    ref_state, our_state = reference.state_dict(), ours.state_dict()
+    ref_buffers, our_buffers = dict(reference.named_buffers()), dict(ours.named_buffers())
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        logit_diff = (ours(ids).logits - reference(ids).logits).abs().max().item()
+    opt = zeroinf.AdamW(ours, lr=1e-3)
+    engine = zeroinf.engine_of(ours)
+    masters_ok = True
+    for ui, unit in enumerate(engine.units):
+        master = opt.states.read_unit(ui).master
+        for piece in unit.layout.pieces(unit.owned_start, unit.owned_end):
+            name = unit.param_names[piece.slot_index]
+            stored = ref_state[name].reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
+            got = master[piece.start - unit.owned_start : piece.end - unit.owned_start]
+            masters_ok &= torch.equal(got.cpu(), stored.float())
+    out = {
+        "param_diffs": [k for k in ref_state if k not in our_state or not torch.equal(our_state[k], ref_state[k])],
+        "buffer_diffs": [k for k in ref_buffers if not torch.equal(our_buffers[k], ref_buffers[k])],
+        "logit_diff": logit_diff, "masters_ok": masters_ok, "eval_mode": not ours.training,
+        "tied": ours.get_output_embeddings().weight is ours.get_input_embeddings().weight,
+        "tied_expected": reference.get_output_embeddings().weight is reference.get_input_embeddings().weight,
+        "swap_left": sorted(f for f in os.listdir(swap) if "park" in f),
+    }
+    opt.close()
+    engine.close()
+    return out
+
+
+def _load_weights_into_other_seed(path: str, rank: int, swap_root: str) -> bool:
+    """`load_weights` into a model already sharded (params on NVMe), built from another seed."""
+    from transformers import AutoModelForCausalLM
+
+    swap = os.path.join(swap_root, f"load-rank{rank}")
+    os.makedirs(swap, exist_ok=True)
+    model = zeroinf.shard(build("llama", seed=99), _cfg("nvme", swap))
+    opt = zeroinf.AdamW(model, lr=1e-3)  # masters exist already: load_weights must overwrite them
+    zeroinf.load_weights(model, path)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    ok = all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    loss = model(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).loss
+    loss.backward()
+    opt.step()  # lr 0: the parameters are rewritten from the masters, which must hold the loaded values
+    ok &= all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    opt.close()
+    zeroinf.engine_of(model).close()
+    return ok
+
+
+def run(rank: int, world: int, paths: list[str], swap_root: str) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        f"{os.path.basename(p)}/{tier}": _compare(p, tier, rank, swap_root) for p in paths for tier in TIERS
+    }
+    llama = next(p for p in paths if "llama" in p and "float32" in p)
+    results["load_weights"] = _load_weights_into_other_seed(llama, rank, swap_root)
+    return results
+
+
+@pytest.fixture(scope="module")
+def folders() -> Any:
+    root = tempfile.mkdtemp(prefix="zeroinf-pretrained-")
+    try:
+        yield root, _save(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
+def results(request: pytest.FixtureRequest, folders: tuple[str, list[str]]) -> tuple[int, list[dict]]:
+    root, paths = folders
+    swap_root = tempfile.mkdtemp(dir=root)
+    world = request.param
+    if world == 1:
+        return world, [run(0, 1, paths, swap_root)]
+    return world, run_ranks(run, world, paths, swap_root, timeout_s=300)
+
+
+def test_from_pretrained_equals_hugging_face(results: tuple[int, list[dict]]) -> None:
+    world, per_rank = results
+    for rank, by_case in enumerate(per_rank):
+        for case, r in by_case.items():
+            if case == "load_weights":
+                continue
+            where = f"world {world} rank {rank} {case}"
+            assert r["param_diffs"] == [] and r["buffer_diffs"] == [], f"{where}: {r}"
+            assert r["logit_diff"] <= 1e-5, f"{where}: logits differ by {r['logit_diff']}"
+            assert r["masters_ok"], f"{where}: the fp32 masters are not the stored values"
+            assert r["tied"] == r["tied_expected"] and r["eval_mode"], f"{where}: {r}"
+            assert r["swap_left"] == [], f"{where}: a park file was left: {r['swap_left']}"
+
+
+def test_load_weights_into_a_sharded_model(results: tuple[int, list[dict]]) -> None:
+    world, per_rank = results
+    assert all(r["load_weights"] for r in per_rank), f"world {world}"
+
+
+def test_load_weights_into_a_module_that_is_not_hugging_face(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    from tests.partition.test_init import Net
+
+    torch.manual_seed(1)
+    source = Net()
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    torch.manual_seed(2)
+    model = zeroinf.shard(Net(), zeroinf.Config(stage=3, persist_threshold_bytes=0))
+    zeroinf.load_weights(model, tmp_path / "model.safetensors")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, source.state_dict()[k]), k
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+@pytest.fixture()
+def llama_folder(folders: tuple[str, list[str]], tmp_path: Any) -> str:
+    _, paths = folders
+    src = next(p for p in paths if "llama" in p and "float32" in p)  # sharded: several files + index
+    dst = tmp_path / "llama"
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _index(folder: str) -> dict[str, Any]:
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        return json.load(f)
+
+
+def test_a_missing_shard_file_is_named(llama_folder: str) -> None:
+    victim = sorted(set(_index(llama_folder)["weight_map"].values()))[1]
+    os.remove(os.path.join(llama_folder, victim))
+    with pytest.raises(WeightsError, match=victim):
+        zeroinf.from_pretrained(llama_folder)
+
+
+def test_a_truncated_file_is_named(llama_folder: str) -> None:
+    victim = os.path.join(llama_folder, sorted(set(_index(llama_folder)["weight_map"].values()))[0])
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 100)
+    with pytest.raises(WeightsError, match=r"truncated"):
+        zeroinf.from_pretrained(llama_folder)
+
+
+def test_a_key_mismatch_is_named(llama_folder: str, tmp_path: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(set(_index(llama_folder)["weight_map"].values()))
+    target = os.path.join(llama_folder, files[0])
+    tensors = load_file(target)
+    old = next(iter(tensors))
+    tensors[old.replace("weight", "wieght")] = tensors.pop(old)
+    save_file(tensors, target, metadata={"format": "pt"})
+    with pytest.raises(WeightsError, match=rf"in no weights file.*{old}"):
+        zeroinf.from_pretrained(llama_folder)
+
+
+def test_a_shape_mismatch_is_named(llama_folder: str) -> None:
+    with open(os.path.join(llama_folder, "config.json")) as f:
+        config = json.load(f)
+    config["intermediate_size"] *= 2
+    with open(os.path.join(llama_folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(WeightsError, match=r"mlp\.\w+_proj\.weight.*has shape"):
+        zeroinf.from_pretrained(llama_folder)
+
+
+def test_a_folder_that_is_not_hugging_face_is_refused(tmp_path: Any, llama_folder: str) -> None:
+    with pytest.raises(WeightsError, match="no config.json"):
+        zeroinf.from_pretrained(tmp_path)
+    for name in os.listdir(llama_folder):
+        if name.endswith(".json") and name != "config.json":
+            os.remove(os.path.join(llama_folder, name))
+    for name in os.listdir(llama_folder):
+        if name.endswith(".safetensors"):
+            os.remove(os.path.join(llama_folder, name))
+    with pytest.raises(WeightsError, match="not a Hugging Face weights folder"):
+        zeroinf.from_pretrained(llama_folder)
