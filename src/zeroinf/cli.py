@@ -119,7 +119,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="ranks to start on this machine through torch.distributed.run (default: 1)",
     )
-    launch.add_argument("--report", metavar="FILE", help="write the summary as JSON to FILE")
+    launch.add_argument(
+        "--report", metavar="FILE",
+        help="write the summary as JSON to FILE, and one steady step as <stem>.timeline.html (phases, predicted "
+        "vs measured) and <stem>.trace.json (Perfetto / chrome://tracing)",
+    )
     launch.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps to --save-dir")
     launch.add_argument("--save-dir", metavar="DIR", help="checkpoint root (step folders and a `latest` pointer)")
     launch.add_argument(

@@ -40,7 +40,7 @@ from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
-from zeroinf.telemetry import CollectiveCounter
+from zeroinf.telemetry import CollectiveCounter, get_logger
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
 
@@ -435,6 +435,8 @@ def shard(
         raise RuntimeError("zeroinf.shard: this module is already sharded")
     cfg = cfg or Config()
     topo = topology or Topology.current()
+    if cfg.is_auto:
+        cfg = resolve_auto(module, cfg, topo)
     engine = Engine(module, cfg, topo, init_fn=init_fn, weights=weights)
     setattr(module, _ATTR, engine)
     if engine.policy.shard_params:
@@ -444,6 +446,18 @@ def shard(
         module._is_fsdp_managed_module = True
     _engines.add(engine)
     return module
+
+
+def resolve_auto(module: nn.Module, cfg: Config, topo: Topology) -> Config:
+    """The "auto" placement fields of `cfg` chosen by `zeroinf.plan` for this module (rank 0 decides,
+    every rank builds the same); the choice and its prediction are logged."""
+    from zeroinf.planner.api import resolve_for_ranks
+    from zeroinf.planner.report import format_estimate
+
+    chosen, result = resolve_for_ranks(cfg, module, topo)
+    if result is not None and result.best is not None:
+        get_logger().info("auto placement (zeroinf.plan): %s", format_estimate(result.best))
+    return chosen
 
 
 _engines: weakref.WeakSet[Engine] = weakref.WeakSet()  # every live engine, to find a parameter's

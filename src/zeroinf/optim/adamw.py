@@ -150,6 +150,7 @@ class AdamW(torch.optim.Optimizer):
         the Trainer's LR scheduler does not advance on a skipped step."""
         return self.last_step_skipped
 
+    @phase("zeroinf::backward")
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the fp16 loss scale applied (identical to loss.backward() otherwise)."""
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()

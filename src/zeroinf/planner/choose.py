@@ -52,7 +52,8 @@ def candidates(base: Config, nvme_dir: str | None) -> list[Config]:
 
 def _rank(e: Estimate) -> tuple[float, int, int, bool]:
     t = e.time
-    return (round(t.step_s, 3), t.nvme_read_bytes + t.nvme_written_bytes, e.config.stage, bool(e.config.activation_checkpointing))
+    moved = t.nvme_read_bytes + t.nvme_written_bytes
+    return (round(t.step_s, 3), moved, e.config.stage, bool(e.config.activation_checkpointing))
 
 
 def choose(estimates: Sequence[Estimate]) -> Estimate | None:

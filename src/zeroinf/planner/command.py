@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--batch", type=int, metavar="B", help="sequences per step over all ranks (instead of --tokens)")
     run.add_argument("--seq-len", type=int, metavar="T", help="tokens per sequence (default: the model's context)")
     run.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step")
+    run.add_argument(
+        "--threads", type=int, metavar="N", help="CPU threads per rank (default: the cores shared by the ranks)"
+    )
     engine = parser.add_argument_group("placement (left out: auto)")
     engine.add_argument("--config", metavar="FILE", help="zeroinf config, .toml or .json (its fields may be \"auto\")")
     engine.add_argument("--stage", type=int, choices=(0, 1, 2, 3))
@@ -79,6 +82,10 @@ def run(ns: argparse.Namespace) -> int:
 
     if ns.world < 1:
         raise ValueError(f"--world {ns.world} is invalid: use a positive number of ranks")
+    for option, value in (("--tokens", ns.tokens), ("--batch", ns.batch), ("--seq-len", ns.seq_len),
+                          ("--grad-accum", ns.grad_accum), ("--threads", ns.threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} {value} is invalid: use a positive number")
     cfg = plan_config(ns)
     profile = profiles.load_profile()
     if ns.measure:
@@ -98,9 +105,12 @@ def run(ns: argparse.Namespace) -> int:
         if seq_len is None:
             raise ValueError("--batch needs --seq-len (or give --tokens)")
         tokens = ns.batch * seq_len
+    from zeroinf.planner.model_facts import from_hf, from_preset
+
+    model = from_hf(ns.hf, cfg.unit_classes) if ns.hf else from_preset(ns.model or "small", cfg.unit_classes)
     result = plan(
-        ns.hf or ns.model or "small", cfg, world_size=ns.world, tokens_per_step=tokens, seq_len=seq_len,
-        profile=profile, nvme_dir=ns.nvme_dir,
+        model, cfg, world_size=ns.world, tokens_per_step=tokens, seq_len=seq_len,
+        profile=profile, nvme_dir=ns.nvme_dir, threads=ns.threads,
     )
     if ns.json:
         print(json.dumps(result.to_json(), indent=1, default=str))

@@ -34,11 +34,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from zeroinf.aio.buffers import round_up
 from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Tier
 from zeroinf.planner.model_facts import PassFacts
 from zeroinf.planner.profile import MachineProfile
-from zeroinf.aio.buffers import round_up
 from zeroinf.planner.unit_plan import FP32_BYTES, OPTIMIZER_SWAP_KINDS, SWAP_ALIGN_BYTES, ModelPlan
 from zeroinf.runtime.prefetch import plan_prefetch
 
@@ -128,7 +128,7 @@ def describe_placement(cfg: Config) -> str:
 def _prefetch_plans(plan: ModelPlan) -> tuple[Any, Any] | None:
     """The engine's prefetch plans for the forward order (module order) and the backward (its reverse)."""
     cfg = plan.cfg
-    order = [i for i, u in enumerate(plan.units) if not u.resident]
+    order = sorted((i for i, u in enumerate(plan.units) if not u.resident), key=lambda i: _module_order(plan.units[i]))
     if not order:
         return None
     sizes = {i: u.unsharded_bytes for i, u in enumerate(plan.units)}
@@ -140,6 +140,13 @@ def _prefetch_plans(plan: ModelPlan) -> tuple[Any, Any] | None:
         nested={i: js for i, js in nested.items() if js},
     )
     return plan_prefetch(order, release_lag=0, **args), plan_prefetch(order[::-1], release_lag=1, **args)
+
+
+def _module_order(unit: Any) -> tuple[Any, ...]:
+    """Sort key of the order units run in: their module paths with numbers compared as numbers, a
+    frozen unit beside its trainable twin (the plan lists frozen units after all trainable ones)."""
+    parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in unit.name.split(".")) if unit.name else ()
+    return (unit.name == "", parts, unit.frozen)
 
 
 @functools.lru_cache(maxsize=8)
@@ -156,26 +163,37 @@ def _swap_file_bytes(slots: dict[tuple[str, str], int]) -> int:
     return sum(round_up(max(nbytes, 1), SWAP_ALIGN_BYTES) for nbytes in slots.values())
 
 
+def _gathered_bytes(prefetch: Any, units: tuple[Any, ...]) -> list[int]:
+    """Unsharded bytes alive while each step's unit runs. A prefetched shard on NVMe is read during
+    the step and gathered at the next event (runtime/schedule.py), so its unsharded buffer does not
+    exist yet; one in memory is gathered at once."""
+    return [
+        live - sum(units[u].unsharded_bytes for u in step.prefetch if units[u].param_tier is Tier.NVME)
+        for step, live in zip(prefetch.steps, prefetch.live_bytes, strict=True)
+    ]
+
+
 def _stage3_moments(plan: ModelPlan) -> list[dict[str, int]]:
     """Stage 3: the moving device bytes (unsharded params and gradients, gradient shards) at the moments
     that can be peaks: the forward's fullest step, and each unit's reduction in backward (the
     unit gathered, the prefetched ones, the gradient buffers in flight, the shards reduced so far)."""
     units = plan.units
     resident_params = sum(u.unsharded_bytes for u in units if u.resident)
-    resident_grads = sum(u.grad_unsharded_bytes for u in units if u.resident)
+    resident_grads = sum(u.grad_unsharded_bytes for u in units if u.resident and not u.frozen)
     shards_on_device = plan.cfg.offload.gradients == "device"
     plans = _prefetch_plans(plan)
     moments = [{"param_unsharded": resident_params}]
     if plans is None:
         return moments
     forward, backward = plans
-    moments[0]["param_unsharded"] += forward.peak_live_bytes
+    moments[0]["param_unsharded"] += max(_gathered_bytes(forward, units), default=0)
     flats: list[int] = []
     shards = 0
-    for step, live in zip(backward.steps, backward.live_bytes, strict=True):
+    for step, live in zip(backward.steps, _gathered_bytes(backward, units), strict=True):
         unit = units[step.unit]
-        flats = (flats + [unit.grad_unsharded_bytes])[-GRAD_BUFFERS_IN_FLIGHT:]
-        shards += unit.grad_shard_bytes if shards_on_device else 0
+        if not unit.frozen:  # a frozen unit has no gradient
+            flats = (flats + [unit.grad_unsharded_bytes])[-GRAD_BUFFERS_IN_FLIGHT:]
+            shards += unit.grad_shard_bytes if shards_on_device else 0
         moments.append({
             "param_unsharded": resident_params + live,
             "grad_unsharded": resident_grads + sum(flats),
@@ -184,7 +202,7 @@ def _stage3_moments(plan: ModelPlan) -> list[dict[str, int]]:
     moments.append({  # end of backward: the resident units reduce
         "param_unsharded": resident_params,
         "grad_unsharded": resident_grads + sum(flats[-(GRAD_BUFFERS_IN_FLIGHT - 1):]),
-        "grad_shard": sum(u.grad_shard_bytes for u in units) if shards_on_device else 0,
+        "grad_shard": sum(u.grad_shard_bytes for u in plan.trainable_units) if shards_on_device else 0,
     })
     return moments
 
@@ -209,7 +227,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("device", tag, nbytes)
         add("device", "param_shard", sum(u.shard_bytes for u in units if u.resident))
         shards = sum(u.shard_bytes for u in units if not u.resident)
-        if o.params == "nvme":
+        if o.params == "nvme" and plan.sharded_units:  # none sharded: all stay on the device
             add("nvme", "param_shard", _swap_file_bytes(plan.param_swap_bytes()))
             add("host", "param_staging", plan.param_staging().total_bytes)
             add("host", "aio_buffers", AIO_ENGINE_BYTES)
@@ -220,7 +238,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("nvme", "grad_shard", _swap_file_bytes(plan.grad_swap_bytes()))
             add("host", "aio_buffers", AIO_ENGINE_BYTES)
         elif cfg.stage < 3 or o.gradients == "host":  # stage 3 device shards: counted in the moments above
-            add(o.gradients, "grad_shard", sum(u.grad_shard_bytes for u in units))
+            add(o.gradients, "grad_shard", sum(u.grad_shard_bytes for u in plan.trainable_units))
     state_bytes = 3 * FP32_BYTES * plan.owned_numel
     if o.optimizer == "nvme":
         staging = plan.optimizer_staging()
@@ -251,7 +269,7 @@ def activation_peak(facts: PassFacts | None, cfg: Config) -> tuple[int, int]:
 
 
 # -- time ----------------------------------------------------------------------------------------------------
-def _pass_seconds(facts: PassFacts | None, dtype: str, profile: MachineProfile, units_only: bool = False) -> float:
+def pass_seconds(facts: PassFacts | None, dtype: str, profile: MachineProfile, units_only: bool = False) -> float:
     """Seconds of one forward: matmuls at the rate of their size, other operators at memory bandwidth."""
     if facts is None:
         return 0.0
@@ -269,21 +287,23 @@ def step_time(
     w = plan.world_size
     accum = cfg.grad_accum_steps
     # Forward + backward = 3 forwards (+1 recomputed under checkpointing), per micro-step.
-    forward_s = _pass_seconds(facts, cfg.param_dtype, profile)
+    forward_s = pass_seconds(facts, cfg.param_dtype, profile)
     if facts is None:  # a module the planner cannot call: 6 FLOPs per parameter and token at a mid-size rate
         forward_s = 2.0 * param_count * work.micro_batch * work.seq_len / profile.matmul_rate(cfg.param_dtype, 1024)
-    recompute_s = _pass_seconds(facts, cfg.param_dtype, profile, units_only=True) if cfg.activation_checkpointing else 0
-    compute_s = accum * (3 * forward_s + recompute_s)
+    recompute_s = pass_seconds(facts, cfg.param_dtype, profile, units_only=True) if cfg.activation_checkpointing else 0
+    compute_s = accum * (3 * forward_s + recompute_s) * profile.compute_efficiency
     # Collectives (world 1: the same bytes as local copies).
     ring = (w - 1) / w if w > 1 else 1.0
     rate = profile.collective_rate(w) if w > 1 else profile.copy_bps
     params_b = sum(u.unsharded_bytes for u in plan.units)
-    grads_b = sum(u.grad_unsharded_bytes for u in plan.units)
+    grads_b = sum(u.grad_unsharded_bytes for u in plan.trainable_units)
     sharded_b = sum(u.unsharded_bytes for u in plan.sharded_units)
     if cfg.stage == 3:
         per_micro = 2 * sharded_b + grads_b  # gather forward and backward, reduce-scatter every micro-step
         coll_b = accum * per_micro + (params_b - sharded_b)  # resident units refreshed after the step
-        calls = accum * (2 * len(plan.sharded_units) + len(plan.units)) + len(plan.units) - len(plan.sharded_units)
+        calls = accum * (2 * len(plan.sharded_units) + len(plan.trainable_units)) + len(plan.units) - len(
+            plan.sharded_units
+        )
     else:
         syncs = accum if cfg.sync_every_micro_step else 1
         grad_factor = 2 if cfg.stage < 2 else 1  # all-reduce moves twice a reduce-scatter's bytes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class ModelFacts:
     short_module: Callable[[], nn.Module] | None = field(default=None, repr=False)
     """Builds the same model with fewer repeated blocks (on the meta device): the pass is measured on
     it and its last block repeated up to the full depth, so a 70B plan needs no 80-block pass."""
+    outer_count: int | None = None
+    """Checkpointable units of the full model when `module` is a shortened one (a deep HF model)."""
     _passes: dict[tuple[int, int, str], PassFacts] = field(default_factory=dict, repr=False)
 
     def pass_facts(self, micro_batch: int, seq_len: int, dtype: str, device: torch.device) -> PassFacts | None:
@@ -103,7 +106,9 @@ class ModelFacts:
                 return None
             module = self.short_module() if self.short_module is not None else self.module
             facts = measure_pass(module, self.example_inputs, micro_batch, seq_len, dtype, device, self.unit_classes)
-            full = len(outer_units(self.module, self.unit_classes))
+            full = self.outer_count
+            if full is None:
+                full = len(outer_units(self.module, self.unit_classes))
             self._passes[key] = extend_pass(facts, full) if len(facts.unit_saved_bytes) < full else facts
         return self._passes[key]
 
@@ -147,7 +152,7 @@ def hf_inputs(micro_batch: int, seq_len: int) -> tuple[tuple[Any, ...], dict[str
 
 def from_preset(name: str, unit_classes: tuple[str, ...] = (), **overrides: Any) -> ModelFacts:
     """A demo GPT preset (zeroinf.models.gpt.PRESETS), built on the meta device."""
-    from zeroinf.models.gpt import GPT, GPTConfig
+    from zeroinf.models.gpt import GPTConfig
 
     return from_gpt_config(GPTConfig.preset(name, **overrides), unit_classes, name=f"GPT {name}")
 
@@ -175,26 +180,75 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise ImportError("reading a Hugging Face config needs transformers: pip install 'zeroinf[hf]'") from None
-    data = json.loads(config_file.read_text())
+    try:
+        data = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_file} is not a Hugging Face model config (a JSON object)")
     model_type = data.get("model_type")
     if not model_type:
         raise ValueError(f"{config_file} has no model_type: it is not a Hugging Face model config")
     config = AutoConfig.for_model(**data)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
     seq_len = getattr(config, "max_position_embeddings", None)
     name = f"{(data.get('architectures') or [model_type])[0]} ({config_file.parent.name or config_file.name})"
-    facts = from_module(model, hf_inputs, unit_classes, name=name, seq_len=seq_len)
     layers = getattr(config, "num_hidden_layers", None)
     uniform = not any(key in data for key in ("layer_types", "block_types", "hybrid_override_pattern"))
     if isinstance(layers, int) and layers > SHORT_BLOCKS and uniform and not unit_classes:
+        # A deep model of identical blocks: build SHORT_BLOCKS of them and repeat the last one's
+        # shapes (an 80-block 70B model is then planned in about a second, its pass measured short).
+        short_config = AutoConfig.for_model(**{**data, "num_hidden_layers": SHORT_BLOCKS})
+        with torch.device("meta"):
+            short = AutoModelForCausalLM.from_config(short_config)
+        facts = from_module(short, hf_inputs, unit_classes, name=name, seq_len=seq_len)
+        expanded = expand_blocks(facts.units, SHORT_BLOCKS, layers)
+        if expanded is not None:
+            units, per_block = expanded
+            facts.units = units
+            facts.param_count += (layers - SHORT_BLOCKS) * per_block
+            facts.outer_count = layers
+            return facts
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    facts = from_module(model, hf_inputs, unit_classes, name=name, seq_len=seq_len)
+    if isinstance(layers, int) and layers > SHORT_BLOCKS and uniform and not unit_classes:
 
-        def short() -> nn.Module:
+        def short_module() -> nn.Module:
             with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**data, "num_hidden_layers": SHORT_BLOCKS}))
+                short_config = AutoConfig.for_model(**{**data, "num_hidden_layers": SHORT_BLOCKS})
+                return AutoModelForCausalLM.from_config(short_config)
 
-        facts.short_module = short
+        facts.short_module = short_module
     return facts
+
+
+def expand_blocks(
+    units: tuple[UnitShape, ...], short: int, full: int
+) -> tuple[tuple[UnitShape, ...], int] | None:
+    """The units of a model of `full` identical blocks from those of the same model with `short`
+    blocks (units `<prefix>.0` .. `<prefix>.<short-1>`), and the elements of one block; None when the
+    units are not shaped like that."""
+    blocks = [(i, u) for i, u in enumerate(units) if re.fullmatch(r".+\.\d+", u.name) and not u.frozen]
+    if len(blocks) != short:
+        return None
+    prefix = blocks[0][1].name.rsplit(".", 1)[0]
+    if [u.name for _, u in blocks] != [f"{prefix}.{i}" for i in range(short)]:
+        return None
+    first, last = blocks[0][0], blocks[-1][0]
+    if last - first != short - 1:
+        return None
+    template = blocks[-1][1]
+    old = f"{prefix}.{short - 1}."
+
+    def block(i: int) -> UnitShape:
+        if i < short:
+            return blocks[i][1]
+        new = f"{prefix}.{i}."
+        params = tuple((new + n[len(old):] if n.startswith(old) else n, s) for n, s in template.params)
+        return UnitShape(f"{prefix}.{i}", params)
+
+    out = units[:first] + tuple(block(i) for i in range(full)) + units[last + 1 :]
+    return out, template.numel
 
 
 def from_module(

@@ -12,7 +12,8 @@ from zeroinf.planner.estimate import Estimate
 def _short(e: Estimate) -> str:
     c = e.config
     o = c.offload
-    return f"{c.stage}  {o.params:<6} {o.optimizer:<6} {o.gradients:<6} {'yes' if c.activation_checkpointing else 'no':<4}"
+    ckpt = "yes" if c.activation_checkpointing else "no"
+    return f"{c.stage}  {o.params:<6} {o.optimizer:<6} {o.gradients:<6} {ckpt:<4}"
 
 
 def _mib(n: float) -> str:
@@ -38,7 +39,12 @@ def summary(plan: Any) -> list[str]:
         f"{plan.estimates[0].config.param_dtype if plan.estimates else '?'} compute",
         f"machine: {plan.profile.cpu}, {plan.profile.cores} cores, device {plan.profile.device}, "
         f"{'native' if plan.profile.bf16_native else 'no native'} bf16; per rank {_mib(plan.capacity.ram_bytes)} RAM "
-        f"available" + (f", {_mib(plan.capacity.nvme_free_bytes)} free in {plan.nvme_dir}" if plan.capacity.nvme_free_bytes is not None else ""),
+        "available"
+        + (
+            f", {_mib(plan.capacity.nvme_free_bytes)} free in {plan.nvme_dir}"
+            if plan.capacity.nvme_free_bytes is not None
+            else ""
+        ),
     ]
     fitting = [e for e in plan.estimates if e.fits]
     if plan.best is not None:
@@ -54,6 +60,11 @@ def summary(plan: Any) -> list[str]:
             f"Were it to fit: {least.time.step_s:,.0f} s/step ({w.tokens_per_step / least.time.step_s:,.1f} tokens/s, "
             f"bound by {least.time.bound})"
         )
+        if least.pressure > 1 and least.pressure != float("inf"):
+            lines.append(
+                f"this machine holds about {plan.param_count / least.pressure / 1e9:.2g}B parameters of this shape "
+                f"in that placement ({plan.workload.world_size} rank(s)); more ranks, RAM or NVMe space fit more"
+            )
     else:
         lines.append("no candidate placement (an NVMe placement needs an NVMe folder)")
     return lines + [f"note: {n}" for n in plan.notes]

@@ -154,7 +154,9 @@ def plan_optimizer_staging(owned_numels: Sequence[int], offload: OffloadConfig, 
 
 
 @functools.lru_cache(maxsize=16)  # a plan weighs many placements of the same units
-def _optimizer_staging(owned_numels: tuple[int, ...], sub_group_numel: int, buffer_count: int, alignment: int) -> OptimizerStaging:
+def _optimizer_staging(
+    owned_numels: tuple[int, ...], sub_group_numel: int, buffer_count: int, alignment: int
+) -> OptimizerStaging:
     sub_groups = tuple(plan_sub_groups(list(owned_numels), sub_group_numel))
     slot_numel = max((sg.numel for sg in sub_groups), default=1)
     state_bytes = round_up(slot_numel * FP32_BYTES, alignment)
