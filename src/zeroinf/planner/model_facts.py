@@ -177,10 +177,6 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
     if not config_file.is_file():
         raise FileNotFoundError(f"--hf {str(path)!r}: no config.json there; pass a model folder or its config.json")
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise ImportError("reading a Hugging Face config needs transformers: pip install 'zeroinf[hf]'") from None
-    try:
         data = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
@@ -189,9 +185,17 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
     model_type = data.get("model_type")
     if not model_type:
         raise ValueError(f"{config_file} has no model_type: it is not a Hugging Face model config")
+    name = f"{(data.get('architectures') or [model_type])[0]} ({config_file.parent.name or config_file.name})"
+    from zeroinf.planner import decoder
+
+    if decoder.supports(data) and not unit_classes:  # Llama-family: built here, no transformers import
+        return _from_decoder(data, name)
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ImportError("reading a Hugging Face config needs transformers: pip install 'zeroinf[hf]'") from None
     config = AutoConfig.for_model(**data)
     seq_len = getattr(config, "max_position_embeddings", None)
-    name = f"{(data.get('architectures') or [model_type])[0]} ({config_file.parent.name or config_file.name})"
     layers = getattr(config, "num_hidden_layers", None)
     uniform = not any(key in data for key in ("layer_types", "block_types", "hybrid_override_pattern"))
     if isinstance(layers, int) and layers > SHORT_BLOCKS and uniform and not unit_classes:
@@ -219,6 +223,26 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
                 return AutoModelForCausalLM.from_config(short_config)
 
         facts.short_module = short_module
+    return facts
+
+
+def _from_decoder(data: dict[str, Any], name: str) -> ModelFacts:
+    """Facts of a Llama-family config through planner/decoder.py (same names and shapes as transformers)."""
+    from zeroinf.planner.decoder import Decoder
+
+    layers = int(data["num_hidden_layers"])
+    short = min(layers, SHORT_BLOCKS)
+    with torch.device("meta"):
+        model = Decoder({**data, "num_hidden_layers": short})
+    facts = from_module(model, hf_inputs, name=name, seq_len=data.get("max_position_embeddings"))
+    if layers > short:
+        expanded = expand_blocks(facts.units, short, layers)
+        if expanded is None:  # not shaped as expected: the whole model
+            with torch.device("meta"):
+                return from_module(Decoder(data), hf_inputs, name=name, seq_len=data.get("max_position_embeddings"))
+        facts.units, per_block = expanded
+        facts.param_count += (layers - short) * per_block
+        facts.outer_count = layers
     return facts
 
 
@@ -335,8 +359,11 @@ def _fake_model_state(module: nn.Module, mode: Any, dtype: torch.dtype, device: 
         return FakeTensor(mode, meta, device)
 
     state: dict[str, Any] = {}
+    made: dict[int, nn.Parameter] = {}  # tied parameters stay one object
     for name, p in module.named_parameters(remove_duplicate=False):
-        state[name] = nn.Parameter(fake(p, cast=True), requires_grad=p.requires_grad)
+        if id(p) not in made:
+            made[id(p)] = nn.Parameter(fake(p, cast=True), requires_grad=p.requires_grad)
+        state[name] = made[id(p)]
     for name, b in module.named_buffers(remove_duplicate=False):
         persistent_float = b.is_floating_point()
         state[name] = fake(b, cast=persistent_float and b.dtype != torch.float32)
