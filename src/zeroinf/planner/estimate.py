@@ -144,9 +144,10 @@ def _prefetch_plans(plan: ModelPlan) -> tuple[Any, Any] | None:
 
 def _module_order(unit: Any) -> tuple[Any, ...]:
     """Sort key of the order units run in: their module paths with numbers compared as numbers, a
-    frozen unit beside its trainable twin (the plan lists frozen units after all trainable ones)."""
+    frozen unit just before its trainable twin (its pre-forward hook runs first; the plan lists
+    frozen units after all trainable ones)."""
     parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in unit.name.split(".")) if unit.name else ()
-    return (unit.name == "", parts, unit.frozen)
+    return (unit.name == "", parts, not unit.frozen)
 
 
 @functools.lru_cache(maxsize=8)

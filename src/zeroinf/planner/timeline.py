@@ -226,6 +226,7 @@ def write_step_report(
     trace_path.write_text(json.dumps(chrome_trace(inside, start_s, rank)))
     return {
         "measured_s": measured_split(inside, start_s, end_s, main_thread),
+        "measured_bytes": dict(measured_bytes or {}),
         "timeline_html": str(html_path),
         "trace_json": str(trace_path),
         "events": len(inside),
