@@ -31,13 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--world", type=int, default=1, metavar="N", help="data-parallel ranks (default: 1)")
     run.add_argument("--tokens", type=int, metavar="N", help="tokens per optimizer step over all ranks")
     run.add_argument("--batch", type=int, metavar="B", help="sequences per step over all ranks (instead of --tokens)")
-    run.add_argument("--seq-len", type=int, metavar="T", help="tokens per sequence (default: the model's context)")
+    run.add_argument(
+        "--seq-len", type=int, metavar="T", help="tokens per sequence (default: the model's context, at most 2048)"
+    )
     run.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step")
     run.add_argument(
         "--threads", type=int, metavar="N", help="CPU threads per rank (default: the cores shared by the ranks)"
     )
     engine = parser.add_argument_group("placement (left out: auto)")
-    engine.add_argument("--config", metavar="FILE", help="zeroinf config, .toml or .json (its fields may be \"auto\")")
+    engine.add_argument(
+        "--config", metavar="FILE",
+        help='zeroinf config, .toml or .json: its fields as given, "auto" where it says so '
+        "(without --config every placement field is auto)",
+    )
     engine.add_argument("--stage", type=int, choices=(0, 1, 2, 3))
     engine.add_argument("--dtype", choices=[*sorted(DTYPES), AUTO], help="compute dtype (default: auto)")
     tiers = ("device", "host", "nvme", AUTO)
