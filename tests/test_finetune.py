@@ -108,3 +108,15 @@ def test_out_folder_loads_generates_and_holds_the_merged_weights(
     changed = {k for k in base_state if not torch.equal(tuned_state[k], base_state[k])}
     linear = {k for k in base_state if k.endswith("proj.weight")}
     assert changed == linear, sorted(changed ^ linear)  # all-linear adapters: every projection moved
+
+
+def test_report_has_a_step_timeline_and_the_prediction(runs: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    step = runs[0]["step_report"]
+    page = Path(step["timeline_html"]).read_text()
+    assert "<svg" in page and "backward" in page
+    assert Path(step["trace_json"]).is_file()
+    predicted = step["predicted"]["peak_bytes"]  # from the unit plan the engine built (frozen base units)
+    assert predicted["nvme"] > 0
+    measured = step["measured_bytes"]  # the ledger's peaks of the step the timeline shows
+    for tier in ("device", "host", "nvme"):
+        assert abs(predicted[tier] - measured[tier]) <= 0.05 * max(measured[tier], 1), (tier, predicted, measured)

@@ -5,6 +5,7 @@
         model = MyModel()
     model = zeroinf.shard(model, cfg)            # units, hooks, shards; the module keeps its class
     opt = zeroinf.AdamW(model, lr=3e-4)          # torch.optim.Optimizer protocol
+    zeroinf.plan("path/to/hf-model", cfg)        # before all that: memory per tier and step time of each placement
     for batch in loader:
         loss = model(batch); opt.backward(loss); opt.step(); opt.zero_grad()
 """
@@ -16,6 +17,7 @@ from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.adamw import AdamW
 from zeroinf.partition.gathered import gathered
 from zeroinf.partition.init import init
+from zeroinf.planner.api import plan
 from zeroinf.pretrained import from_pretrained
 from zeroinf.tiling import TiledLinear, tile_linears
 from zeroinf.topology import Topology, init_distributed
@@ -40,6 +42,7 @@ __all__ = [
     "load_weights",
     "load",
     "memory_report",
+    "plan",
     "save",
     "shard",
     "tile_linears",

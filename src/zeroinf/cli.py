@@ -1,8 +1,10 @@
-"""The `zeroinf` command line: `zeroinf train`, `finetune`, `bench-io` and `consolidate`.
+"""The `zeroinf` command line: `zeroinf train`, `finetune`, `plan`, `bench-io` and `consolidate`.
 
 zeroinf train                          # the demo GPT on the standard library's sources
 zeroinf train --nproc 2 --stage 2      # two ranks on this machine (through torch.distributed.run)
 zeroinf train --deepspeed ds.json      # engine settings from a DeepSpeed config
+zeroinf train --offload auto           # the fastest placement this machine fits (see `zeroinf plan`)
+zeroinf plan --hf path/to/model        # every placement's memory per tier and step time, no weights read
 torchrun --nproc-per-node 8 -m zeroinf train --model 125m --config train.toml
 
 Every error that is the user's to fix (a bad option value, a bad or missing config file, a missing
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from zeroinf.checkpoint.format import CheckpointError
-from zeroinf.config import DTYPES, Config, OffloadConfig
+from zeroinf.config import AUTO, DTYPES, Config, OffloadConfig
 from zeroinf.models.gpt import PRESETS
 from zeroinf.telemetry import configure_cli_logging
 from zeroinf.topology import check_ranks_fit
@@ -89,13 +91,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="DeepSpeed JSON config, translated by zeroinf.Config.from_deepspeed (docs/migrating-from-deepspeed.md)",
     )
     engine.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
-    engine.add_argument("--dtype", choices=sorted(DTYPES), help="parameter (compute) dtype")
+    engine.add_argument(
+        "--dtype", choices=[*sorted(DTYPES), AUTO], help="parameter (compute) dtype; auto: bf16 where native, else fp32"
+    )
     engine.add_argument("--grad-accum", type=int, metavar="N", help="micro-steps per optimizer step")
     engine.add_argument("--clip", type=float, metavar="NORM", help="clip the global gradient norm to NORM")
     tiers = ("device", "host", "nvme")
     engine.add_argument("--offload-params", choices=tiers, help="tier of the parameter shards (host/nvme: stage 3)")
     engine.add_argument("--offload-optimizer", choices=tiers, help="tier of the fp32 master weights and moments")
     engine.add_argument("--offload-gradients", choices=tiers, help="tier of the gradient shards (stage 2-3)")
+    engine.add_argument(
+        "--offload", choices=(AUTO,),
+        help="auto: the fastest predicted placement that fits (stage unless --stage, and the three tiers; "
+        "printed with its prediction before training)",
+    )
     engine.add_argument(
         "--nvme-dir", metavar="DIR", help="folder for the swap files (default: a temporary folder, removed at exit)"
     )
@@ -111,7 +120,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="ranks to start on this machine through torch.distributed.run (default: 1)",
     )
-    launch.add_argument("--report", metavar="FILE", help="write the summary as JSON to FILE")
+    launch.add_argument(
+        "--report", metavar="FILE",
+        help="write the summary as JSON to FILE, and one steady step as <stem>.timeline.html (phases, predicted "
+        "vs measured) and <stem>.trace.json (Perfetto / chrome://tracing)",
+    )
     launch.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps to --save-dir")
     launch.add_argument("--save-dir", metavar="DIR", help="checkpoint root (step folders and a `latest` pointer)")
     launch.add_argument(
@@ -168,12 +181,16 @@ def engine_config(ns: argparse.Namespace, default: Config = DEFAULT_CONFIG) -> C
     }
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     tiers = {"params": ns.offload_params, "optimizer": ns.offload_optimizer, "gradients": ns.offload_gradients}
+    if getattr(ns, "offload", None) == AUTO:
+        tiers = {k: v or AUTO for k, v in tiers.items()}
+        if ns.stage is None:
+            cfg = dataclasses.replace(cfg, stage=AUTO)
     tiers = {k: v for k, v in tiers.items() if v is not None}
     if tiers or ns.nvme_dir:
         merged = {**dataclasses.asdict(cfg.offload), **tiers}
         if ns.nvme_dir:
             merged["nvme_dir"] = ns.nvme_dir
-        elif "nvme" in (merged["params"], merged["optimizer"], merged["gradients"]) and not merged["nvme_dir"]:
+        elif {"nvme", AUTO} & {merged["params"], merged["optimizer"], merged["gradients"]} and not merged["nvme_dir"]:
             merged["nvme_dir"] = temporary_swap_folder()
         cfg = dataclasses.replace(cfg, offload=OffloadConfig(**merged))
     return cfg
@@ -299,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench-io", help="measure NVMe read/write bandwidth", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     from zeroinf.checkpoint.consolidate import add_arguments as add_consolidate_arguments
+    from zeroinf.planner.command import add_arguments as add_plan_arguments
+
+    add_plan_arguments(
+        sub.add_parser(
+            "plan", help="estimate memory per tier and step time of every placement, before the run",
+            allow_abbrev=False,
+        )
+    )
 
     add_consolidate_arguments(
         sub.add_parser("consolidate", help="write a checkpoint's full weights as safetensors", allow_abbrev=False)
@@ -327,6 +352,10 @@ def run_command(argv: list[str]) -> int:
         from zeroinf.checkpoint.consolidate import run as run_consolidate
 
         return run_consolidate(ns)
+    if ns.command == "plan":
+        from zeroinf.planner.command import run as run_plan
+
+        return run_plan(ns)
     if ns.command == "finetune":
         return run_finetune(ns, argv[1:])
     return run_train(ns, argv[1:])

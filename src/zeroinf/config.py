@@ -24,6 +24,11 @@ import torch
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 TIERS = ("device", "host", "nvme")
+AUTO = "auto"
+"""A field set to "auto" is chosen for the machine: `param_dtype` at once (bf16 where the device computes
+it natively, else fp32), the placement fields (`stage`, the `offload` tiers, `activation_checkpointing`)
+by `zeroinf.plan` when the model is known (`zeroinf.shard`, `zeroinf train`): the fastest predicted
+placement that fits."""
 
 
 class ConfigError(ValueError):
@@ -36,10 +41,15 @@ class ConfigError(ValueError):
         self.fix = fix
 
 
-def _normalize_dtype(field_name: str, value: object) -> str:
+def _normalize_dtype(field_name: str, value: object, allow_auto: bool = False) -> str:
     name = _DTYPE_ALIASES.get(str(value), str(value))
+    if allow_auto and name == AUTO:
+        from zeroinf.planner.profile import auto_param_dtype  # reads the CPU flags / CUDA once
+
+        return auto_param_dtype()
     if name not in DTYPES:
-        raise ConfigError(field_name, value, f"use one of {sorted(DTYPES)}")
+        choices = sorted(DTYPES) + ([AUTO] if allow_auto else [])
+        raise ConfigError(field_name, value, f"use one of {choices}")
     return name
 
 
@@ -87,7 +97,7 @@ class OffloadConfig:
     """Where each kind of model state lives (`device`, `host` or `nvme`), and how `nvme` states move."""
 
     params: str = "device"
-    """Tier of the compute-dtype parameter shards."""
+    """Tier of the compute-dtype parameter shards; "auto": chosen by `zeroinf.plan` (fastest that fits)."""
     optimizer: str = "device"
     """Tier of the fp32 master weights and Adam moments; with `host` or `nvme` the update runs on the CPU."""
     gradients: str = "device"
@@ -106,8 +116,8 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         for name in ("params", "optimizer", "gradients"):
             value = getattr(self, name)
-            if value not in TIERS:
-                raise ConfigError(f"offload.{name}", value, f"use one of {list(TIERS)}")
+            if value not in (*TIERS, AUTO):
+                raise ConfigError(f"offload.{name}", value, f"use one of {[*TIERS, AUTO]}")
         if self.nvme_dir is not None:
             if not isinstance(self.nvme_dir, (str, Path)) or not str(self.nvme_dir):
                 raise ConfigError("offload.nvme_dir", self.nvme_dir, "use the path of a local folder")
@@ -142,10 +152,12 @@ class OffloadConfig:
 class Config:
     """How zeroinf shards and trains a model."""
 
-    stage: int = 2
-    """ZeRO stage: 0 plain data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    stage: int | str = 2
+    """ZeRO stage: 0 plain data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters;
+    "auto": chosen with the offload tiers by `zeroinf.plan`."""
     param_dtype: str = "fp32"
-    """Compute dtype of the parameters (fp32, bf16, fp16); master weights are always fp32."""
+    """Compute dtype of the parameters (fp32, bf16, fp16); master weights are always fp32. "auto": bf16
+    where the device computes it natively (CUDA with bf16, a CPU with AMX or AVX512-BF16), else fp32."""
     reduce_dtype: str = "fp32"
     """Dtype in which gradients are accumulated and reduced across ranks."""
     grad_accum_steps: int = 1
@@ -168,8 +180,9 @@ class Config:
     """Stage 3: cap on unsharded bytes of non-resident units alive at once; None means no cap."""
     persist_threshold_bytes: int = 2**18
     """Stage 3: units whose unsharded size is below this stay unsharded (like the root unit)."""
-    activation_checkpointing: bool = False
-    """Recompute each checkpointed unit's forward in backward, keeping only its inputs."""
+    activation_checkpointing: bool | str = False
+    """Recompute each checkpointed unit's forward in backward, keeping only its inputs; "auto": chosen
+    with the placement by `zeroinf.plan`."""
     checkpoint_every: int = 1
     """With activation checkpointing: checkpoint every k-th unit (1 = all units but the root)."""
     offload_activations: bool = False
@@ -178,9 +191,11 @@ class Config:
     """Seconds a collective may wait before the run fails with a timeout naming the rank."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
-            raise ConfigError("stage", self.stage, "use 0, 1, 2 or 3")
-        object.__setattr__(self, "param_dtype", _normalize_dtype("param_dtype", self.param_dtype))
+        if self.stage != AUTO and (
+            isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3)
+        ):
+            raise ConfigError("stage", self.stage, 'use 0, 1, 2, 3 or "auto"')
+        object.__setattr__(self, "param_dtype", _normalize_dtype("param_dtype", self.param_dtype, allow_auto=True))
         object.__setattr__(self, "reduce_dtype", _normalize_dtype("reduce_dtype", self.reduce_dtype))
         if self.reduce_dtype == "fp16":
             raise ConfigError("reduce_dtype", self.reduce_dtype, "fp16 reductions overflow; use fp32 or bf16")
@@ -207,9 +222,10 @@ class Config:
             or self.persist_threshold_bytes < 0
         ):
             raise ConfigError("persist_threshold_bytes", self.persist_threshold_bytes, "use a byte count >= 0")
-        for name in ("activation_checkpointing", "offload_activations"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(name, getattr(self, name), "use true or false")
+        if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing != AUTO:
+            raise ConfigError("activation_checkpointing", self.activation_checkpointing, 'use true, false or "auto"')
+        if not isinstance(self.offload_activations, bool):
+            raise ConfigError("offload_activations", self.offload_activations, "use true or false")
         _positive_int("checkpoint_every", self.checkpoint_every)
         if self.offload_activations and not self.activation_checkpointing:
             raise ConfigError(
@@ -223,6 +239,8 @@ class Config:
         for name, cls in (("loss_scale", LossScaleConfig), ("offload", OffloadConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(name, getattr(self, name), f"pass a {cls.__name__} or a table of its fields")
+        if self.is_auto:
+            return  # the placement is checked once zeroinf.plan has chosen it
         if self.offload.params != "device" and self.stage != 3:
             raise ConfigError(
                 "offload.params", self.offload.params, "parameters move to host/nvme only when sharded: use stage 3"
@@ -236,6 +254,12 @@ class Config:
                 "offload.gradients", self.offload.gradients,
                 "offloaded gradients feed a CPU optimizer step: set offload.optimizer to 'host' or 'nvme' too",
             )
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether a placement field (stage, an offload tier, activation checkpointing) is still "auto"."""
+        o = self.offload
+        return AUTO in (self.stage, o.params, o.optimizer, o.gradients) or self.activation_checkpointing == AUTO
 
     @property
     def param_torch_dtype(self) -> torch.dtype:

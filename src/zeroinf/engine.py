@@ -32,16 +32,16 @@ from zeroinf.activations import ActivationOffloader, apply_activation_checkpoint
 from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
-from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.init import InitFn, map_large_buffers, materialize_and_build, needs_materializing
 from zeroinf.partition.offload import open_grad_files, open_param_files
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
+from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.runtime.streams import Transfers
-from zeroinf.telemetry import CollectiveCounter
+from zeroinf.telemetry import CollectiveCounter, get_logger
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
 
@@ -71,6 +71,8 @@ class Engine:
         frozen_specs = discover_units(module, cfg.unit_classes, False, frozen=True) if cfg.stage == 3 else []
         self.all_specs = specs + frozen_specs
         self.weights = weights
+        # What to build for each unit, computed before any memory is touched; `zeroinf.plan` reads the same.
+        self.unit_plan = plan_units([UnitShape.of(spec) for spec in self.all_specs], cfg, topo.world_size)
         offload = cfg.offload
         if "device" != offload.params or "device" != offload.optimizer or "device" != offload.gradients:
             map_large_buffers()
@@ -79,7 +81,7 @@ class Engine:
         self._home_factory = self._make_home_factory(self.all_specs) if self.policy.shard_params else None
         self.grad_files: NvmeGradFiles | None = None
         if cfg.offload.gradients == "nvme":
-            self.grad_files = open_grad_files(specs, cfg, topo, self.ledger)
+            self.grad_files = open_grad_files(self.unit_plan, cfg, topo, self.ledger)
             weakref.finalize(self, self.grad_files.close)
         # Built under zeroinf.init (parked parameters) or on the meta device: unit by unit.
         self._built_from_meta = needs_materializing(module)
@@ -136,19 +138,13 @@ class Engine:
 
     def _is_resident(self, spec: UnitSpec) -> bool:
         """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded."""
-        if not self.policy.shard_params:
-            return True
-        layout = FlatLayout.build([(n, p.shape) for n, p in spec.params], self.topo.world_size)
-        unsharded_bytes = layout.padded_numel * self.cfg.param_torch_dtype.itemsize
-        return spec.name == "" or unsharded_bytes < self.cfg.persist_threshold_bytes
+        return self.unit_plan.unit(spec.key).resident
 
     def _make_home_factory(self, specs: list[UnitSpec]) -> HomeFactory:
         """Where each stage-3 shard lives: resident units on the device, the others on offload.params."""
         tier, device, ledger, transfers = Tier(self.cfg.offload.params), self.topo.device, self.ledger, self.transfers
         if tier is Tier.NVME:
-            self.param_files = open_param_files(
-                specs, self._resident_names, self.cfg, self.topo, ledger
-            )
+            self.param_files = open_param_files(self.unit_plan, self.cfg, self.topo, ledger)
             files = self.param_files
             if files is not None:  # None: every unit is resident, nothing goes to NVMe
                 weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
@@ -450,6 +446,8 @@ def shard(
         raise RuntimeError("zeroinf.shard: this module is already sharded")
     cfg = cfg or Config()
     topo = topology or Topology.current()
+    if cfg.is_auto:
+        cfg = resolve_auto(module, cfg, topo)
     engine = Engine(module, cfg, topo, init_fn=init_fn, weights=weights)
     setattr(module, _ATTR, engine)
     if engine.policy.shard_params:
@@ -459,6 +457,18 @@ def shard(
         module._is_fsdp_managed_module = True
     _engines.add(engine)
     return module
+
+
+def resolve_auto(module: nn.Module, cfg: Config, topo: Topology) -> Config:
+    """The "auto" placement fields of `cfg` chosen by `zeroinf.plan` for this module (rank 0 decides,
+    every rank builds the same); the choice and its prediction are logged."""
+    from zeroinf.planner.api import resolve_for_ranks
+    from zeroinf.planner.report import format_estimate
+
+    chosen, result = resolve_for_ranks(cfg, module, topo)
+    if result is not None and result.best is not None:
+        get_logger().info("auto placement (zeroinf.plan): %s", format_estimate(result.best))
+    return chosen
 
 
 _engines: weakref.WeakSet[Engine] = weakref.WeakSet()  # every live engine, to find a parameter's

@@ -39,6 +39,7 @@ from zeroinf.checkpoint.saving import finish_pending_save
 from zeroinf.config import Config
 from zeroinf.data import BatchSampler
 from zeroinf.optional import require
+from zeroinf.telemetry import phase_scope, record_phases
 from zeroinf.train import TrainResult as FinetuneResult
 from zeroinf.train import format_memory, lr_factor, mean_over_ranks, print_summary, resume, save, set_cpu_threads
 
@@ -219,7 +220,8 @@ def train_step(run: FinetuneRun, step: int) -> float:
     device = run.topo.device
     total = torch.zeros((), device=device)
     for inputs, targets in run.sampler.micro_batches(step):
-        loss = causal_lm_loss(run.model, inputs.to(device), targets.to(device)) / run.cfg.grad_accum_steps
+        with phase_scope("zeroinf::forward"):
+            loss = causal_lm_loss(run.model, inputs.to(device), targets.to(device)) / run.cfg.grad_accum_steps
         run.opt.backward(loss)
         total += loss.detach()
     run.opt.step()
@@ -245,9 +247,16 @@ def finetune(args: FinetuneArgs) -> FinetuneResult:
         run.model.train()
         bar = tqdm(total=run.steps, initial=start_step, disable=not show, unit="step", dynamic_ncols=True)
         note = ""
+        report_step = start_step + min(2, max(0, run.steps - start_step - 1)) if args.report_path else None
+        timeline: dict[str, Any] = {}
         for step in range(start_step, run.steps):
             t0 = time.perf_counter()
-            losses.append(train_step(run, step))
+            if step == report_step:
+                with record_phases() as recorder:
+                    losses.append(train_step(run, step))
+                timeline = {"recorder": recorder, "step": step, "ledger": zeroinf.memory_report(run.model)["last_step"]}
+            else:
+                losses.append(train_step(run, step))
             times.append(time.perf_counter() - t0)
             bar.update(1)
             if args.save_every and (step + 1) % args.save_every == 0:
@@ -281,8 +290,46 @@ def finetune(args: FinetuneArgs) -> FinetuneResult:
             print(f"wrote the fine-tuned model to {args.out}", flush=True)
     if args.report_path and run.topo.rank == 0:
         report = {"args": dataclasses.asdict(args), "engine_config": run.cfg.to_dict(), **result.summary()}
+        if timeline:
+            report["step_report"] = write_timeline(args, run, timeline)
+            if show:
+                print(f"step timeline: {report['step_report']['timeline_html']}", flush=True)
         Path(args.report_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return result
+
+
+def write_timeline(args: FinetuneArgs, run: FinetuneRun, timeline: dict[str, Any]) -> dict[str, Any]:
+    """The recorded step's timeline beside the report, with the plan's prediction from the unit plan
+    the engine built (frozen units included) and the model's config (its forward on fake tensors)."""
+    from zeroinf.planner.api import predict_built
+    from zeroinf.planner.model_facts import from_hf
+    from zeroinf.planner.report import estimate_json
+    from zeroinf.planner.timeline import write_step_report
+    from zeroinf.train import placement_line
+
+    predicted: dict[str, Any] | None
+    try:
+        estimate = predict_built(
+            zeroinf.engine_of(run.model), from_hf(args.model), args.global_batch * args.seq_len, args.seq_len
+        )
+        predicted = estimate_json(estimate)
+    except (ValueError, RuntimeError, ImportError) as exc:
+        predicted = {"error": str(exc)}
+    recorder = timeline["recorder"]
+    ledger = timeline["ledger"] or {}
+    stem = Path(args.report_path or "report")
+    stem = stem.with_suffix("") if stem.suffix else stem
+    out = write_step_report(
+        stem, recorder.events, recorder.start_s, recorder.end_s or recorder.start_s, "MainThread",
+        f"zeroinf finetune: step {timeline['step']} of {args.model}",
+        predicted=predicted if predicted and "error" not in predicted else None,
+        measured_bytes={t: ledger[t]["peak_bytes"] for t in ("device", "host", "nvme") if t in ledger},
+        facts=[placement_line(run.cfg), f"{run.param_count / 1e6:.2f}M parameters, LoRA rank {args.lora_rank}",
+               "rank 0 of the run; times are wall-clock"],
+        rank=run.topo.rank,
+    )
+    out["predicted"] = predicted
+    return out
 
 
 def export(run: FinetuneRun, args: FinetuneArgs) -> None:

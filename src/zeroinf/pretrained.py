@@ -71,6 +71,11 @@ def from_pretrained(
                 f"from_pretrained: {name}={asked} but cfg.param_dtype is {cfg.param_dtype}; the compute dtype is "
                 "the config's (set Config(param_dtype=...))"
             )
+    if cfg.is_auto:  # the placement from the config alone (every parameter trainable: conservative for LoRA)
+        from zeroinf.planner.api import resolve_for_ranks
+        from zeroinf.planner.model_facts import from_hf
+
+        cfg, _ = resolve_for_ranks(cfg, from_hf(path), topology or Topology.current())
     folder = SafetensorsFolder(path)
     try:
         config = AutoConfig.from_pretrained(path)

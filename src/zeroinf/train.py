@@ -28,12 +28,14 @@ from zeroinf.config import Config
 from zeroinf.data import DEFAULT_MAX_CORPUS_BYTES, BatchSampler, load_corpus, split_corpus
 from zeroinf.memory import format_bytes
 from zeroinf.models.gpt import GPT, GPTConfig
+from zeroinf.telemetry import phase_scope, record_phases
 from zeroinf.topology import Topology
 
 TIER_NAMES = ("device", "host", "nvme")
 
-DEFAULT_CONFIG = Config(stage=2, param_dtype="bf16", grad_clip_norm=1.0)
-"""The engine settings of `zeroinf train` when no config is given (bf16 compute is the faster here)."""
+DEFAULT_CONFIG = Config(stage=2, param_dtype="auto", grad_clip_norm=1.0)
+"""The engine settings of `zeroinf train` when no config is given: bf16 compute where the device runs
+it natively, else fp32 (a CPU without bf16 instructions runs the demo ~4x slower in bf16)."""
 
 
 @dataclass
@@ -81,7 +83,10 @@ class TrainArgs:
     progress: bool = True
     """Show the progress bar and print the summary on rank 0."""
     report_path: str | None = None
-    """Write the summary as JSON to this file (rank 0)."""
+    """Write the summary as JSON to this file (rank 0), and beside it one steady step's timeline
+    (`<stem>.timeline.html`, `<stem>.trace.json`) with the planner's prediction for the run."""
+    report_step: int | None = None
+    """The step whose timeline the report shows (default: the third this run takes, or its last)."""
     save_every: int = 0
     """Save a checkpoint to `save_dir` every this many steps (0: never)."""
     save_dir: str | None = None
@@ -212,6 +217,8 @@ class Run:
     val_sampler: BatchSampler | None
     param_count: int
     corpus_bytes: int
+    plan_note: str = ""
+    """With "auto" placement fields: the chosen placement and its prediction."""
 
 
 def build_run(args: TrainArgs) -> Run:
@@ -219,6 +226,18 @@ def build_run(args: TrainArgs) -> Run:
     cfg = args.engine_config()
     topo = zeroinf.init_distributed(timeout_s=cfg.collective_timeout_s)
     set_cpu_threads(topo)
+    plan_note = ""
+    if cfg.is_auto:  # the fastest predicted placement that fits, before any memory is touched
+        from zeroinf.planner.api import resolve_for_ranks
+        from zeroinf.planner.model_facts import from_gpt_config
+        from zeroinf.planner.report import format_estimate
+
+        cfg, chosen = resolve_for_ranks(
+            cfg, from_gpt_config(args.model_config(), name=f"GPT {args.model}"), topo,
+            tokens_per_step=args.global_batch * args.seq_len, seq_len=args.seq_len,
+        )
+        if chosen is not None and chosen.best is not None:
+            plan_note = f"auto placement (zeroinf plan): {format_estimate(chosen.best)}"
     corpus = load_corpus(args.data, args.max_corpus_bytes)
     train_bytes, val_bytes = split_corpus(corpus, args.val_fraction)
 
@@ -256,6 +275,7 @@ def build_run(args: TrainArgs) -> Run:
         sampler(val_bytes) if use_val else None,
         param_count,
         len(corpus),
+        plan_note,
     )
 
 
@@ -264,7 +284,8 @@ def train_step(run: Run, step: int) -> float:
     device = run.topo.device
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in run.train_sampler.micro_batches(step):
-        loss = run.model(inputs.to(device), targets.to(device)) / run.cfg.grad_accum_steps
+        with phase_scope("zeroinf::forward"):
+            loss = run.model(inputs.to(device), targets.to(device)) / run.cfg.grad_accum_steps
         run.opt.backward(loss)  # type: ignore[attr-defined]
         loss_sum += loss.detach().float()
     run.opt.step()
@@ -279,7 +300,10 @@ def train(args: TrainArgs) -> TrainResult:
     run = build_run(args)
     show = args.progress and run.topo.rank == 0
     if show:
+        if run.plan_note:
+            print(run.plan_note, flush=True)
         print(describe(args, run), flush=True)
+    timeline: dict[str, Any] = {}
     try:
         start_step = resume(run, args.resume, show) if args.resume else 0
         losses: list[float] = []
@@ -288,9 +312,15 @@ def train(args: TrainArgs) -> TrainResult:
         saved = ""
         run.model.train()
         bar = tqdm(total=args.steps, initial=start_step, disable=not show, unit="step", dynamic_ncols=True)
+        report_step = timeline_step(args, start_step)
         for step in range(start_step, args.steps):
             step_start_s = time.perf_counter()
-            losses.append(train_step(run, step))
+            if step == report_step:
+                with record_phases() as recorder:
+                    losses.append(train_step(run, step))
+                timeline = {"recorder": recorder, "step": step, "ledger": zeroinf.memory_report(run.model)["last_step"]}
+            else:
+                losses.append(train_step(run, step))
             step_times_s.append(time.perf_counter() - step_start_s)
             skipped_steps += int(run.opt.last_step_skipped)  # type: ignore[attr-defined]
             bar.update(1)
@@ -338,8 +368,59 @@ def train(args: TrainArgs) -> TrainResult:
         print_summary(result)
     if args.report_path and run.topo.rank == 0:
         report = {"args": dataclasses.asdict(args), "engine_config": run.cfg.to_dict(), **result.summary()}
+        if timeline:
+            report["step_report"] = write_timeline(args, run, timeline)
+            if show:
+                print(f"step timeline: {report['step_report']['timeline_html']}", flush=True)
         Path(args.report_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return result
+
+
+def timeline_step(args: TrainArgs, start_step: int) -> int | None:
+    """The step a report's timeline shows: a steady one (the third this run takes), or `report_step`."""
+    if not args.report_path:
+        return None
+    if args.report_step is not None:
+        return args.report_step
+    return start_step + min(2, max(0, args.steps - start_step - 1))
+
+
+def write_timeline(args: TrainArgs, run: Run, timeline: dict[str, Any]) -> dict[str, Any]:
+    """The recorded step's timeline beside the report, with the plan's prediction for this run."""
+    from zeroinf.planner.api import predict_built
+    from zeroinf.planner.model_facts import from_gpt_config
+    from zeroinf.planner.report import estimate_json
+    from zeroinf.planner.timeline import write_step_report
+
+    recorder = timeline["recorder"]
+    predicted = None
+    try:
+        estimate = predict_built(
+            zeroinf.engine_of(run.model), from_gpt_config(args.model_config(), name=f"GPT {args.model}"),
+            args.global_batch * args.seq_len, args.seq_len,
+        )
+        predicted = estimate_json(estimate)
+    except (ValueError, RuntimeError) as exc:  # the planner cannot estimate it: the timeline alone
+        predicted = {"error": str(exc)}
+    ledger = timeline["ledger"] or {}
+    stem = Path(args.report_path or "report")
+    stem = stem.with_suffix("") if stem.suffix else stem
+    out = write_step_report(
+        stem, recorder.events, recorder.start_s, recorder.end_s or recorder.start_s, "MainThread",
+        f"zeroinf train: step {timeline['step']} of GPT {args.model}",
+        predicted=predicted if predicted and "error" not in predicted else None,
+        measured_bytes={t: ledger[t]["peak_bytes"] for t in TIER_NAMES if t in ledger},
+        facts=[describe(args, run), placement_line(run.cfg), "rank 0 of the run; times are wall-clock"],
+        rank=run.topo.rank,
+    )
+    out["predicted"] = predicted
+    return out
+
+
+def placement_line(cfg: Config) -> str:
+    o = cfg.offload
+    ckpt = ", activation checkpointing" if cfg.activation_checkpointing else ""
+    return f"placement: stage {cfg.stage}, params {o.params}, optimizer {o.optimizer}, gradients {o.gradients}{ckpt}"
 
 
 def save(run: Run, root: str, step: int) -> str:

@@ -38,6 +38,7 @@ from zeroinf.optim.states import MasterSource, build_state_store
 from zeroinf.partition.unit import GradState, ShardedUnit
 from zeroinf.precision import DynamicLossScaler
 from zeroinf.runtime.streams import Landing, Transfers, typed_view
+from zeroinf.telemetry import phase
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class AdamW(torch.optim.Optimizer):
         the Trainer's LR scheduler does not advance on a skipped step."""
         return self.last_step_skipped
 
+    @phase("zeroinf::backward")
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the fp16 loss scale applied (identical to loss.backward() otherwise)."""
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
@@ -202,6 +204,7 @@ class AdamW(torch.optim.Optimizer):
         self.engine.zero_grad()
 
     @torch.no_grad()
+    @phase("zeroinf::optimizer")
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise NotImplementedError("zeroinf.AdamW.step does not take a closure")

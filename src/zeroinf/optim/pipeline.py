@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
-from torch.profiler import record_function
 
 from zeroinf.aio.buffers import PoolBuffer, round_up
 from zeroinf.aio.engine import AioHandle
+from zeroinf.telemetry import phase_scope
 
 _ALIGN_NUMEL = 1024  # split points of a unit fall on 4 KiB of fp32
 
@@ -215,17 +215,17 @@ class SubGroupPipeline:
             for pos, index in enumerate(order):
                 while issued < min(len(order), pos + 1 + self.lookahead):
                     issue_read()
-                with record_function("zeroinf::optimizer_swap_in_wait"):
+                with phase_scope("zeroinf::wait_io.optimizer"):
                     t0 = time.perf_counter()
                     current = reads.pop(pos).wait(self.timeout_s)
                     self.io_wait_s += time.perf_counter() - t0
                 self._note("update", index)
-                with record_function("zeroinf::optimizer_update"):
+                with phase_scope("zeroinf::optimizer_update"):
                     update(current)
                 writes.append((index, self.store.start_swap_out(current)))
                 current = None
                 self._note("swap_out", index)
-            with record_function("zeroinf::optimizer_swap_out_wait"):
+            with phase_scope("zeroinf::wait_io.optimizer"):
                 while writes:
                     finish_oldest_write()
             if self.store.staging_slots is not None:

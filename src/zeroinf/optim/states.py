@@ -40,16 +40,17 @@ from typing import Protocol
 import torch
 
 from zeroinf.aio import AioConfig, AioEngine, AioHandle, BufferPool, PoolBuffer
-from zeroinf.aio.buffers import round_up
 from zeroinf.aio.errors import AioError
 from zeroinf.config import OffloadConfig
 from zeroinf.memory import Ledger, Tier, format_bytes
 from zeroinf.optim.pipeline import Pending, Staged, StateViews, SubGroup, plan_sub_groups
+from zeroinf.planner.unit_plan import OPTIMIZER_SWAP_KINDS, plan_optimizer_staging
+from zeroinf.telemetry import phase
 from zeroinf.tiers.host import check_host_cap, host_zeros, release_host
 from zeroinf.tiers.nvme import NvmeSwap, SwapFolderError, ensure_swap_folder, plan_swap_layout
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
-SWAP_KINDS = tuple(f"optimizer_{kind}" for kind in STATE_KINDS)  # swap file kinds and NVME ledger tags
+SWAP_KINDS = OPTIMIZER_SWAP_KINDS  # swap file kinds and NVME ledger tags: optimizer_<state kind>
 _FP32_BYTES = 4
 
 
@@ -239,23 +240,21 @@ class NvmeStateStore:
         assert cfg.nvme_dir is not None  # OffloadConfig requires it for nvme
         source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
         self.ledger, self.traffic = ledger, StepTraffic()
-        self.sub_groups = plan_sub_groups(source.numels, cfg.sub_group_numel)
-        self.staging_slots = cfg.buffer_count
         aio = aio or AioConfig()
-        slot_numel = max((sg.numel for sg in self.sub_groups), default=1)
-        self._state_bytes = round_up(slot_numel * _FP32_BYTES, aio.alignment_bytes)
-        split = [sg.unit_numel for sg in self.sub_groups if not sg.whole_unit]
-        assembly_numel = max(split, default=0)
-        staging_bytes = cfg.buffer_count * 3 * self._state_bytes
+        plan = plan_optimizer_staging(source.numels, cfg, aio)  # the sizes zeroinf.plan predicts
+        self.sub_groups = list(plan.sub_groups)
+        self.staging_slots = cfg.buffer_count
+        self._state_bytes = plan.state_bytes
+        assembly_numel = plan.assembly_numel
         check_host_cap(
-            staging_bytes + assembly_numel * _FP32_BYTES + aio.workers * aio.block_bytes,
+            plan.host_bytes + aio.workers * aio.block_bytes,
             cfg.max_host_bytes,
             f"the optimizer's nvme staging ({cfg.buffer_count} buffers of {3 * self._state_bytes} bytes, "
             f"a {assembly_numel * _FP32_BYTES}-byte assembly buffer, {aio.workers} I/O buffers)",
             "raise the cap, or lower offload.sub_group_numel or offload.buffer_count",
         )
         layout = plan_swap_layout(
-            {(sg.key, kind): sg.numel * _FP32_BYTES for kind in SWAP_KINDS for sg in self.sub_groups},
+            plan.swap_bytes(),
             cfg.nvme_dir,
             rank,
             aio.alignment_bytes,
@@ -274,8 +273,8 @@ class NvmeStateStore:
         try:
             self._swap = NvmeSwap(layout, self.engine, ledger=ledger)
             self._pool = BufferPool(
-                cfg.buffer_count,
-                3 * self._state_bytes,
+                plan.pool.count,
+                plan.pool.buffer_bytes,
                 alignment_bytes=aio.alignment_bytes,
                 ledger=ledger,
                 tag="optimizer_staging",
@@ -308,6 +307,7 @@ class NvmeStateStore:
         transfer = self._swap.swap_in if op == "swap_in" else self._swap.swap_out
         return [transfer(sg.key, kind, t) for kind, t in zip(kinds, views, strict=False)]
 
+    @phase("zeroinf::swap_in")
     def start_swap_in(self, index: int) -> Pending:
         """Reserve a staging buffer (the pipeline guarantees one is free) and start the three reads."""
         self._require_healthy()
@@ -323,6 +323,7 @@ class NvmeStateStore:
         self.traffic.add(Tier.NVME, "read", 3 * _FP32_BYTES * sg.numel)
         return Pending("swap_in", staged, handles)
 
+    @phase("zeroinf::swap_out")
     def start_swap_out(self, staged: Staged) -> Pending:
         """Start the three writes; the staging buffer returns to the pool when they finish."""
         assert self._swap is not None

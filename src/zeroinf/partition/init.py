@@ -145,6 +145,11 @@ def init(
     """
     if any(park.collecting for park in _active):
         raise RuntimeError("zeroinf.init() is already active: build the whole model inside one `with` block")
+    if cfg is not None and cfg.is_auto:
+        raise ValueError(
+            "zeroinf.init(cfg): cfg has 'auto' placement fields, but the placement must be known before the "
+            "model exists; choose it first: cfg = zeroinf.plan(<preset, HF folder or meta-device module>, cfg).config"
+        )
     topo = topology or Topology.current()
     park_dtype = cfg.param_torch_dtype if cfg is not None else None
     park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype, defer_values)

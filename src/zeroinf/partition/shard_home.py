@@ -25,6 +25,7 @@ from zeroinf.aio import AioEngine, AioHandle, BufferPool
 from zeroinf.aio.buffers import PoolBuffer
 from zeroinf.memory import Ledger, Tier
 from zeroinf.runtime.streams import DeviceCopy, Landing, Transfers
+from zeroinf.telemetry import phase
 from zeroinf.tiers.host import host_zeros
 from zeroinf.tiers.nvme import NvmeSwap
 
@@ -113,6 +114,7 @@ class NvmeParamFiles:
         while self.pending_writes:
             self.retire_oldest_write()
 
+    @phase("zeroinf::wait_io.params")
     def wait(self, handle: AioHandle) -> None:
         t0 = time.perf_counter()
         handle.wait(self.timeout_s)
@@ -151,6 +153,7 @@ class NvmeHome:
     def _view(self, buf: PoolBuffer) -> torch.Tensor:
         return buf.tensor[: self.numel * self.dtype.itemsize].view(self.dtype)
 
+    @phase("zeroinf::swap_in")
     def start_load(self) -> None:
         if self._loading is not None or self._loaded is not None:
             return
@@ -179,6 +182,7 @@ class NvmeHome:
             self.files.pool.release(self._loaded)
             self._loaded = None
 
+    @phase("zeroinf::swap_out")
     def store(self, values: torch.Tensor) -> None:
         self._finish_own_write()
         buf = self.files.reserve()
@@ -221,6 +225,7 @@ class NvmeGradFiles:
         self.io_wait_s = 0.0
         self.io_busy_s = 0.0
 
+    @phase("zeroinf::wait_io.grads")
     def _wait(self, handle: AioHandle) -> None:
         t0 = time.perf_counter()
         handle.wait(self.timeout_s)
@@ -237,6 +242,7 @@ class NvmeGradFiles:
         while self._writes:
             self._retire_oldest()
 
+    @phase("zeroinf::swap_out")
     def write(self, unit_name: str, shard: torch.Tensor, on_written: Callable[[], None] | None = None) -> None:
         """Start writing `shard` (host memory, untouched until written); `on_written()` runs then."""
         if shard.device.type != "cpu":
@@ -245,6 +251,7 @@ class NvmeGradFiles:
             self._retire_oldest()
         self._writes.append((self.swap.swap_out(unit_name, GRAD_KIND, shard), shard, on_written))
 
+    @phase("zeroinf::swap_in")
     def read(self, unit_name: str, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read a unit's shard into `out` (fp32, `numel`; a fresh tensor if None)."""
         self.drain()  # a read must see every write before it

@@ -50,7 +50,7 @@ from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.park import swap_data
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, ShardHome
 from zeroinf.runtime.streams import Landing, Transfers, typed_view
-from zeroinf.telemetry import CollectiveCounter
+from zeroinf.telemetry import CollectiveCounter, phase
 from zeroinf.tiers.host import host_zeros
 from zeroinf.topology import Topology
 
@@ -264,6 +264,7 @@ class ShardedUnit:
         """True when bringing the shard in is I/O worth starting an event before the all-gather."""
         return self.home is not None and self.home.tier is Tier.NVME
 
+    @phase("zeroinf::swap_in")
     def start_fetch(self) -> None:
         """Start bringing this rank's shard in from its tier (an NVMe read); no collective yet."""
         if self.state is ParamState.SHARDED:
@@ -271,6 +272,7 @@ class ShardedUnit:
             self.home.start_load()
             self.state = ParamState.FETCHING
 
+    @phase("zeroinf::unshard")
     def start_unshard(self) -> None:
         """Allocate the unsharded buffer and start the all-gather of the shards (idempotent)."""
         if self.state not in (ParamState.SHARDED, ParamState.FETCHING):
@@ -285,6 +287,7 @@ class ShardedUnit:
         self.counter.add("all_gather")
         self.state = ParamState.UNSHARDING
 
+    @phase("zeroinf::unshard")
     def wait_unshard(self) -> None:
         """Finish a started unshard (or do it now) and point the parameters at the full buffer."""
         if self.state is ParamState.UNSHARDED:
@@ -299,6 +302,7 @@ class ShardedUnit:
         self._point_params_at_flat()
         self.state = ParamState.UNSHARDED
 
+    @phase("zeroinf::reshard")
     def reshard(self) -> None:
         """Free the unsharded buffer (all aliases at once) and point params at empty placeholders."""
         if self.state is ParamState.SHARDED:
@@ -365,6 +369,7 @@ class ShardedUnit:
         """Forget which gradients arrived (the next backward starts counting again)."""
         self._arrived = [False] * len(self.params)
 
+    @phase("zeroinf::reduce")
     def start_reduce_grads(self) -> None:
         """Launch the gradient collective (all-reduce or reduce-scatter) asynchronously."""
         if self.grad_state is not GradState.ACCUMULATING:
@@ -414,6 +419,7 @@ class ShardedUnit:
             self.grad_shard = host_zeros(self.layout.shard_numel, self.reduce_dtype, self.ledger, "grad_shard")
         return self.grad_shard
 
+    @phase("zeroinf::reduce")
     def wait_reduce_grads(self) -> None:
         """Finish the collective; a reduced shard starts its way to its tier (see [Note: where a
         reduced gradient lands])."""

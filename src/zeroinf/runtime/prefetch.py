@@ -33,6 +33,7 @@ class Step:
 class PrefetchPlan:
     steps: tuple[Step, ...]
     peak_live_bytes: int  # simulated peak of unsharded non-resident bytes
+    live_bytes: tuple[int, ...] = ()  # per step: unsharded non-resident bytes while its unit runs
 
     @property
     def order(self) -> tuple[int, ...]:
@@ -55,6 +56,7 @@ def plan_prefetch(
     pending: list[tuple[int, int]] = []  # (unit, step index at which the release takes effect)
     closing: dict[int, list[int]] = {}  # step index -> enclosing units released once that step ran
     peak = 0
+    running: list[int] = []
 
     def live_bytes() -> int:
         return sum(sizes[u] for u in live)
@@ -62,6 +64,7 @@ def plan_prefetch(
     for i, unit in enumerate(order):
         if unit in resident:
             steps.append(Step(unit, (), False))
+            running.append(live_bytes())
             continue
         live.add(unit)  # gathered now if not prefetched: always allowed
         peak = max(peak, live_bytes())
@@ -83,6 +86,7 @@ def plan_prefetch(
             live.add(nxt)
             ahead += sizes[nxt]
         peak = max(peak, live_bytes())
+        running.append(live_bytes())
         upcoming = [u for u in order[i + 1 :] if u not in resident][:reuse_window]
         release = unit not in upcoming or live_bytes() > max_live_bytes
         if not release:  # keeping it must leave room for the units gathered before its reuse
@@ -103,4 +107,4 @@ def plan_prefetch(
         steps.append(Step(unit, tuple(prefetch), release))
         for done in closing.pop(i, []):  # its last nested unit ran: the enclosing unit's post-forward
             live.discard(done)
-    return PrefetchPlan(tuple(steps), peak)
+    return PrefetchPlan(tuple(steps), peak, tuple(running))

@@ -1,0 +1,499 @@
+"""The estimate of one placement: peak bytes per tier and per rank, whether it fits, and the step time.
+
+A pure function of the per-unit plan (`ModelPlan`, the same `shard` builds from), the facts of one
+training forward (`PassFacts`, or None when the planner cannot run the model), the workload and the
+machine profile. Bytes follow the engine's ledger tag by tag (see memory.py), so the prediction is
+checked against `zeroinf.memory_report(model)`; the process figure (`ram_bytes`) adds activations,
+transients and the process baseline, and is checked against the peak RSS.
+
+Memory, per rank, by ledger tag:
+- `param_unsharded` (device): stages 0-2 every unit; stage 3 the resident units plus the largest
+  set of non-resident units the prefetch plan keeps unsharded at once (runtime/prefetch.py, forward
+  order and its reverse with the backward release lag).
+- `param_shard`: stage 3, resident units on the device, the others on `offload.params` (NVMe: the
+  swap file, and `param_staging` on the host).
+- `grad_unsharded` (device): stages 0-1 every unit's buffer lives until the end of backward; stages
+  2-3 a unit's buffer is freed once reduced, at most three at once (two reductions in flight and one
+  filling), plus at stage 3 the resident units' and at stage 2 with accumulation every buffer an
+  earlier micro-step filled.
+- `grad_shard`: stages 2-3, one per unit on `offload.gradients` (NVMe: the gradient swap file); on the
+  device, the shards reduced so far (at world 1 the unsharded buffer adopted as the shard). A device
+  buffer a host shard is reduced into on an accelerator (`grad_reduce_out`, shard-sized, at most
+  two) is not counted.
+- `optimizer_state`: 12 bytes per owned element on `offload.optimizer` (NVMe: three swap files,
+  `optimizer_staging` and `optimizer_assembly` on the host).
+- `transfer_staging` (host): NVMe gradient shards land in pool buffers, a few per shard size.
+- `aio_buffers`: each NVMe kind has an I/O engine with one bounce buffer per worker.
+- `activation_offload` (host): with `offload_activations`, the inputs kept by checkpointing.
+
+Time, per step and rank (seconds): forward and backward are compute (matmuls at the measured rate
+for their operand size and dtype, other operators at the measured memory bandwidth, 3x the forward,
+plus the recomputed forward under activation checkpointing) and collectives, overlapped with NVMe
+reads of parameter shards and writes of gradient shards; the optimizer phase is the fused AdamW
+over the owned elements, overlapped with the swaps of its states and the writes of new parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeroinf.aio.buffers import round_up
+from zeroinf.config import DTYPES, Config
+from zeroinf.memory import Tier
+from zeroinf.partition.shard_home import MAX_GRAD_WRITES_IN_FLIGHT
+from zeroinf.planner.model_facts import PassFacts
+from zeroinf.planner.profile import MachineProfile
+from zeroinf.planner.unit_plan import FP32_BYTES, OPTIMIZER_SWAP_KINDS, SWAP_ALIGN_BYTES, ModelPlan
+from zeroinf.runtime.prefetch import plan_prefetch
+from zeroinf.runtime.streams import STAGING_TAG
+
+AIO_ENGINE_BYTES = 8 * 2**20  # AioConfig(): 8 workers x 1 MiB bounce buffers, per NVMe kind's engine
+GRAD_BUFFERS_IN_FLIGHT = 3  # stage 3: engine.MAX_REDUCTIONS_IN_FLIGHT reducing + one filling
+RAM_HEADROOM = 0.9  # plan to use at most this share of the available RAM
+DEVICE_HEADROOM = 0.9
+OP_OVERHEAD_S = 20e-6  # fixed cost of one operator launch (CPU) when the profile has none
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step processes, per the plan's world size."""
+
+    tokens_per_step: int
+    """Tokens of one optimizer step over all ranks and micro-steps."""
+    seq_len: int
+    world_size: int
+    grad_accum_steps: int = 1
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-step per rank (at least 1)."""
+        per_rank = self.tokens_per_step / (self.world_size * self.grad_accum_steps * self.seq_len)
+        return max(1, round(per_rank))
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    device: int
+    host: int
+    nvme: int
+    by_tag: dict[str, dict[str, int]] = field(default_factory=dict)
+    """tier -> tag -> bytes at the predicted peak (the ledger's tags)."""
+
+    def of(self, tier: Tier | str) -> int:
+        return int(getattr(self, Tier(tier).value))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    collectives_s: float
+    nvme_io_s: float
+    optimizer_s: float
+    step_s: float
+    bound: str
+    """What sets the step time: "compute", "collectives", "nvme I/O" or "optimizer"."""
+    forward_backward_s: float
+    optimizer_phase_s: float
+    nvme_read_bytes: int
+    nvme_written_bytes: int
+    collective_bytes: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One placement's prediction, per rank."""
+
+    config: Config
+    ledger: TierBytes
+    """Peak bytes per tier as the engine's ledger will count them."""
+    activation_bytes: int
+    """Peak bytes of activations and transients (not on the ledger)."""
+    ram_bytes: int
+    """Peak RSS of a rank process (on a CPU-only machine the device tier is RAM too)."""
+    device_bytes: int
+    """Accelerator memory needed (0 on a CPU-only machine)."""
+    fits: bool
+    why_not: tuple[str, ...]
+    time: StepTime
+    pressure: float = 0.0
+    """The largest share of a resource (RAM, device memory, NVMe folder) the placement needs; > 1: no fit."""
+
+    @property
+    def placement(self) -> str:
+        return describe_placement(self.config)
+
+
+def describe_placement(cfg: Config) -> str:
+    o = cfg.offload
+    ckpt = "+ckpt" if cfg.activation_checkpointing else ""
+    return f"stage {cfg.stage} params {o.params}, optimizer {o.optimizer}, grads {o.gradients}{ckpt}"
+
+
+# -- memory -------------------------------------------------------------------------------------------------
+def _prefetch_plans(plan: ModelPlan) -> tuple[Any, Any] | None:
+    """The engine's prefetch plans for the forward order (module order) and the backward (its reverse)."""
+    cfg = plan.cfg
+    order = sorted((i for i, u in enumerate(plan.units) if not u.resident), key=lambda i: _module_order(plan.units[i]))
+    if not order:
+        return None
+    sizes = {i: u.unsharded_bytes for i, u in enumerate(plan.units)}
+    resident = {i for i, u in enumerate(plan.units) if u.resident}
+    nested = _nested(tuple(u.name for u in plan.units))
+    live = cfg.max_live_bytes if cfg.max_live_bytes is not None else 2**62
+    args: dict[str, Any] = dict(
+        sizes=sizes, resident=resident, prefetch_bytes=cfg.prefetch_bytes, max_live_bytes=live,
+        nested={i: js for i, js in nested.items() if js},
+    )
+    return plan_prefetch(order, release_lag=0, **args), plan_prefetch(order[::-1], release_lag=1, **args)
+
+
+def _module_order(unit: Any) -> tuple[Any, ...]:
+    """Sort key of the order units run in: their module paths with numbers compared as numbers, a
+    frozen unit just before its trainable twin (its pre-forward hook runs first; the plan lists
+    frozen units after all trainable ones)."""
+    parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in unit.name.split(".")) if unit.name else ()
+    return (unit.name == "", parts, not unit.frozen)
+
+
+@functools.lru_cache(maxsize=8)
+def _nested(names: tuple[str, ...]) -> dict[int, frozenset[int]]:
+    """Unit index -> the units nested inside it (their names extend its name)."""
+    return {
+        i: frozenset(j for j, v in enumerate(names) if u and v.startswith(f"{u}."))
+        for i, u in enumerate(names)
+    }
+
+
+def _swap_file_bytes(slots: dict[tuple[str, str], int]) -> int:
+    """Bytes of the swap files holding `slots`, each at an aligned offset (as tiers/nvme.py lays them out)."""
+    return sum(round_up(max(nbytes, 1), SWAP_ALIGN_BYTES) for nbytes in slots.values())
+
+
+def _gathered_bytes(prefetch: Any, units: tuple[Any, ...]) -> list[int]:
+    """Unsharded bytes alive while each step's unit runs. A prefetched shard on NVMe is read during
+    the step and gathered at the next event (runtime/schedule.py), so its unsharded buffer does not
+    exist yet; one in memory is gathered at once."""
+    return [
+        live - sum(units[u].unsharded_bytes for u in step.prefetch if units[u].param_tier is Tier.NVME)
+        for step, live in zip(prefetch.steps, prefetch.live_bytes, strict=True)
+    ]
+
+
+def _grad_moments(
+    plan: ModelPlan, order: list[Any], held: bool = False, accumulated: bool = False
+) -> list[dict[str, int]]:
+    """Stages 2-3: the gradient bytes on the device as each unit of `order` (backward order) starts its
+    reduction (unit.py [Note: where a reduced gradient lands]): the unsharded buffers filling or in
+    flight (at most GRAD_BUFFERS_IN_FLIGHT), those of units not yet reduced when an earlier
+    micro-step kept them all (`held`), and the device shards reduced so far, or all of them when an
+    earlier micro-step reduced into them (`accumulated`). At world 1 the first micro-step's device
+    shard is the unsharded buffer itself, adopted when its reduction starts."""
+    device_shards = plan.cfg.offload.gradients == "device"
+    adopt = device_shards and plan.world_size == 1 and not accumulated
+    all_shards = sum(u.grad_shard_bytes for u in order) if device_shards else 0
+    flats: list[int] = []
+    shards = 0
+    moments = []
+    for i, unit in enumerate(order):
+        if not adopt:
+            flats = (flats + [unit.grad_unsharded_bytes])[-GRAD_BUFFERS_IN_FLIGHT:]
+        shards += unit.grad_shard_bytes if device_shards else 0
+        waiting = sum(u.grad_unsharded_bytes for u in order[i + 1 :]) if held else 0
+        moments.append({"grad_unsharded": sum(flats) + waiting, "grad_shard": all_shards if accumulated else shards})
+    return moments
+
+
+def _backward_moments(
+    plan: ModelPlan, order: list[Any], last: list[Any], held: bool = False, accumulated: bool = False
+) -> list[dict[str, int]]:
+    """The gradient moments of one backward: the units of `order` reduce in turn while the buffers of
+    `last` (the root: its embedding's gradient comes last, its head's first) fill all along; they
+    reduce at the end."""
+    base = sum(u.grad_unsharded_bytes for u in last)
+    during = _grad_moments(plan, order, held, accumulated)
+    moments = [{**m, "grad_unsharded": base + m["grad_unsharded"]} for m in during]
+    end = _grad_moments(plan, order + last, held, accumulated)
+    return moments + end[-1:]
+
+
+def _backward_order(plan: ModelPlan, units: list[Any]) -> tuple[list[Any], list[Any]]:
+    """(the trainable units other than the root in the order backward reduces them, the root)."""
+    trainable = [u for u in units if not u.frozen]
+    blocks = sorted((u for u in trainable if u.name), key=_module_order, reverse=True)
+    return blocks, [u for u in trainable if not u.name]
+
+
+def _micro_steps(plan: ModelPlan) -> list[tuple[bool, bool]]:
+    """(held, accumulated) for the kinds of backward one step runs: without a sync per micro-step,
+    stage 2 reduces only in the last one, after the earlier ones kept every unsharded buffer."""
+    cfg = plan.cfg
+    if cfg.grad_accum_steps == 1:
+        return [(False, False)]
+    if cfg.stage == 2 and not cfg.sync_every_micro_step:
+        return [(True, False)]
+    return [(False, False), (False, True)]
+
+
+def _stage2_moments(plan: ModelPlan) -> list[dict[str, int]]:
+    """Stage 2: every parameter unsharded; gradients reduced unit by unit in backward."""
+    params = sum(u.unsharded_bytes for u in plan.units)
+    order, root = _backward_order(plan, list(plan.units))
+    moments = []
+    for held, accumulated in _micro_steps(plan):
+        moments += [{"param_unsharded": params, **m} for m in _backward_moments(plan, order, root, held, accumulated)]
+    return moments
+
+
+def _stage3_moments(plan: ModelPlan) -> list[dict[str, int]]:
+    """Stage 3: the moving device bytes (unsharded params and gradients, gradient shards) at the moments
+    that can be peaks: the forward's fullest step, and each unit's reduction in backward (the
+    unit gathered, the prefetched ones, the gradient buffers in flight, the shards reduced so far)."""
+    units = plan.units
+    resident_params = sum(u.unsharded_bytes for u in units if u.resident)
+    plans = _prefetch_plans(plan)
+    if plans is None:
+        return [{"param_unsharded": resident_params}]
+    forward, backward = plans
+    gathered = resident_params + max(_gathered_bytes(forward, units), default=0)
+    live = dict(zip((step.unit for step in backward.steps), _gathered_bytes(backward, units), strict=True))
+    order = [units[step.unit] for step in backward.steps if not units[step.unit].frozen]
+    resident = [u for u in units if u.resident and not u.frozen]
+    moments = []
+    for _, accumulated in _micro_steps(plan):
+        grads = _backward_moments(plan, order, resident, accumulated=accumulated)
+        shards_before = grads[0]["grad_shard"] if accumulated else 0
+        current = {"grad_unsharded": sum(u.grad_unsharded_bytes for u in resident), "grad_shard": shards_before}
+        moments.append({"param_unsharded": gathered, "grad_shard": shards_before})
+        pending = iter(grads[:-1])
+        for step in backward.steps:  # a frozen unit's step carries the gradients as they are
+            current = current if units[step.unit].frozen else next(pending)
+            moments.append({"param_unsharded": resident_params + live[step.unit], **current})
+        moments.append({"param_unsharded": resident_params, **grads[-1]})  # the resident units reduce
+    return moments
+
+
+def _grad_landing_bytes(plan: ModelPlan) -> int:
+    """Host pool buffers NVMe gradient shards land in (unit.py `_land_on_disk`): the pool keeps
+    buffers by exact size, and per size at most the writes in flight, the shard arriving and (with
+    accumulation) the earlier shard read back are lent at once."""
+    at_once = MAX_GRAD_WRITES_IN_FLIGHT + 1 + (plan.cfg.grad_accum_steps > 1)
+    sizes = Counter(u.layout.shard_numel * FP32_BYTES for u in plan.trainable_units)
+    return sum(size * min(count, at_once) for size, count in sizes.items())
+
+
+def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierBytes:
+    """Peak bytes per tier, and by tag at that peak, as the engine's ledger counts them over a step."""
+    cfg = plan.cfg
+    o = cfg.offload
+    tags: dict[str, dict[str, int]] = {"device": {}, "host": {}, "nvme": {}}
+
+    def add(tier: str, tag: str, nbytes: int) -> None:
+        if nbytes:
+            tags[tier][tag] = tags[tier].get(tag, 0) + int(nbytes)
+
+    units = plan.units
+    if cfg.stage < 2:  # every buffer lives until the end of backward
+        add("device", "param_unsharded", sum(u.unsharded_bytes for u in units))
+        add("device", "grad_unsharded", sum(u.grad_unsharded_bytes for u in units))
+    elif cfg.stage == 2:
+        for tag, nbytes in max(_stage2_moments(plan), key=lambda m: sum(m.values())).items():
+            add("device", tag, nbytes)
+    else:
+        peak = max(_stage3_moments(plan), key=lambda m: sum(m.values()))
+        for tag, nbytes in peak.items():
+            add("device", tag, nbytes)
+        add("device", "param_shard", sum(u.shard_bytes for u in units if u.resident))
+        shards = sum(u.shard_bytes for u in units if not u.resident)
+        if o.params == "nvme" and plan.sharded_units:  # none sharded: all stay on the device
+            add("nvme", "param_shard", _swap_file_bytes(plan.param_swap_bytes()))
+            add("host", "param_staging", plan.param_staging().total_bytes)
+            add("host", "aio_buffers", AIO_ENGINE_BYTES)
+        else:
+            add(o.params, "param_shard", shards)
+    if cfg.stage >= 2:
+        if o.gradients == "nvme":
+            add("nvme", "grad_shard", _swap_file_bytes(plan.grad_swap_bytes()))
+            add("host", STAGING_TAG, _grad_landing_bytes(plan))
+            add("host", "aio_buffers", AIO_ENGINE_BYTES)
+        elif o.gradients == "host":  # device shards: counted in the moments above
+            add(o.gradients, "grad_shard", sum(u.grad_shard_bytes for u in plan.trainable_units))
+    state_bytes = 3 * FP32_BYTES * plan.owned_numel
+    if o.optimizer == "nvme":
+        staging = plan.optimizer_staging()
+        for kind in OPTIMIZER_SWAP_KINDS:
+            add("nvme", kind, staging.file_bytes)
+        add("host", "optimizer_staging", staging.pool.total_bytes)
+        add("host", "optimizer_assembly", staging.assembly_numel * FP32_BYTES)
+        add("host", "aio_buffers", AIO_ENGINE_BYTES)
+    else:
+        add(o.optimizer, "optimizer_state", state_bytes)
+    add("host", "activation_offload", activation_offload_bytes)
+    return TierBytes(*(sum(tags[t].values()) for t in ("device", "host", "nvme")), by_tag=tags)
+
+
+def activation_peak(facts: PassFacts | None, cfg: Config) -> tuple[int, int]:
+    """(bytes of activations and transients at the peak, bytes of them on the host tier)."""
+    if facts is None:
+        return 0, 0
+    transient = 2 * facts.largest_tensor_bytes  # the loss's logits and their gradient, one layer's grads
+    if not cfg.activation_checkpointing:
+        return facts.saved_bytes + transient, 0
+    every = cfg.checkpoint_every
+    kept = [b for i, b in enumerate(facts.unit_input_bytes) if i % every == 0]
+    plain = [b for i, b in enumerate(facts.unit_saved_bytes) if i % every != 0]
+    recompute = max((b for i, b in enumerate(facts.unit_saved_bytes) if i % every == 0), default=0)
+    offloaded = sum(kept) if cfg.offload_activations else 0
+    return facts.root_saved_bytes + sum(plain) + sum(kept) - offloaded + recompute + transient, offloaded
+
+
+# -- time ----------------------------------------------------------------------------------------------------
+def pass_seconds(facts: PassFacts | None, dtype: str, profile: MachineProfile, units_only: bool = False) -> float:
+    """Seconds of one forward: matmuls at the rate of their size, other operators at memory bandwidth."""
+    if facts is None:
+        return 0.0
+    flops = facts.unit_matmul_flops if units_only else facts.root_matmul_flops + facts.unit_matmul_flops
+    seconds = sum(f / profile.matmul_rate(dtype, size) for size, f in flops)
+    other = facts.unit_other_bytes if units_only else facts.other_bytes
+    return seconds + other / profile.memory_bps
+
+
+def step_time(
+    plan: ModelPlan, facts: PassFacts | None, work: Workload, profile: MachineProfile, param_count: int
+) -> StepTime:
+    cfg = plan.cfg
+    o = cfg.offload
+    w = plan.world_size
+    accum = cfg.grad_accum_steps
+    # Forward + backward = 3 forwards (+1 recomputed under checkpointing), per micro-step.
+    forward_s = pass_seconds(facts, cfg.param_dtype, profile)
+    if facts is None:  # a module the planner cannot call: 6 FLOPs per parameter and token at a mid-size rate
+        forward_s = 2.0 * param_count * work.micro_batch * work.seq_len / profile.matmul_rate(cfg.param_dtype, 1024)
+    recompute_s = pass_seconds(facts, cfg.param_dtype, profile, units_only=True) if cfg.activation_checkpointing else 0
+    compute_s = accum * (3 * forward_s + recompute_s) * profile.compute_efficiency
+    # Collectives (world 1: the same bytes as local copies).
+    ring = (w - 1) / w if w > 1 else 1.0
+    rate = profile.collective_rate(w) if w > 1 else profile.copy_bps
+    params_b = sum(u.unsharded_bytes for u in plan.units)
+    grads_b = sum(u.grad_unsharded_bytes for u in plan.trainable_units)
+    sharded_b = sum(u.unsharded_bytes for u in plan.sharded_units)
+    if cfg.stage == 3:
+        per_micro = 2 * sharded_b + grads_b  # gather forward and backward, reduce-scatter every micro-step
+        coll_b = accum * per_micro + (params_b - sharded_b)  # resident units refreshed after the step
+        calls = accum * (2 * len(plan.sharded_units) + len(plan.trainable_units)) + len(plan.units) - len(
+            plan.sharded_units
+        )
+    else:
+        syncs = accum if cfg.sync_every_micro_step else 1
+        grad_factor = 2 if cfg.stage < 2 else 1  # all-reduce moves twice a reduce-scatter's bytes
+        coll_b = syncs * grad_factor * grads_b + (params_b if cfg.stage >= 1 else 0)
+        calls = syncs * len(plan.units) + (len(plan.units) if cfg.stage >= 1 else 0)
+    collective_bytes = int(coll_b * ring)
+    latency = profile.collective_latency_s if w > 1 else 0.0
+    collectives_s = collective_bytes / rate + calls * latency
+    # NVMe traffic of a step.
+    shard_b = sum(u.shard_bytes for u in plan.sharded_units)
+    owned = plan.owned_numel
+    fb_read = fb_write = opt_read = opt_write = 0
+    if cfg.stage == 3 and o.params == "nvme":
+        fb_read += 2 * accum * shard_b
+        opt_write += shard_b
+    if cfg.stage >= 2 and o.gradients == "nvme":
+        fb_write += accum * FP32_BYTES * owned
+        fb_read += (accum - 1) * FP32_BYTES * owned
+        opt_read += FP32_BYTES * owned
+    if o.optimizer == "nvme":
+        opt_read += 3 * FP32_BYTES * owned
+        opt_write += 3 * FP32_BYTES * owned
+    rd, wr = profile.disk_read_bps, profile.disk_write_bps
+    fb_io_s = fb_read / rd + fb_write / wr
+    opt_io_s = opt_read / rd + opt_write / wr
+    # The optimizer: fused AdamW where the states are, then the new compute-dtype values.
+    adam_rate = profile.device_adam_params_per_s if o.optimizer == "device" else profile.adam_params_per_s
+    itemsize = DTYPES[cfg.param_dtype].itemsize
+    optimizer_s = owned / adam_rate + owned * (FP32_BYTES + itemsize) / profile.copy_bps
+    if o.optimizer == "nvme":  # the pipeline waits for the first sub-group's read and the last one's write
+        staging = plan.optimizer_staging()
+        first = 3 * staging.state_bytes
+        optimizer_s += first / rd + first / wr
+    fb_s = max(compute_s + collectives_s, fb_io_s)
+    opt_s = max(optimizer_s, opt_io_s)
+    parts = {
+        "compute": compute_s, "collectives": collectives_s, "nvme I/O": fb_io_s + opt_io_s, "optimizer": optimizer_s,
+    }
+    if fb_io_s > compute_s + collectives_s:
+        parts["nvme I/O"] = max(parts["nvme I/O"], fb_s + max(0.0, opt_io_s - optimizer_s))
+    bound = max(parts, key=lambda k: parts[k])
+    return StepTime(
+        compute_s=compute_s, collectives_s=collectives_s, nvme_io_s=fb_io_s + opt_io_s, optimizer_s=optimizer_s,
+        step_s=fb_s + opt_s, bound=bound, forward_backward_s=fb_s, optimizer_phase_s=opt_s,
+        nvme_read_bytes=int(fb_read + opt_read), nvme_written_bytes=int(fb_write + opt_write),
+        collective_bytes=collective_bytes,
+    )
+
+
+# -- one placement ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Capacity:
+    """What the placement may use on this machine, per rank."""
+
+    ram_bytes: int
+    """RAM this rank may use (available RAM / ranks on this machine)."""
+    device_bytes: int | None
+    """Accelerator memory of this rank; None on a CPU-only machine."""
+    nvme_free_bytes: int | None
+    """Free bytes in the NVMe folder for this rank; None when no folder is known."""
+
+
+def estimate(
+    plan: ModelPlan,
+    facts: PassFacts | None,
+    work: Workload,
+    profile: MachineProfile,
+    capacity: Capacity,
+    param_count: int,
+) -> Estimate:
+    """The prediction of one placement (`plan.cfg`), per rank."""
+    cfg = plan.cfg
+    activations, offloaded = activation_peak(facts, cfg)
+    ledger = ledger_bytes(plan, offloaded)
+    why: list[str] = []
+    shares = []
+    if capacity.device_bytes is None:  # the CPU is the device: everything is RAM
+        device_need = 0
+        ram = profile.baseline_rss_bytes + ledger.device + ledger.host + activations
+    else:
+        device_need = ledger.device + activations
+        ram = profile.baseline_rss_bytes + ledger.host
+        shares.append(fraction(device_need, DEVICE_HEADROOM * capacity.device_bytes))
+        if shares[-1] > 1:
+            why.append(f"device memory: needs {_gib(device_need)}, has {_gib(capacity.device_bytes)}")
+    shares.append(fraction(ram, RAM_HEADROOM * capacity.ram_bytes))
+    if shares[-1] > 1:
+        why.append(f"RAM: needs {_gib(ram)} per rank, has {_gib(capacity.ram_bytes)} available")
+    if ledger.nvme:
+        if capacity.nvme_free_bytes is None:
+            shares.append(math.inf)
+            why.append("NVMe: no folder (set offload.nvme_dir / --nvme-dir)")
+        else:
+            shares.append(fraction(ledger.nvme, capacity.nvme_free_bytes))
+            if shares[-1] > 1:
+                why.append(
+                    f"NVMe: needs {_gib(ledger.nvme)} per rank, the folder has {_gib(capacity.nvme_free_bytes)} free"
+                )
+    time = step_time(plan, facts, work, profile, param_count)
+    return Estimate(cfg, ledger, activations, ram, device_need, not why, tuple(why), time, max(shares))
+
+
+def _gib(nbytes: float) -> str:
+    if nbytes >= 2**40:
+        return f"{nbytes / 2**40:.1f} TiB"
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def fraction(a: float, b: float) -> float:
+    """a / b, or inf when b is 0 (and a is not)."""
+    return a / b if b else (math.inf if a else 1.0)

@@ -1,0 +1,448 @@
+"""What the planner needs to know about a model, read without touching its weights.
+
+A model comes as a demo preset name, a Hugging Face folder or config.json (built on the meta
+device: `AutoModelForCausalLM.from_config` under `torch.device("meta")`, no weight is read), or a
+module (built under `zeroinf.init()`, on the meta device, or real). From it:
+- the units (`UnitShape`s from the engine's own unit discovery), which feed the per-unit plan;
+- one forward pass on fake tensors (`FakeTensorMode`: shapes and dtypes only, no memory, on the
+  device type training will use, so kernels such as the CPU flash attention are the real ones):
+  the bytes autograd saves for backward, per unit and outside units, the inputs each unit would
+  keep under activation checkpointing, the largest single tensor, the matmul FLOPs by operand size
+  and the memory traffic of the other operators. Measured, not guessed: a custom module gets the
+  same treatment as the demo GPT, as long as the planner knows how to call it (`example_inputs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from zeroinf.config import DTYPES
+from zeroinf.partition.wrap import discover_units
+from zeroinf.planner.unit_plan import UnitShape
+
+SHORT_BLOCKS = 2  # blocks of the shortened model a deep model's pass is measured on
+ExampleInputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
+"""(micro_batch, seq_len) -> (args, kwargs) of one training forward that returns the loss."""
+
+
+@dataclass(frozen=True)
+class PassFacts:
+    """One training forward at (micro_batch, seq_len, dtype), as measured on fake tensors. Plain data."""
+
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    saved_bytes: int
+    """Bytes autograd keeps for backward (parameters excluded), without activation checkpointing."""
+    root_saved_bytes: int
+    """Of those, the bytes saved outside every checkpointable unit (embeddings, head, loss)."""
+    unit_saved_bytes: tuple[int, ...]
+    """Per checkpointable (outermost, non-root) unit, in order."""
+    unit_input_bytes: tuple[int, ...]
+    """The inputs each of those units would keep under activation checkpointing."""
+    largest_tensor_bytes: int
+    root_matmul_flops: tuple[tuple[int, int], ...]
+    """(operand size, FLOPs) of the forward's matmuls outside units; size = cube root of m*n*k, rounded
+    to a power of two."""
+    unit_matmul_flops: tuple[tuple[int, int], ...]
+    """The same inside checkpointable units (what a checkpointed backward recomputes)."""
+    other_bytes: int
+    """Bytes read and written by the forward's other operators (element-wise, norms, softmax...)."""
+    unit_other_bytes: int
+
+    @property
+    def matmul_flops_by_size(self) -> dict[int, int]:
+        out: dict[int, int] = defaultdict(int)
+        for size, flops in self.root_matmul_flops + self.unit_matmul_flops:
+            out[size] += flops
+        return dict(out)
+
+    @property
+    def matmul_flops(self) -> int:
+        return sum(f for _, f in self.root_matmul_flops + self.unit_matmul_flops)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+@dataclass
+class ModelFacts:
+    """A model's units and how to measure a pass of it; `pass_facts` is cached per shape and dtype."""
+
+    name: str
+    units: tuple[UnitShape, ...]
+    param_count: int
+    seq_len: int | None
+    """The model's context length, when it has one (the default sequence length of a plan)."""
+    module: nn.Module | None = field(default=None, repr=False)
+    example_inputs: ExampleInputs | None = field(default=None, repr=False)
+    unit_classes: tuple[str, ...] = ()
+    short_module: Callable[[], nn.Module] | None = field(default=None, repr=False)
+    """Builds the same model with fewer repeated blocks (on the meta device): the pass is measured on
+    it and its last block repeated up to the full depth, so a 70B plan needs no 80-block pass."""
+    outer_count: int | None = None
+    """Checkpointable units of the full model when `module` is a shortened one (a deep HF model)."""
+    _passes: dict[tuple[int, int, str], PassFacts] = field(default_factory=dict, repr=False)
+
+    def pass_facts(self, micro_batch: int, seq_len: int, dtype: str, device: torch.device) -> PassFacts | None:
+        """The facts of one forward, or None when the planner cannot call this module."""
+        key = (micro_batch, seq_len, dtype)
+        if key not in self._passes:
+            if self.module is None or self.example_inputs is None:
+                return None
+            module = self.short_module() if self.short_module is not None else self.module
+            facts = measure_pass(module, self.example_inputs, micro_batch, seq_len, dtype, device, self.unit_classes)
+            full = self.outer_count
+            if full is None:
+                full = len(outer_units(self.module, self.unit_classes))
+            self._passes[key] = extend_pass(facts, full) if len(facts.unit_saved_bytes) < full else facts
+        return self._passes[key]
+
+
+def extend_pass(facts: PassFacts, units: int) -> PassFacts:
+    """The facts of a shortened model extended to `units` blocks by repeating its last block."""
+    k = len(facts.unit_saved_bytes)
+    if k == 0:
+        return facts
+    extra = units - k
+    per_unit_other = facts.unit_other_bytes // k
+    saved = facts.unit_saved_bytes + (facts.unit_saved_bytes[-1],) * extra
+    return dataclasses.replace(
+        facts,
+        saved_bytes=facts.root_saved_bytes + sum(saved),
+        unit_saved_bytes=saved,
+        unit_input_bytes=facts.unit_input_bytes + (facts.unit_input_bytes[-1],) * extra,
+        unit_matmul_flops=tuple((size, flops * units // k) for size, flops in facts.unit_matmul_flops),
+        other_bytes=facts.other_bytes + per_unit_other * extra,
+        unit_other_bytes=facts.unit_other_bytes + per_unit_other * extra,
+    )
+
+
+def outer_units(module: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Any]:
+    """The unit specs activation checkpointing wraps: outermost, not the root (as the engine picks them)."""
+    specs = [s for s in discover_units(module, unit_classes) if s.name]
+    paths = {s.name for s in specs}
+    return [s for s in specs if not any(s.name.startswith(f"{o}.") for o in paths)]
+
+
+# -- sources ------------------------------------------------------------------------------------------
+def gpt_inputs(micro_batch: int, seq_len: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    idx = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+    return (idx, idx), {}
+
+
+def hf_inputs(micro_batch: int, seq_len: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    idx = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+    return (), {"input_ids": idx, "labels": idx}
+
+
+def from_preset(name: str, unit_classes: tuple[str, ...] = (), **overrides: Any) -> ModelFacts:
+    """A demo GPT preset (zeroinf.models.gpt.PRESETS), built on the meta device."""
+    from zeroinf.models.gpt import GPTConfig
+
+    return from_gpt_config(GPTConfig.preset(name, **overrides), unit_classes, name=f"GPT {name}")
+
+
+def from_gpt_config(gpt: Any, unit_classes: tuple[str, ...] = (), name: str = "GPT") -> ModelFacts:
+    from zeroinf.models.gpt import GPT
+
+    def build(n_layer: int) -> nn.Module:
+        with torch.device("meta"):
+            return GPT(dataclasses.replace(gpt, n_layer=n_layer))
+
+    facts = from_module(build(gpt.n_layer), gpt_inputs, unit_classes, name=name, seq_len=gpt.seq_len)
+    if gpt.n_layer > SHORT_BLOCKS and not unit_classes:
+        facts.short_module = lambda: build(SHORT_BLOCKS)
+    return facts
+
+
+def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
+    """A Hugging Face causal LM from its folder or config.json, built on the meta device (no weight read)."""
+    path = Path(path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise FileNotFoundError(f"--hf {str(path)!r}: no config.json there; pass a model folder or its config.json")
+    try:
+        data = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_file} is not a Hugging Face model config (a JSON object)")
+    model_type = data.get("model_type")
+    if not model_type:
+        raise ValueError(f"{config_file} has no model_type: it is not a Hugging Face model config")
+    name = f"{(data.get('architectures') or [model_type])[0]} ({config_file.parent.name or config_file.name})"
+    from zeroinf.planner import decoder
+
+    if decoder.supports(data) and not unit_classes:  # Llama-family: built here, no transformers import
+        return _from_decoder(data, name)
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ImportError("reading a Hugging Face config needs transformers: pip install 'zeroinf[hf]'") from None
+    config = AutoConfig.for_model(**data)
+    seq_len = getattr(config, "max_position_embeddings", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    uniform = not any(key in data for key in ("layer_types", "block_types", "hybrid_override_pattern"))
+    if isinstance(layers, int) and layers > SHORT_BLOCKS and uniform and not unit_classes:
+        # A deep model of identical blocks: build SHORT_BLOCKS of them and repeat the last one's
+        # shapes (an 80-block 70B model is then planned in about a second, its pass measured short).
+        short_config = AutoConfig.for_model(**{**data, "num_hidden_layers": SHORT_BLOCKS})
+        with torch.device("meta"):
+            short = AutoModelForCausalLM.from_config(short_config)
+        facts = from_module(short, hf_inputs, unit_classes, name=name, seq_len=seq_len)
+        expanded = expand_blocks(facts.units, SHORT_BLOCKS, layers)
+        if expanded is not None:
+            units, per_block = expanded
+            facts.units = units
+            facts.param_count += (layers - SHORT_BLOCKS) * per_block
+            facts.outer_count = layers
+            return facts
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    facts = from_module(model, hf_inputs, unit_classes, name=name, seq_len=seq_len)
+    if isinstance(layers, int) and layers > SHORT_BLOCKS and uniform and not unit_classes:
+
+        def short_module() -> nn.Module:
+            with torch.device("meta"):
+                short_config = AutoConfig.for_model(**{**data, "num_hidden_layers": SHORT_BLOCKS})
+                return AutoModelForCausalLM.from_config(short_config)
+
+        facts.short_module = short_module
+    return facts
+
+
+def _from_decoder(data: dict[str, Any], name: str) -> ModelFacts:
+    """Facts of a Llama-family config through planner/decoder.py (same names and shapes as transformers)."""
+    from zeroinf.planner.decoder import Decoder
+
+    layers = int(data["num_hidden_layers"])
+    short = min(layers, SHORT_BLOCKS)
+    with torch.device("meta"):
+        model = Decoder({**data, "num_hidden_layers": short})
+    facts = from_module(model, hf_inputs, name=name, seq_len=data.get("max_position_embeddings"))
+    if layers > short:
+        expanded = expand_blocks(facts.units, short, layers)
+        if expanded is None:  # not shaped as expected: the whole model
+            with torch.device("meta"):
+                return from_module(Decoder(data), hf_inputs, name=name, seq_len=data.get("max_position_embeddings"))
+        facts.units, per_block = expanded
+        facts.param_count += (layers - short) * per_block
+        facts.outer_count = layers
+    return facts
+
+
+def expand_blocks(
+    units: tuple[UnitShape, ...], short: int, full: int
+) -> tuple[tuple[UnitShape, ...], int] | None:
+    """The units of a model of `full` identical blocks from those of the same model with `short`
+    blocks (units `<prefix>.0` .. `<prefix>.<short-1>`), and the elements of one block; None when the
+    units are not shaped like that."""
+    blocks = [(i, u) for i, u in enumerate(units) if re.fullmatch(r".+\.\d+", u.name) and not u.frozen]
+    if len(blocks) != short:
+        return None
+    prefix = blocks[0][1].name.rsplit(".", 1)[0]
+    if [u.name for _, u in blocks] != [f"{prefix}.{i}" for i in range(short)]:
+        return None
+    first, last = blocks[0][0], blocks[-1][0]
+    if last - first != short - 1:
+        return None
+    template = blocks[-1][1]
+    old = f"{prefix}.{short - 1}."
+
+    def block(i: int) -> UnitShape:
+        if i < short:
+            return blocks[i][1]
+        new = f"{prefix}.{i}."
+        params = tuple((new + n[len(old):] if n.startswith(old) else n, s) for n, s in template.params)
+        return UnitShape(f"{prefix}.{i}", params)
+
+    out = units[:first] + tuple(block(i) for i in range(full)) + units[last + 1 :]
+    return out, template.numel
+
+
+def from_module(
+    model: nn.Module,
+    example_inputs: ExampleInputs | None,
+    unit_classes: tuple[str, ...] = (),
+    name: str | None = None,
+    seq_len: int | None = None,
+) -> ModelFacts:
+    """Any module: real, on the meta device, or built under `zeroinf.init()` (parked parameters)."""
+    specs = discover_units(model, unit_classes)
+    if not specs:
+        raise ValueError("the model has no trainable parameters: nothing to plan")
+    units = tuple(UnitShape.of(spec) for spec in specs)
+    count = sum(p.numel() for p in model.parameters())
+    if seq_len is None:
+        seq_len = getattr(getattr(model, "cfg", None), "seq_len", None)
+    return ModelFacts(name or type(model).__name__, units, count, seq_len, model, example_inputs, unit_classes)
+
+
+# -- one forward on fake tensors ------------------------------------------------------------------------
+def _size_bucket(flops: int) -> int:
+    """Cube root of m*n*k for a matmul of `flops` = 2*m*n*k, rounded to a power of two (>= 16)."""
+    side = (max(flops, 2) / 2) ** (1 / 3)
+    return max(16, 2 ** round(math.log2(side)))
+
+
+def _sdpa_cpu_flops(args: tuple, kwargs: dict) -> int:
+    q, k = args[0], args[1]
+    *batch, tq, d = q.shape
+    tk = k.shape[-2]
+    flops = 4 * math.prod(batch) * tq * tk * d
+    causal = kwargs.get("is_causal", args[4] if len(args) > 4 else False)
+    return flops // 2 if causal else flops
+
+
+class _PassCounter(TorchDispatchMode):
+    """Counts matmul FLOPs (by size) and the bytes other operators move, attributed to the current unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry = flop_registry
+        self.in_unit = False
+        self.flops: dict[tuple[bool, int], int] = defaultdict(int)  # (in a unit, size) -> FLOPs
+        self.other_bytes = 0
+        self.unit_other_bytes = 0
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        flops = 0
+        if packet in self.registry:
+            flops = int(self.registry[packet](*args, **kwargs, out_val=out))
+        elif "scaled_dot_product" in packet.__name__:
+            flops = _sdpa_cpu_flops(args, kwargs)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in outs:
+            self.largest = max(self.largest, t.numel() * t.element_size())
+        if flops:
+            self.flops[(self.in_unit, _size_bucket(flops))] += flops
+            return out
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        in_storages = {t.untyped_storage()._cdata for t in ins}
+        if any(t.untyped_storage()._cdata in in_storages for t in outs):
+            return out  # a view or an in-place op on its input: no new memory traffic counted
+        moved = sum(t.numel() * t.element_size() for t in ins + outs)
+        self.other_bytes += moved
+        self.unit_other_bytes += moved if self.in_unit else 0
+        return out
+
+
+def _fake_model_state(module: nn.Module, mode: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """Fake copies of the module's parameters (in `dtype`) and buffers, on `device`."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def fake(t: torch.Tensor, cast: bool) -> torch.Tensor:
+        meta = t.detach().to("meta")
+        if cast and meta.is_floating_point():
+            meta = meta.to(dtype)
+        return FakeTensor(mode, meta, device)
+
+    state: dict[str, Any] = {}
+    made: dict[int, nn.Parameter] = {}  # tied parameters stay one object
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in made:
+            made[id(p)] = nn.Parameter(fake(p, cast=True), requires_grad=p.requires_grad)
+        state[name] = made[id(p)]
+    for name, b in module.named_buffers(remove_duplicate=False):
+        persistent_float = b.is_floating_point()
+        state[name] = fake(b, cast=persistent_float and b.dtype != torch.float32)
+    return state
+
+
+def measure_pass(
+    module: nn.Module,
+    example_inputs: ExampleInputs,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    device: torch.device,
+    unit_classes: tuple[str, ...] = (),
+) -> PassFacts:
+    """One training forward of `module` on fake tensors: saved bytes per unit, FLOPs, traffic."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch_dtype = DTYPES[dtype]
+    outer = outer_units(module, unit_classes)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = _fake_model_state(module, mode, torch_dtype, torch.device(device.type))
+    param_ids = {id(v) for v in state.values() if isinstance(v, nn.Parameter)}
+    counter = _PassCounter()
+    current: list[int] = []  # stack of outermost units running now
+    saved = [0] * len(outer)
+    inputs = [0] * len(outer)
+    root_saved = 0
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal root_saved
+        base = t
+        while base._base is not None:
+            base = base._base
+        if id(base) in param_ids or id(t) in param_ids:
+            return t
+        key = t.untyped_storage()._cdata
+        if key not in seen:
+            seen.add(key)
+            nbytes = t.untyped_storage().nbytes()
+            if current:
+                saved[current[-1]] += nbytes
+            else:
+                root_saved += nbytes
+        return t
+
+    def pre(index: int, args: Any, kwargs: Any) -> None:
+        if not current:
+            inputs[index] += sum(
+                t.numel() * t.element_size() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+            )
+        current.append(index)
+        counter.in_unit = True
+
+    def post(index: int) -> None:
+        current.pop()
+        counter.in_unit = bool(current)
+
+    handles = []
+    for i, spec in enumerate(outer):
+        handles.append(spec.module.register_forward_pre_hook(lambda m, a, k, i=i: pre(i, a, k), with_kwargs=True))
+        handles.append(spec.module.register_forward_hook(lambda m, a, o, i=i: post(i)))
+    try:
+        with mode, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            args, kwargs = example_inputs(micro_batch, seq_len)
+            torch.func.functional_call(module, state, args, kwargs, strict=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return PassFacts(
+        micro_batch, seq_len, dtype,
+        saved_bytes=root_saved + sum(saved),
+        root_saved_bytes=root_saved,
+        unit_saved_bytes=tuple(saved),
+        unit_input_bytes=tuple(inputs),
+        largest_tensor_bytes=counter.largest,
+        root_matmul_flops=tuple(sorted((s, f) for (u, s), f in counter.flops.items() if not u)),
+        unit_matmul_flops=tuple(sorted((s, f) for (u, s), f in counter.flops.items() if u)),
+        other_bytes=counter.other_bytes,
+        unit_other_bytes=counter.unit_other_bytes,
+    )

@@ -1,0 +1,267 @@
+"""The per-unit plan: what `shard` will build for each unit, computed before any memory is touched.
+
+A pure function of plain data: the units' parameter shapes (`UnitShape`, from unit discovery or a
+model built on the meta device), the `Config` and the world size. For each unit it fixes the flat
+layout, whether the unit stays unsharded (resident), where its parameter shard lives, and the bytes
+of every shard, swap slot and staging buffer the engine allocates for it. The engine builds from
+this plan (`Engine.unit_plan`: residency, swap files, staging pools, optimizer sub-groups) and the
+estimator (planner/estimate.py) reads the same plan, so the prediction cannot drift from the engine.
+
+Sizes are per rank: every rank's shard of a unit has the same size (the flat buffer is padded to
+`world_size` equal shards), so the plan does not depend on the rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from zeroinf.aio.buffers import round_up
+from zeroinf.aio.config import AioConfig
+from zeroinf.config import DTYPES, Config, OffloadConfig
+from zeroinf.memory import Tier
+from zeroinf.optim.pipeline import SubGroup, plan_sub_groups
+from zeroinf.partition.flat_buffer import FlatLayout
+from zeroinf.partition.shard_home import GRAD_KIND as GRAD_SWAP_KIND
+from zeroinf.partition.shard_home import PARAM_KIND as PARAM_SWAP_KIND
+
+SWAP_ALIGN_BYTES = 4096  # offsets of shards in the swap files, and staging buffer sizes
+PARAM_STAGING_EXTRA = 3  # staging buffers beyond read-ahead: the unit running now, one being gathered, one write
+OPTIMIZER_SWAP_KINDS = ("optimizer_master", "optimizer_exp_avg", "optimizer_exp_avg_sq")  # swap kinds = NVME tags
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """A unit before it is built, as plain data: its name ("" for the root) and its parameters' shapes."""
+
+    name: str
+    params: tuple[tuple[str, tuple[int, ...]], ...]
+    frozen: bool = False
+    """A unit of frozen parameters (stage 3, e.g. a LoRA base): gathered like the rest, no gradient or
+    optimizer state."""
+
+    @property
+    def key(self) -> str:
+        """The unit's name among units, as `UnitSpec.key`: a frozen unit is told from its trainable twin."""
+        return f"{self.name}#frozen" if self.frozen else self.name
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.params)
+
+    @classmethod
+    def of(cls, spec: object) -> UnitShape:
+        """From a `partition.wrap.UnitSpec` (its parameters may live on any device, meta included)."""
+        params = tuple((n, tuple(p.shape)) for n, p in spec.params)  # type: ignore[attr-defined]
+        return cls(spec.name, params, bool(getattr(spec, "frozen", False)))  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit as the engine builds it, on every rank."""
+
+    name: str
+    layout: FlatLayout
+    resident: bool
+    """Stays unsharded for the whole run (stages 0-2: every unit; stage 3: the root and small units)."""
+    param_tier: Tier
+    """Where the compute-dtype parameter shard lives between uses (stage 3); DEVICE otherwise."""
+    param_itemsize: int
+    reduce_itemsize: int
+    owned_numel: int
+    """Elements this rank's optimizer steps: the whole flat buffer at stage 0, one shard from stage 1;
+    0 for a frozen unit."""
+    frozen: bool = False
+
+    @property
+    def key(self) -> str:
+        """The unit's name among units (`UnitSpec.key`, `ShardedUnit.name`)."""
+        return f"{self.name}#frozen" if self.frozen else self.name
+
+    @property
+    def swap_key(self) -> str:
+        """The unit's name in the swap layouts."""
+        return self.key or "<root>"
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return self.layout.padded_numel * self.param_itemsize
+
+    @property
+    def shard_bytes(self) -> int:
+        """This rank's compute-dtype parameter shard (stage 3)."""
+        return self.layout.shard_numel * self.param_itemsize
+
+    @property
+    def grad_unsharded_bytes(self) -> int:
+        return self.layout.padded_numel * self.reduce_itemsize
+
+    @property
+    def grad_shard_bytes(self) -> int:
+        """The reduced gradient shard in memory (reduce dtype); on NVMe it is stored as fp32."""
+        return self.layout.shard_numel * self.reduce_itemsize
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """A fixed pool of aligned host buffers."""
+
+    count: int
+    buffer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.count * self.buffer_bytes
+
+
+@dataclass(frozen=True)
+class OptimizerStaging:
+    """How NVMe optimizer states stream: sub-groups, staging buffers, and the master assembly buffer."""
+
+    sub_groups: tuple[SubGroup, ...]
+    state_bytes: int
+    """Bytes of one state of the largest sub-group, aligned; a staging buffer holds three."""
+    pool: StagingPlan
+    assembly_numel: int
+    """fp32 elements of the buffer that assembles a unit split into several sub-groups (0: none)."""
+
+    @property
+    def host_bytes(self) -> int:
+        return self.pool.total_bytes + self.assembly_numel * FP32_BYTES
+
+    def swap_bytes(self) -> dict[tuple[str, str], int]:
+        return {(sg.key, kind): sg.numel * FP32_BYTES for kind in OPTIMIZER_SWAP_KINDS for sg in self.sub_groups}
+
+    @cached_property
+    def file_bytes(self) -> int:
+        """Bytes of one state kind's swap file (the three are the same size), as tiers/nvme.py lays it out."""
+        return sum(round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES) for sg in self.sub_groups)
+
+
+def plan_optimizer_staging(owned_numels: Sequence[int], offload: OffloadConfig, aio: AioConfig) -> OptimizerStaging:
+    """Sub-groups of at most `offload.sub_group_numel` and the pool that stages them (pure)."""
+    return _optimizer_staging(tuple(owned_numels), offload.sub_group_numel, offload.buffer_count, aio.alignment_bytes)
+
+
+@functools.lru_cache(maxsize=16)  # a plan weighs many placements of the same units
+def _optimizer_staging(
+    owned_numels: tuple[int, ...], sub_group_numel: int, buffer_count: int, alignment: int
+) -> OptimizerStaging:
+    sub_groups = tuple(plan_sub_groups(list(owned_numels), sub_group_numel))
+    slot_numel = max((sg.numel for sg in sub_groups), default=1)
+    state_bytes = round_up(slot_numel * FP32_BYTES, alignment)
+    assembly_numel = max((sg.unit_numel for sg in sub_groups if not sg.whole_unit), default=0)
+    return OptimizerStaging(sub_groups, state_bytes, StagingPlan(buffer_count, 3 * state_bytes), assembly_numel)
+
+
+def _check_tiers(cfg: Config) -> None:
+    tiers = (cfg.stage, cfg.offload.params, cfg.offload.optimizer, cfg.offload.gradients, cfg.param_dtype)
+    if "auto" in tiers or cfg.activation_checkpointing == "auto":
+        raise ValueError(
+            "plan_units needs a concrete Config; resolve its 'auto' fields first (zeroinf.plan(...).config)"
+        )
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The per-unit plan of a whole model under one Config and world size."""
+
+    units: tuple[UnitPlan, ...]
+    cfg: Config
+    world_size: int
+
+    @cached_property
+    def _by_name(self) -> dict[str, UnitPlan]:
+        return {u.key: u for u in self.units}
+
+    def unit(self, key: str) -> UnitPlan:
+        """The unit of this key (`UnitSpec.key`: the name, with `#frozen` for a frozen unit)."""
+        try:
+            return self._by_name[key]
+        except KeyError:
+            raise KeyError(f"the unit plan has no unit {key!r}; units: {[u.key for u in self.units][:8]}") from None
+
+    @property
+    def trainable_units(self) -> tuple[UnitPlan, ...]:
+        """Units with gradients and optimizer state (`Engine.units`); frozen units come after them."""
+        return tuple(u for u in self.units if not u.frozen)
+
+    @property
+    def sharded_units(self) -> tuple[UnitPlan, ...]:
+        """Units gathered before use and freed after (stage 3, not resident)."""
+        return tuple(u for u in self.units if not u.resident)
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @property
+    def owned_numel(self) -> int:
+        return sum(u.owned_numel for u in self.units)
+
+    # -- parameters on NVMe (partition/offload.py) -----------------------------------------------------
+    def param_swap_bytes(self) -> dict[tuple[str, str], int]:
+        """Slots of the parameter swap file: every non-resident unit's shard (offload.params = nvme)."""
+        return {(u.swap_key, PARAM_SWAP_KIND): u.shard_bytes for u in self.sharded_units}
+
+    def param_staging(self) -> StagingPlan:
+        """Host buffers for NVMe parameter shards in flight: the units the prefetcher may read ahead
+        (bounded by `prefetch_bytes` and the smallest unit) and `PARAM_STAGING_EXTRA`."""
+        sharded = self.sharded_units
+        if not sharded:
+            raise ValueError("offload.params = 'nvme' but every unit is resident; lower persist_threshold_bytes")
+        smallest = min(u.unsharded_bytes for u in sharded)
+        prefetch = self.cfg.prefetch_bytes
+        ahead = min(len(sharded), math.ceil(prefetch / smallest) if prefetch else 0)
+        buffer_bytes = round_up(max(u.shard_bytes for u in sharded), SWAP_ALIGN_BYTES)
+        return StagingPlan(ahead + PARAM_STAGING_EXTRA, buffer_bytes)
+
+    # -- gradients on NVMe --------------------------------------------------------------------------------
+    def grad_swap_bytes(self) -> dict[tuple[str, str], int]:
+        """Slots of the gradient swap file: every trainable unit's fp32 gradient shard."""
+        return {(u.swap_key, GRAD_SWAP_KIND): FP32_BYTES * u.layout.shard_numel for u in self.trainable_units}
+
+    # -- optimizer states ---------------------------------------------------------------------------------
+    def optimizer_staging(self, aio: AioConfig | None = None) -> OptimizerStaging:
+        owned = [u.owned_numel for u in self.trainable_units]
+        return plan_optimizer_staging(owned, self.cfg.offload, aio or AioConfig())
+
+
+def is_resident(unit: UnitShape, cfg: Config, world_size: int, layout: FlatLayout | None = None) -> bool:
+    """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded; stages 0-2 all."""
+    if cfg.stage < 3:
+        return True
+    layout = layout or FlatLayout.build(list(unit.params), world_size)
+    return unit.name == "" or layout.padded_numel * DTYPES[cfg.param_dtype].itemsize < cfg.persist_threshold_bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(unit: UnitShape, world_size: int) -> FlatLayout:
+    return FlatLayout.build([(n, torch.Size(s)) for n, s in unit.params], world_size)
+
+
+def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int) -> ModelPlan:
+    """The plan of every unit (in the order given: unit discovery's order, root last). Pure."""
+    _check_tiers(cfg)
+    if world_size < 1:
+        raise ValueError(f"world_size = {world_size} is invalid: use a positive number of ranks")
+    param_itemsize = DTYPES[cfg.param_dtype].itemsize
+    reduce_itemsize = DTYPES[cfg.reduce_dtype].itemsize
+    planned = []
+    for unit in units:
+        layout = _layout(unit, world_size)
+        resident = is_resident(unit, cfg, world_size, layout)
+        tier = Tier(cfg.offload.params) if cfg.stage == 3 and not resident else Tier.DEVICE
+        owned = 0 if unit.frozen else layout.shard_numel if cfg.stage >= 1 else layout.padded_numel
+        planned.append(UnitPlan(unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned, unit.frozen))
+    return ModelPlan(tuple(planned), cfg, world_size)

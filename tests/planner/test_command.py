@@ -1,0 +1,129 @@
+"""`zeroinf plan`: the table, the JSON, Hugging Face configs read without weights, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import zeroinf
+from zeroinf import cli
+
+SRC = str(Path(zeroinf.__file__).resolve().parents[1])
+LLAMA_70B = {  # Llama 3.1 70B's config.json, the fields that shape the model
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+TINY_LLAMA = {**LLAMA_70B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256}
+
+
+@pytest.fixture(autouse=True)
+def _no_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ZEROINF_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_table_lists_placements_and_marks_the_best(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _main(["plan", "--model", "tiny", "--world", "2", "--tokens", "512"], capsys)
+    assert code == 0
+    assert "fastest that fits" in out and "yes*" in out
+    assert "st params optim  grads  ckpt" in out and "step s" in out and "bound" in out
+    assert "machine profile: conservative defaults; run `zeroinf plan --measure`" in out
+
+
+def test_json_is_one_object_for_programs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = _main(
+        ["plan", "--model", "small", "--stage", "3", "--nvme-dir", str(tmp_path), "--json"], capsys
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert data["param_count"] > 3e6 and data["best"]["fits"]
+    assert {c["placement"]["stage"] for c in data["candidates"]} == {3}
+    first = data["candidates"][0]
+    assert set(first["peak_bytes"]) == {"device", "host", "nvme"}
+    assert set(first["time"]) >= {"compute_s", "collectives_s", "nvme_io_s", "optimizer_s", "step_s", "bound"}
+    assert data["machine"]["measured"] is False
+
+
+def test_hf_config_is_read_without_weights(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    code, out, _ = _main(["plan", "--hf", str(tmp_path), "--json", "--seq-len", "128"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    expected = 512 * 64 * 2 + 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64) + 64
+    assert data["param_count"] == expected
+    assert data["workload"]["seq_len"] == 128
+    assert os.listdir(tmp_path) == ["config.json"]
+
+
+def test_70b_llama_answers_in_seconds_without_weights(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "zeroinf", "plan", "--hf", str(tmp_path), "--nvme-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": SRC, "ZEROINF_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    seconds = time.perf_counter() - t0
+    assert done.returncode == 0, done.stderr
+    assert "LlamaForCausalLM" in done.stdout and "70.6B parameters" in done.stdout
+    assert "fastest that fits" in done.stdout or "nothing fits" in done.stdout
+    print(f"zeroinf plan --hf <70B Llama config>: {seconds:.1f} s (the issue asks < 5 s on an idle machine)")
+    assert seconds < 60
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["plan", "--hf", "{d}/nope"], "no config.json there"),
+        (["plan", "--hf", "{d}/noconfig"], "no config.json there"),
+        (["plan", "--hf", "{d}/no_type.json"], "has no model_type"),
+        (["plan", "--hf", "{d}/broken.json"], "not valid JSON"),
+        (["plan", "--model", "tiny", "--world", "0"], "--world 0 is invalid"),
+        (["plan", "--model", "tiny", "--batch", "4"], "--batch needs --seq-len"),
+        (["plan", "--model", "tiny", "--tokens", "0"], "--tokens 0 is invalid"),
+    ],
+)
+def test_bad_inputs_are_one_line_errors(
+    argv: list[str], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "noconfig").mkdir()
+    (tmp_path / "no_type.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "broken.json").write_text("{not json")
+    code, _, err = _main([a.replace("{d}", str(tmp_path)) for a in argv], capsys)
+    assert code == 2
+    assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_accepts_a_module_built_under_init() -> None:
+    from zeroinf.models.gpt import GPT, GPTConfig
+
+    cfg = zeroinf.Config(stage=3)
+    with zeroinf.init(cfg):
+        model = GPT(GPTConfig(seq_len=64, n_layer=3, n_head=2, d_model=128))
+    result = zeroinf.plan(model, cfg, seq_len=64, tokens_per_step=128)
+    assert len(result.estimates) == 1 and result.pass_facts is not None
+    assert result.param_count == sum(p.numel() for p in model.parameters())
+    custom = zeroinf.plan(torch_stack(), zeroinf.Config(stage=3))  # a module it cannot call: bytes only
+    assert custom.pass_facts is None and any("example_inputs" in n for n in custom.notes)
+
+
+def torch_stack() -> object:
+    from torch import nn
+
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
