@@ -13,11 +13,11 @@ from zeroinf.config import Config, LossScaleConfig, OffloadConfig
 
 # (test id, data for Config.from_dict, field the error must name, fragment of the fix it must give)
 INVALID: list[tuple[str, dict[str, Any], str, str]] = [
-    ("stage-5", {"stage": 5}, "stage", "use 0, 1, 2 or 3"),
-    ("stage-str", {"stage": "2"}, "stage", "use 0, 1, 2 or 3"),
-    ("stage-bool", {"stage": True}, "stage", "use 0, 1, 2 or 3"),
-    ("stage-negative", {"stage": -1}, "stage", "use 0, 1, 2 or 3"),
-    ("param-dtype-int8", {"param_dtype": "int8"}, "param_dtype", "use one of ['bf16', 'fp16', 'fp32']"),
+    ("stage-5", {"stage": 5}, "stage", 'use 0, 1, 2, 3 or "auto"'),
+    ("stage-str", {"stage": "2"}, "stage", 'use 0, 1, 2, 3 or "auto"'),
+    ("stage-bool", {"stage": True}, "stage", 'use 0, 1, 2, 3 or "auto"'),
+    ("stage-negative", {"stage": -1}, "stage", 'use 0, 1, 2, 3 or "auto"'),
+    ("param-dtype-int8", {"param_dtype": "int8"}, "param_dtype", "use one of ['bf16', 'fp16', 'fp32', 'auto']"),
     ("reduce-dtype-fp16", {"reduce_dtype": "fp16"}, "reduce_dtype", "use fp32 or bf16"),
     ("reduce-dtype-half-alias", {"reduce_dtype": "half"}, "reduce_dtype", "use fp32 or bf16"),
     ("grad-accum-0", {"grad_accum_steps": 0}, "grad_accum_steps", "use a positive integer"),
@@ -73,7 +73,7 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "offload-params-gpu",
         {"offload": {"params": "gpu"}},
         "offload.params",
-        "use one of ['device', 'host', 'nvme']",
+        "use one of ['device', 'host', 'nvme', 'auto']",
     ),
     ("offload-optimizer-nvme-no-dir", {"offload": {"optimizer": "nvme"}}, "offload.nvme_dir", "set nvme_dir"),
     (

@@ -89,11 +89,15 @@ class Engine:
             built: list[ShardedUnit] = materialize_and_build(  # type: ignore[assignment]
                 module, self.all_specs, self._build_unit, topo.device, init_fn, weights
             )
+            if weights is not None:
+                weights.release_scratch()
         else:
             if init_fn is not None:
                 with torch.no_grad():
                     module.apply(init_fn)
             built = [self._build_unit(spec) for spec in self.all_specs]
+        if self.param_files is not None:
+            self.param_files.max_pending_writes = None
         self.units = built[: len(specs)]
         self.frozen_units = built[len(specs) :]
         self.all_units = built  # trainable first: a trainable unit's index is the same in both lists
@@ -146,15 +150,17 @@ class Engine:
         if tier is Tier.NVME:
             self.param_files = open_param_files(self.unit_plan, self.cfg, self.topo, ledger)
             files = self.param_files
+            if files is not None:
+                files.max_pending_writes = 1  # while building (see NvmeParamFiles); lifted once built
             if files is not None:  # None: every unit is resident, nothing goes to NVMe
                 weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
                 return lambda name, initial, resident: (
-                    MemoryHome(initial, Tier.DEVICE, device, ledger, transfers)
+                    MemoryHome(initial, Tier.DEVICE, device, ledger, transfers, alias=True)
                     if resident
                     else NvmeHome(name, initial, files, device, transfers)
                 )
         return lambda name, initial, resident: MemoryHome(
-            initial, Tier.DEVICE if resident else tier, device, ledger, transfers
+            initial, Tier.DEVICE if resident else tier, device, ledger, transfers, alias=resident
         )
 
     def _build_unit(self, spec: UnitSpec) -> ShardedUnit:

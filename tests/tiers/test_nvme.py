@@ -117,6 +117,26 @@ def test_missing_folder_is_created(tmp_path: Path, engine: AioEngine) -> None:
     assert (tmp_path / "absent").is_dir()  # the folder stays; the files go
 
 
+def test_a_folder_another_rank_created_meanwhile_is_success(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks race to create the folder: the one whose mkdir finds it already there goes on."""
+    from zeroinf.tiers import nvme
+
+    folder = tmp_path / "swap"
+    real_isdir = os.path.isdir
+    seen = []
+
+    def isdir_racing(path: str) -> bool:  # the first check runs before the other rank's mkdir
+        seen.append(path)
+        if len(seen) == 1:
+            os.mkdir(path)
+            return False
+        return real_isdir(path)
+
+    monkeypatch.setattr(nvme.os.path, "isdir", isdir_racing)
+    nvme.ensure_swap_folder(str(folder))
+    assert real_isdir(folder)
+
+
 def test_missing_parent_of_the_folder(tmp_path: Path, engine: AioEngine) -> None:
     layout = plan_swap_layout({("u", "param"): 4096}, tmp_path / "no" / "absent", rank=0)
     with pytest.raises(AioError, match=r"absent' does not exist.*parent .*/no' does not exist either") as info:

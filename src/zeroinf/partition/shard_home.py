@@ -46,15 +46,21 @@ class MemoryHome:
 
     def __init__(
         self, initial: torch.Tensor, tier: Tier, device: torch.device, ledger: Ledger,
-        transfers: Transfers | None = None,
+        transfers: Transfers | None = None, alias: bool = False,
     ) -> None:
+        """`alias`: a resident unit's shard is its slice of the unit's whole buffer on the device,
+        which never goes away; that slice is the shard (a copy would hold those bytes twice)."""
         self.tier, self.device = tier, device
         self.transfers = transfers or Transfers(device, ledger)
-        if tier is Tier.HOST:
+        if alias:
+            if tier is not Tier.DEVICE or initial.device != device:
+                raise ValueError(f"only a shard on the device ({device}) can alias, not one on {initial.device}")
+            self.shard = initial
+        elif tier is Tier.HOST:
             self.shard = host_zeros(initial.numel(), initial.dtype, ledger, "param_shard")
             self.shard.copy_(initial)
         else:
-            self.shard = initial.clone()
+            self.shard = initial.to(device, copy=True)
             ledger.reserve(Tier.DEVICE, self.shard.numel() * self.shard.element_size(), "param_shard")
         self._copy: DeviceCopy | None = None  # the last copy of the host shard to the device
         self._incoming: Landing | None = None  # new values on their way from a device optimizer
@@ -96,12 +102,23 @@ class NvmeParamFiles:
     def __init__(self, swap: NvmeSwap, engine: AioEngine, pool: BufferPool, timeout_s: float) -> None:
         self.swap, self.engine, self.pool, self.timeout_s = swap, engine, pool, timeout_s
         self.pending_writes: deque[tuple[AioHandle, PoolBuffer]] = deque()
+        # While the model is built, each unit is written once, unit after unit: one write in flight
+        # overlaps reading the next unit, and the build touches two staging buffers, not the whole
+        # pool (the engine lifts the bound once built). None: bounded by the pool only.
+        self.max_pending_writes: int | None = None
         self.io_wait_s = 0.0  # time the training thread blocked on parameter I/O
         self.io_busy_s = 0.0  # time parameter requests were in flight (hidden or not)
 
     def reserve(self) -> PoolBuffer:
-        # Writes return their buffer only when waited on: wait the oldest before blocking on the pool.
-        while self.pool.free_count == 0 and self.pending_writes:
+        # Writes return their buffer only when waited on: take back those already done first (the
+        # pool lends its most recently used buffer, so a build that writes unit after unit touches
+        # two buffers, not the whole pool), then wait the oldest before blocking on the pool.
+        while self.pending_writes and self.pending_writes[0][0].done():
+            self.retire_oldest_write()
+        while self.pending_writes and (
+            self.pool.free_count == 0
+            or (self.max_pending_writes is not None and len(self.pending_writes) >= self.max_pending_writes)
+        ):
             self.retire_oldest_write()
         return self.pool.reserve(timeout_s=self.timeout_s)
 

@@ -95,12 +95,16 @@ class UnitSource(Protocol):
     """Initial values of a unit that are not in its parameters (a checkpoint's files): flat
     elements [start, end) of `layout` in `dtype`, on the CPU, padding zero."""
 
-    def read(self, layout: FlatLayout, start: int, end: int, dtype: torch.dtype) -> torch.Tensor: ...
+    def read(
+        self, layout: FlatLayout, start: int, end: int, dtype: torch.dtype, scratch: bool = False
+    ) -> torch.Tensor:
+        """`scratch`: the result may live in a buffer the source reuses at its next such read."""
+        ...
 
 
 def default_home_factory(device: torch.device, ledger: Ledger, transfers: Transfers | None = None) -> HomeFactory:
     """Every shard on the device (stage 3 without parameter offload)."""
-    return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE, device, ledger, transfers)
+    return lambda name, initial, resident: MemoryHome(initial, Tier.DEVICE, device, ledger, transfers, alias=resident)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -197,13 +201,14 @@ class ShardedUnit:
         """
         device = self.topo.device
         start, end = self.layout.shard_range(self.topo.rank)
-        shard = source.read(self.layout, start, end, param_dtype).to(device)
-        self.param_flat = torch.zeros(self.layout.padded_numel, dtype=param_dtype, device=device)
-        if not self.policy.shard_params or self.resident:
-            all_gather_into(self.param_flat, shard, self.topo, async_op=False)
+        shard = source.read(self.layout, start, end, param_dtype, scratch=True)
+        sharded = self.policy.shard_params and not self.resident
+        if sharded:  # the shard goes from the files to its home; the unit never exists whole here
+            self.param_flat = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
+            self.param_flat.untyped_storage().resize_(0)
         else:
-            self.param_flat[start:end].copy_(shard)
-        del shard
+            self.param_flat = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
+            all_gather_into(self.param_flat, shard.to(device), self.topo, async_op=False)
         self.initial_master = None
         self._master_taken = False
         owned = (self.owned_start, self.owned_end)
@@ -211,17 +216,25 @@ class ShardedUnit:
         for p in self.params:
             if p.is_meta:  # a placeholder of a parameter read from files: give it a real (empty) tensor
                 swap_data(p, torch.empty((0,) * max(1, p.dim()), dtype=param_dtype, device=device))
-        self._finish_build(param_dtype)
+        self._finish_build(param_dtype, sharded_initial=shard if sharded else None)
 
-    def _finish_build(self, param_dtype: torch.dtype) -> None:
+    def _finish_build(self, param_dtype: torch.dtype, sharded_initial: torch.Tensor | None = None) -> None:
+        """Give the shard its home and point the parameters at their storage. `sharded_initial`: a
+        stage-3 unit built straight from its shard (param_flat has no storage): it starts sharded."""
         device = self.topo.device
-        self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_flat), "param_unsharded")
         self.home: ShardHome | None = None  # stage 3: where the compute-dtype shard lives between uses
         # Empty, but with each parameter's number of dimensions: code that tells matrices from vectors
         # by `p.dim()` (weight-decay groups) still works at stage 3, and any read of the data fails loudly.
         self._placeholders = [
             torch.empty((0,) * max(1, len(slot.shape)), dtype=param_dtype, device=device) for slot in self.layout.slots
         ]
+        if sharded_initial is not None:
+            self.home = self.home_factory(self.name, sharded_initial, False)
+            for p, placeholder in zip(self.params, self._placeholders, strict=True):
+                p.data = placeholder
+            self.state = ParamState.SHARDED
+            return
+        self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_flat), "param_unsharded")
         if self.policy.shard_params:
             start, end = self.layout.shard_range(self.topo.rank)
             self.home = self.home_factory(self.name, self.param_flat[start:end], self.resident)

@@ -10,8 +10,8 @@ Memory, per rank, by ledger tag:
 - `param_unsharded` (device): stages 0-2 every unit; stage 3 the resident units plus the largest
   set of non-resident units the prefetch plan keeps unsharded at once (runtime/prefetch.py, forward
   order and its reverse with the backward release lag).
-- `param_shard`: stage 3, resident units on the device, the others on `offload.params` (NVMe: the
-  swap file, and `param_staging` on the host).
+- `param_shard`: stage 3, the non-resident units' shards on `offload.params` (NVMe: the swap file,
+  and `param_staging` on the host); a resident unit's shard is a slice of its whole buffer.
 - `grad_unsharded` (device): stages 0-1 every unit's buffer lives until the end of backward; stages
   2-3 a unit's buffer is freed once reduced, at most three at once (two reductions in flight and one
   filling), plus at stage 3 the resident units' and at stage 2 with accumulation every buffer an
@@ -306,7 +306,6 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
         peak = max(_stage3_moments(plan), key=lambda m: sum(m.values()))
         for tag, nbytes in peak.items():
             add("device", tag, nbytes)
-        add("device", "param_shard", sum(u.shard_bytes for u in units if u.resident))
         shards = sum(u.shard_bytes for u in units if not u.resident)
         if o.params == "nvme" and plan.sharded_units:  # none sharded: all stay on the device
             add("nvme", "param_shard", _swap_file_bytes(plan.param_swap_bytes()))

@@ -55,11 +55,12 @@ def ensure_swap_folder(folder: str) -> None:
             f"offload.nvme_dir {folder!r} does not exist and cannot be created: its parent {parent!r} does "
             "not exist either; create the parent or choose another folder"
         )
-    with contextlib.suppress(FileExistsError):
-        try:
-            os.mkdir(folder)
-        except OSError as exc:
-            raise SwapFolderError(f"offload.nvme_dir {folder!r} does not exist and cannot be created: {exc}") from exc
+    try:
+        os.mkdir(folder)
+    except FileExistsError:  # another rank created it between the check and here
+        pass
+    except OSError as exc:
+        raise SwapFolderError(f"offload.nvme_dir {folder!r} does not exist and cannot be created: {exc}") from exc
     if not os.path.isdir(folder):
         raise SwapFolderError(f"offload.nvme_dir {folder!r} exists but is not a folder: choose another path")
 

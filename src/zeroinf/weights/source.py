@@ -43,6 +43,7 @@ class CheckpointWeights:
         -> true shape where the parameter object no longer shows it (a sharded placeholder);
         `buffers`: (key, tensor) of the persistent buffers (default: the model's own)."""
         self.folder = folder
+        self._scratches: dict[str, torch.Tensor] = {}
         key_map = key_map or (lambda k: k)
         self.key_map = key_map
         if names is None:
@@ -108,26 +109,56 @@ class CheckpointWeights:
         return any(id(p) in self.of_param for p in params)
 
     def read_range(
-        self, layout: FlatLayout, params: list[torch.Tensor], start: int, end: int, dtype: torch.dtype
+        self, layout: FlatLayout, params: list[torch.Tensor], start: int, end: int, dtype: torch.dtype,
+        scratch: bool = False,
     ) -> torch.Tensor:
         """Flat elements [start, end) of a unit (layout over `params`) in `dtype`, on the CPU: stored
-        parameters read from their files (only these bytes), others taken from their own values."""
-        out = torch.zeros(end - start, dtype=dtype)
-        pending = []
-        for piece in layout.pieces(start, end):
+        parameters read from their files (only these bytes), others taken from their own values,
+        padding zero. `scratch`: into a buffer this object reuses, valid until the next such read
+        (building a unit copies it away at once; a fresh buffer per unit would page-fault every byte)."""
+        n = end - start
+        out = self._scratch("out", n * dtype.itemsize).view(dtype) if scratch else torch.empty(n, dtype=dtype)
+        pieces = layout.pieces(start, end)
+        stored_of = [self.stored(params[piece.slot_index]) for piece in pieces]
+        convert = sum(
+            p.numel * st.dtype.itemsize for p, st in zip(pieces, stored_of, strict=True) if st and st.dtype != dtype
+        )
+        converting = self._scratch("convert", convert) if scratch and convert else None
+        pending, filled, used = [], start, 0
+        for piece, stored in zip(pieces, stored_of, strict=True):
+            out[filled - start : piece.start - start].zero_()  # padding between parameters
+            filled = piece.end
             p = params[piece.slot_index]
             dst = out[piece.start - start : piece.end - start]
-            stored = self.stored(p)
             if stored is None:
                 dst.copy_(p.detach().reshape(-1)[piece.param_offset : piece.param_offset + piece.numel])
                 continue
-            buf = dst if stored.dtype == dtype else torch.empty(piece.numel, dtype=stored.dtype)
+            if stored.dtype == dtype:
+                buf = dst
+            elif converting is not None:
+                nbytes = piece.numel * stored.dtype.itemsize
+                buf = converting[used : used + nbytes].view(stored.dtype)
+                used += nbytes
+            else:
+                buf = torch.empty(piece.numel, dtype=stored.dtype)
             pending.append((self.folder.start_read(stored, piece.param_offset, buf), buf, dst))
+        out[filled - start :].zero_()
         for handle, buf, dst in pending:
             handle.wait()
             if buf is not dst:
                 dst.copy_(buf)  # the dtype conversion, rounding as `.to(dtype)` does
         return out
+
+    def _scratch(self, kind: str, nbytes: int) -> torch.Tensor:
+        """A reused byte buffer of at least `nbytes`, grown (never shrunk) as units need."""
+        buf = self._scratches.get(kind)
+        if buf is None or buf.numel() < nbytes:
+            self._scratches[kind] = buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+    def release_scratch(self) -> None:
+        """Drop the reused buffers (the model is built)."""
+        self._scratches.clear()
 
     def load_buffers(self) -> None:
         """Copy the stored persistent buffers into the model's (every rank reads them whole)."""
@@ -154,5 +185,7 @@ class UnitWeights:
     def __init__(self, weights: CheckpointWeights, params: list[torch.Tensor]) -> None:
         self.weights, self.params = weights, params
 
-    def read(self, layout: FlatLayout, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.weights.read_range(layout, self.params, start, end, dtype)
+    def read(
+        self, layout: FlatLayout, start: int, end: int, dtype: torch.dtype, scratch: bool = False
+    ) -> torch.Tensor:
+        return self.weights.read_range(layout, self.params, start, end, dtype, scratch)
