@@ -28,15 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _bench import reset_peak_rss, rss_bytes  # noqa: E402
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from _bench import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 
 def llama_config(layers: int, hidden: int, intermediate: int, vocab: int) -> Any:

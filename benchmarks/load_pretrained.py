@@ -28,18 +28,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _bench import reset_peak_rss, rss_bytes  # noqa: E402
+from _bench import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 VOCAB = 32000
 SHAPES = [(1.5e9, 2048, 5632, 16), (4.5e9, 3200, 8640, 32), (9e9, 4096, 11008, 32), (float("inf"), 5120, 13824, 40)]
 
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def llama_config(params: float) -> Any:

@@ -301,35 +301,17 @@ def finetune(args: FinetuneArgs) -> FinetuneResult:
 def write_timeline(args: FinetuneArgs, run: FinetuneRun, timeline: dict[str, Any]) -> dict[str, Any]:
     """The recorded step's timeline beside the report, with the plan's prediction from the unit plan
     the engine built (frozen units included) and the model's config (its forward on fake tensors)."""
-    from zeroinf.planner.api import predict_built
     from zeroinf.planner.model_facts import from_hf
-    from zeroinf.planner.report import estimate_json
-    from zeroinf.planner.timeline import write_step_report
+    from zeroinf.planner.timeline import write_run_timeline
     from zeroinf.train import placement_line
 
-    predicted: dict[str, Any] | None
-    try:
-        estimate = predict_built(
-            zeroinf.engine_of(run.model), from_hf(args.model), args.global_batch * args.seq_len, args.seq_len
-        )
-        predicted = estimate_json(estimate)
-    except (ValueError, RuntimeError, ImportError) as exc:
-        predicted = {"error": str(exc)}
-    recorder = timeline["recorder"]
-    ledger = timeline["ledger"] or {}
-    stem = Path(args.report_path or "report")
-    stem = stem.with_suffix("") if stem.suffix else stem
-    out = write_step_report(
-        stem, recorder.events, recorder.start_s, recorder.end_s or recorder.start_s, "MainThread",
-        f"zeroinf finetune: step {timeline['step']} of {args.model}",
-        predicted=predicted if predicted and "error" not in predicted else None,
-        measured_bytes={t: ledger[t]["peak_bytes"] for t in ("device", "host", "nvme") if t in ledger},
-        facts=[placement_line(run.cfg), f"{run.param_count / 1e6:.2f}M parameters, LoRA rank {args.lora_rank}",
-               "rank 0 of the run; times are wall-clock"],
-        rank=run.topo.rank,
+    return write_run_timeline(
+        run.model, lambda: from_hf(args.model), args.global_batch * args.seq_len, args.seq_len, timeline,
+        args.report_path, f"zeroinf finetune: step {timeline['step']} of {args.model}",
+        [placement_line(run.cfg), f"{run.param_count / 1e6:.2f}M parameters, LoRA rank {args.lora_rank}",
+         "rank 0 of the run; times are wall-clock"],
+        run.topo.rank,
     )
-    out["predicted"] = predicted
-    return out
 
 
 def export(run: FinetuneRun, args: FinetuneArgs) -> None:

@@ -387,34 +387,16 @@ def timeline_step(args: TrainArgs, start_step: int) -> int | None:
 
 def write_timeline(args: TrainArgs, run: Run, timeline: dict[str, Any]) -> dict[str, Any]:
     """The recorded step's timeline beside the report, with the plan's prediction for this run."""
-    from zeroinf.planner.api import predict_built
     from zeroinf.planner.model_facts import from_gpt_config
-    from zeroinf.planner.report import estimate_json
-    from zeroinf.planner.timeline import write_step_report
+    from zeroinf.planner.timeline import write_run_timeline
 
-    recorder = timeline["recorder"]
-    predicted = None
-    try:
-        estimate = predict_built(
-            zeroinf.engine_of(run.model), from_gpt_config(args.model_config(), name=f"GPT {args.model}"),
-            args.global_batch * args.seq_len, args.seq_len,
-        )
-        predicted = estimate_json(estimate)
-    except (ValueError, RuntimeError) as exc:  # the planner cannot estimate it: the timeline alone
-        predicted = {"error": str(exc)}
-    ledger = timeline["ledger"] or {}
-    stem = Path(args.report_path or "report")
-    stem = stem.with_suffix("") if stem.suffix else stem
-    out = write_step_report(
-        stem, recorder.events, recorder.start_s, recorder.end_s or recorder.start_s, "MainThread",
+    return write_run_timeline(
+        run.model, lambda: from_gpt_config(args.model_config(), name=f"GPT {args.model}"),
+        args.global_batch * args.seq_len, args.seq_len, timeline, args.report_path,
         f"zeroinf train: step {timeline['step']} of GPT {args.model}",
-        predicted=predicted if predicted and "error" not in predicted else None,
-        measured_bytes={t: ledger[t]["peak_bytes"] for t in TIER_NAMES if t in ledger},
-        facts=[describe(args, run), placement_line(run.cfg), "rank 0 of the run; times are wall-clock"],
-        rank=run.topo.rank,
+        [describe(args, run), placement_line(run.cfg), "rank 0 of the run; times are wall-clock"],
+        run.topo.rank,
     )
-    out["predicted"] = predicted
-    return out
 
 
 def placement_line(cfg: Config) -> str:

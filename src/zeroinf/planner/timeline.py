@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +231,42 @@ def write_step_report(
         "trace_json": str(trace_path),
         "events": len(inside),
     }
+
+
+def write_run_timeline(
+    model: Any,
+    model_facts: Callable[[], Any],
+    tokens_per_step: int,
+    seq_len: int,
+    timeline: dict[str, Any],
+    report_path: str | None,
+    title: str,
+    facts: Sequence[str],
+    rank: int,
+) -> dict[str, Any]:
+    """The recorded step of `zeroinf train`/`finetune` (`timeline`: recorder, ledger, step) beside the
+    report, with the plan's prediction from the unit plan the engine built; `model_facts()` gives
+    the model's facts (a forward on fake tensors; it may fail, and the timeline is written alone)."""
+    import zeroinf
+    from zeroinf.planner.api import predict_built
+    from zeroinf.planner.report import estimate_json
+
+    predicted: dict[str, Any]
+    try:
+        estimate = predict_built(zeroinf.engine_of(model), model_facts(), tokens_per_step, seq_len)
+        predicted = estimate_json(estimate)
+    except (ValueError, RuntimeError, ImportError) as exc:  # the planner cannot estimate it
+        predicted = {"error": str(exc)}
+    recorder = timeline["recorder"]
+    ledger = timeline["ledger"] or {}
+    stem = Path(report_path or "report")
+    stem = stem.with_suffix("") if stem.suffix else stem
+    out = write_step_report(
+        stem, recorder.events, recorder.start_s, recorder.end_s or recorder.start_s, "MainThread", title,
+        predicted=predicted if "error" not in predicted else None,
+        measured_bytes={t: ledger[t]["peak_bytes"] for t in ("device", "host", "nvme") if t in ledger},
+        facts=facts,
+        rank=rank,
+    )
+    out["predicted"] = predicted
+    return out
