@@ -150,9 +150,8 @@ class Engine:
         if tier is Tier.NVME:
             self.param_files = open_param_files(self.unit_plan, self.cfg, self.topo, ledger)
             files = self.param_files
-            if files is not None:
-                files.max_pending_writes = 1  # while building (see NvmeParamFiles); lifted once built
             if files is not None:  # None: every unit is resident, nothing goes to NVMe
+                files.max_pending_writes = 1  # while building (see NvmeParamFiles); lifted once built
                 weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
                 return lambda name, initial, resident: (
                     MemoryHome(initial, Tier.DEVICE, device, ledger, transfers, alias=True)

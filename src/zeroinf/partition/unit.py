@@ -203,11 +203,10 @@ class ShardedUnit:
         start, end = self.layout.shard_range(self.topo.rank)
         shard = source.read(self.layout, start, end, param_dtype, scratch=True)
         sharded = self.policy.shard_params and not self.resident
+        self.param_flat = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
         if sharded:  # the shard goes from the files to its home; the unit never exists whole here
-            self.param_flat = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
             self.param_flat.untyped_storage().resize_(0)
         else:
-            self.param_flat = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
             all_gather_into(self.param_flat, shard.to(device), self.topo, async_op=False)
         self.initial_master = None
         self._master_taken = False

@@ -123,7 +123,8 @@ class CheckpointWeights:
         convert = sum(
             p.numel * st.dtype.itemsize for p, st in zip(pieces, stored_of, strict=True) if st and st.dtype != dtype
         )
-        converting = self._scratch("convert", convert) if scratch and convert else None
+        # stored pieces of another dtype land here first, each in its own range (reads run at once)
+        converting = self._scratch("convert", convert) if scratch else torch.empty(convert, dtype=torch.uint8)
         pending, filled, used = [], start, 0
         for piece, stored in zip(pieces, stored_of, strict=True):
             out[filled - start : piece.start - start].zero_()  # padding between parameters
@@ -135,12 +136,10 @@ class CheckpointWeights:
                 continue
             if stored.dtype == dtype:
                 buf = dst
-            elif converting is not None:
+            else:
                 nbytes = piece.numel * stored.dtype.itemsize
                 buf = converting[used : used + nbytes].view(stored.dtype)
                 used += nbytes
-            else:
-                buf = torch.empty(piece.numel, dtype=stored.dtype)
             pending.append((self.folder.start_read(stored, piece.param_offset, buf), buf, dst))
         out[filled - start :].zero_()
         for handle, buf, dst in pending:
