@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeroinf.planner.model_facts import device_type_of
+
 EMBEDDING_INIT_STD = 0.02
 
 
@@ -127,7 +129,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(width, dim=2)
         # [batch, time, width] -> [batch, head, time, head_dim]
         q, k, v = (t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        upcast = x.device.type == "cpu" and x.dtype != torch.float32  # [Note: CPU attention dtype]
+        upcast = device_type_of(x) == "cpu" and x.dtype != torch.float32  # [Note: CPU attention dtype]
         if upcast:
             q, k, v = q.float(), k.float(), v.float()
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)

@@ -5,7 +5,7 @@ than everything else the plan does. For the common dense decoders (model_type ll
 qwen2, qwen3) this module builds a model with the same parameter names and shapes as
 `AutoModelForCausalLM.from_config` (embed_tokens, layers.N.self_attn.{q,k,v,o}_proj, mlp.{gate,up,
 down}_proj, the RMSNorms, lm_head, tied or not), on the meta device, and a forward of the same
-structure (RMSNorm, rotary embedding, grouped-query SDPA, SwiGLU, cross-entropy) for the fake-tensor
+structure (RMSNorm, rotary embedding, grouped-query SDPA, SwiGLU, cross-entropy) for the meta-tensor
 pass. Any other config (or one with keys this module does not know to be harmless, such as experts)
 goes through transformers. tests/planner/test_decoder.py checks units and parameter counts against
 transformers for each type.

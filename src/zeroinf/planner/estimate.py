@@ -252,28 +252,72 @@ def _stage3_moments(plan: ModelPlan) -> list[dict[str, int]]:
     """Stage 3: the moving device bytes (unsharded params and gradients, gradient shards) at the moments
     that can be peaks: the forward's fullest step, and each unit's reduction in backward (the
     unit gathered, the prefetched ones, the gradient buffers in flight, the shards reduced so far)."""
+    return [moment for _, moment in _stage3_timeline(plan)]
+
+
+_FORWARD, _END = -1, -2  # `_stage3_timeline` markers: the forward's fullest step, the end of backward
+
+
+def _stage3_timeline(plan: ModelPlan) -> list[tuple[int, dict[str, int]]]:
+    """`_stage3_moments`, each with where it falls: _FORWARD, the unit whose backward step it is, or _END."""
     units = plan.units
     resident_params = sum(u.unsharded_bytes for u in units if u.resident)
     plans = _prefetch_plans(plan)
     if plans is None:
-        return [{"param_unsharded": resident_params}]
+        return [(_FORWARD, {"param_unsharded": resident_params})]
     forward, backward = plans
     gathered = resident_params + max(_gathered_bytes(forward, units), default=0)
     live = dict(zip((step.unit for step in backward.steps), _gathered_bytes(backward, units), strict=True))
     order = [units[step.unit] for step in backward.steps if not units[step.unit].frozen]
     resident = [u for u in units if u.resident and not u.frozen]
-    moments = []
+    moments: list[tuple[int, dict[str, int]]] = []
     for _, accumulated in _micro_steps(plan):
         grads = _backward_moments(plan, order, resident, accumulated=accumulated)
         shards_before = grads[0]["grad_shard"] if accumulated else 0
         current = {"grad_unsharded": sum(u.grad_unsharded_bytes for u in resident), "grad_shard": shards_before}
-        moments.append({"param_unsharded": gathered, "grad_shard": shards_before})
+        moments.append((_FORWARD, {"param_unsharded": gathered, "grad_shard": shards_before}))
         pending = iter(grads[:-1])
         for step in backward.steps:  # a frozen unit's step carries the gradients as they are
             current = current if units[step.unit].frozen else next(pending)
-            moments.append({"param_unsharded": resident_params + live[step.unit], **current})
-        moments.append({"param_unsharded": resident_params, **grads[-1]})  # the resident units reduce
+            moments.append((step.unit, {"param_unsharded": resident_params + live[step.unit], **current}))
+        moments.append((_END, {"param_unsharded": resident_params, **grads[-1]}))  # the resident units reduce
     return moments
+
+
+def device_peak_with_activations(plan: ModelPlan, facts: PassFacts | None, ledger: TierBytes) -> int:
+    """Peak device bytes with the activations alive at the same moment (on a CPU both are RAM).
+
+    Backward frees a block's saved activations as it goes while gradient shards pile up, so the
+    two peaks do not coincide: at stage 3 without activation checkpointing each moment of
+    `_stage3_timeline` gets the activations of the blocks whose backward has not finished.
+    Otherwise (or when the units do not line up with the pass's blocks) both peaks are added.
+    """
+    activations, _ = activation_peak(facts, plan.cfg)
+    if facts is None or plan.cfg.stage != 3 or plan.cfg.activation_checkpointing:
+        return ledger.device + activations
+    nested = _nested(tuple(u.name for u in plan.units))
+    inner = set().union(*nested.values())
+    outer = sorted(
+        (i for i, u in enumerate(plan.units) if u.name and not u.frozen and i not in inner),
+        key=lambda i: _module_order(plan.units[i]),
+    )
+    if len(outer) != len(facts.unit_saved_bytes):
+        return ledger.device + activations
+    block_of = {j: k for k, i in enumerate(outer) for j in (i, *nested[i])}
+    transient = activations - facts.saved_bytes
+    timeline = _stage3_timeline(plan)
+    fixed = ledger.device - max(sum(m.values()) for _, m in timeline)  # shards, states: always there
+    peak = 0
+    for where, moment in timeline:
+        if where == _FORWARD:
+            alive = facts.saved_bytes
+        elif where == _END:
+            alive = facts.root_saved_bytes
+        else:
+            k = block_of.get(where)
+            alive = facts.root_saved_bytes + sum(facts.unit_saved_bytes[: (k + 1 if k is not None else 0)])
+        peak = max(peak, fixed + sum(moment.values()) + alive + transient)
+    return peak
 
 
 def _grad_landing_bytes(plan: ModelPlan) -> int:
@@ -461,11 +505,11 @@ def estimate(
     ledger = ledger_bytes(plan, offloaded)
     why: list[str] = []
     shares = []
+    device_need = device_peak_with_activations(plan, facts, ledger)
     if capacity.device_bytes is None:  # the CPU is the device: everything is RAM
+        ram = profile.baseline_rss_bytes + device_need + ledger.host
         device_need = 0
-        ram = profile.baseline_rss_bytes + ledger.device + ledger.host + activations
     else:
-        device_need = ledger.device + activations
         ram = profile.baseline_rss_bytes + ledger.host
         shares.append(fraction(device_need, DEVICE_HEADROOM * capacity.device_bytes))
         if shares[-1] > 1:

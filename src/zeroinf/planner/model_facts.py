@@ -4,8 +4,10 @@ A model comes as a demo preset name, a Hugging Face folder or config.json (built
 device: `AutoModelForCausalLM.from_config` under `torch.device("meta")`, no weight is read), or a
 module (built under `zeroinf.init()`, on the meta device, or real). From it:
 - the units (`UnitShape`s from the engine's own unit discovery), which feed the per-unit plan;
-- one forward pass on fake tensors (`FakeTensorMode`: shapes and dtypes only, no memory, on the
-  device type training will use, so kernels such as the CPU flash attention are the real ones):
+- one forward pass on meta tensors (shapes and dtypes only, no memory; attention goes to the fused
+  kernel the training device would pick, see `_attention_as_on`, so the CPU flash attention's saved
+  tensors are the real ones; meta rather than `FakeTensorMode`, whose import of torch._dynamo
+  alone costs about 2 s of a plan that must answer in under 5):
   the bytes autograd saves for backward, per unit and outside units, the inputs each unit would
   keep under activation checkpointing, the largest single tensor, the matmul FLOPs by operand size
   and the memory traffic of the other operators. Measured, not guessed: a custom module gets the
@@ -14,20 +16,26 @@ module (built under `zeroinf.init()`, on the meta device, or real). From it:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import importlib
 import json
 import math
 import re
+import sys
+import types
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
 
 from zeroinf.config import DTYPES
 from zeroinf.partition.wrap import discover_units
@@ -40,7 +48,7 @@ ExampleInputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
 
 @dataclass(frozen=True)
 class PassFacts:
-    """One training forward at (micro_batch, seq_len, dtype), as measured on fake tensors. Plain data."""
+    """One training forward at (micro_batch, seq_len, dtype), as measured on meta tensors. Plain data."""
 
     micro_batch: int
     seq_len: int
@@ -161,7 +169,7 @@ def from_gpt_config(gpt: Any, unit_classes: tuple[str, ...] = (), name: str = "G
     from zeroinf.models.gpt import GPT
 
     def build(n_layer: int) -> nn.Module:
-        with torch.device("meta"):
+        with _on_meta():
             return GPT(dataclasses.replace(gpt, n_layer=n_layer))
 
     facts = from_module(build(gpt.n_layer), gpt_inputs, unit_classes, name=name, seq_len=gpt.seq_len)
@@ -202,7 +210,7 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
         # A deep model of identical blocks: build SHORT_BLOCKS of them and repeat the last one's
         # shapes (an 80-block 70B model is then planned in about a second, its pass measured short).
         short_config = AutoConfig.for_model(**{**data, "num_hidden_layers": SHORT_BLOCKS})
-        with torch.device("meta"):
+        with _on_meta():
             short = AutoModelForCausalLM.from_config(short_config)
         facts = from_module(short, hf_inputs, unit_classes, name=name, seq_len=seq_len)
         expanded = expand_blocks(facts.units, SHORT_BLOCKS, layers)
@@ -212,13 +220,13 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
             facts.param_count += (layers - SHORT_BLOCKS) * per_block
             facts.outer_count = layers
             return facts
-    with torch.device("meta"):
+    with _on_meta():
         model = AutoModelForCausalLM.from_config(config)
     facts = from_module(model, hf_inputs, unit_classes, name=name, seq_len=seq_len)
     if isinstance(layers, int) and layers > SHORT_BLOCKS and uniform and not unit_classes:
 
         def short_module() -> nn.Module:
-            with torch.device("meta"):
+            with _on_meta():
                 short_config = AutoConfig.for_model(**{**data, "num_hidden_layers": SHORT_BLOCKS})
                 return AutoModelForCausalLM.from_config(short_config)
 
@@ -232,13 +240,13 @@ def _from_decoder(data: dict[str, Any], name: str) -> ModelFacts:
 
     layers = int(data["num_hidden_layers"])
     short = min(layers, SHORT_BLOCKS)
-    with torch.device("meta"):
+    with _on_meta():
         model = Decoder({**data, "num_hidden_layers": short})
     facts = from_module(model, hf_inputs, name=name, seq_len=data.get("max_position_embeddings"))
     if layers > short:
         expanded = expand_blocks(facts.units, short, layers)
         if expanded is None:  # not shaped as expected: the whole model
-            with torch.device("meta"):
+            with _on_meta():
                 return from_module(Decoder(data), hf_inputs, name=name, seq_len=data.get("max_position_embeddings"))
         facts.units, per_block = expanded
         facts.param_count += (layers - short) * per_block
@@ -293,7 +301,7 @@ def from_module(
     return ModelFacts(name or type(model).__name__, units, count, seq_len, model, example_inputs, unit_classes)
 
 
-# -- one forward on fake tensors ------------------------------------------------------------------------
+# -- one forward on meta tensors ------------------------------------------------------------------------
 def _size_bucket(flops: int) -> int:
     """Cube root of m*n*k for a matmul of `flops` = 2*m*n*k, rounded to a power of two (>= 16)."""
     side = (max(flops, 2) / 2) ** (1 / 3)
@@ -307,6 +315,125 @@ def _sdpa_cpu_flops(args: tuple, kwargs: dict) -> int:
     flops = 4 * math.prod(batch) * tq * tk * d
     causal = kwargs.get("is_causal", args[4] if len(args) > 4 else False)
     return flops // 2 if causal else flops
+
+
+_PLANNED_DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("zeroinf_planned_device", default=None)
+
+
+def device_type_of(t: torch.Tensor) -> str:
+    """`t.device.type`, except in the planner's meta pass: the device type that pass stands for.
+
+    For model code that picks a path by device (the demo GPT upcasts attention on CPUs), so the
+    pass measures the path training will take."""
+    planned = _PLANNED_DEVICE.get() if t.device.type == "meta" else None
+    return planned or t.device.type
+
+
+_FLASH, _EFFICIENT = 1, 2  # torch.nn.attention.SDPBackend values that `torch._fused_sdp_choice` returns
+
+
+def _backend_choice(device: torch.device, query: torch.Tensor, key: torch.Tensor, attn_mask: Any,
+                    dropout_p: float, is_causal: bool, enable_gqa: bool) -> int:
+    """The SDPA kernel PyTorch picks on `device` for inputs like these: asked on tiny real tensors of
+    the same dtype, heads and head size (the choice does not depend on the sequence length)."""
+    if device.type == "cuda" and not torch.cuda.is_available():  # planning for a GPU from a CPU machine
+        return _FLASH if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) else _EFFICIENT
+    def tiny(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*t.shape[:-2], 2, t.shape[-1], dtype=t.dtype, device=device, requires_grad=t.requires_grad)
+    mask = None
+    if isinstance(attn_mask, torch.Tensor):
+        with _disable_current_modes():
+            mask = torch.zeros(*(min(n, 1) for n in attn_mask.shape[:-2]), 2, 2, dtype=attn_mask.dtype, device=device)
+    with _disable_current_modes():  # the pass's counter must not see these tensors
+        q, k = tiny(query), tiny(key)
+        return int(torch._fused_sdp_choice(q, k, k, mask, dropout_p, is_causal, enable_gqa=enable_gqa))
+
+
+@contextlib.contextmanager
+def _on_meta() -> Iterator[None]:
+    """Build modules on the meta device (their init's Python meta kernels without the dynamo import)."""
+    with torch.device("meta"), _dynamo_import_deferred():
+        yield
+
+
+@contextlib.contextmanager
+def _dynamo_import_deferred() -> Iterator[None]:
+    """Keep the meta pass from importing torch._dynamo (about 2 s of a plan that must take under 5).
+
+    PyTorch's meta kernels written in Python are wrapped by `torch._compile._disable_dynamo`, whose
+    first call imports torch._dynamo only to wrap the kernel so that dynamo will not trace it.
+    Nothing is compiled during the pass, so a stand-in module answers that import with the kernel
+    itself; afterwards the stand-in and the kernels' cached wrappers are removed, and the next
+    call anywhere imports the real module as usual. Any other use of the stand-in imports the real
+    module at once (slower, never wrong).
+    """
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    touched: list[Any] = []
+    stand_in = types.ModuleType("torch._dynamo")
+
+    def disable(fn: Any, recursive: bool = True, wrapping: bool = True) -> Any:
+        touched.append(fn)
+        return fn
+
+    def real(name: str) -> Any:
+        _remove_stand_in(stand_in)
+        return getattr(importlib.import_module("torch._dynamo"), name)
+
+    stand_in.disable = disable  # type: ignore[attr-defined]
+    stand_in.__getattr__ = real  # type: ignore[attr-defined]
+    sys.modules["torch._dynamo"] = stand_in
+    try:
+        yield
+    finally:
+        _remove_stand_in(stand_in)
+        for fn in touched:
+            vars(fn).pop("__dynamo_disable", None)
+
+
+def _remove_stand_in(stand_in: types.ModuleType) -> None:
+    if sys.modules.get("torch._dynamo") is stand_in:
+        del sys.modules["torch._dynamo"]
+    if vars(torch).get("_dynamo") is stand_in:
+        delattr(torch, "_dynamo")
+
+
+@contextlib.contextmanager
+def _attention_as_on(device: torch.device) -> Iterator[None]:
+    """Route `F.scaled_dot_product_attention` on meta tensors to the fused kernel `device` would run.
+
+    On meta tensors PyTorch cannot see the device and takes the math kernel, which saves the whole
+    attention matrix for backward; the fused kernels save the output and a log-sum-exp. Calling the
+    chosen kernel's own op keeps the saved tensors (and FLOPs) those of the real run.
+    """
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+             enable_gqa: bool = False) -> torch.Tensor:
+        args = (query, key, value)
+        if query.device.type == "meta":
+            backend = _backend_choice(device, query, key, attn_mask, dropout_p, is_causal, enable_gqa)
+            aten = torch.ops.aten
+            if backend == _FLASH and device.type == "cpu":
+                return aten._scaled_dot_product_flash_attention_for_cpu(
+                    *args, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+            if backend == _FLASH and attn_mask is None and not enable_gqa:
+                return aten._scaled_dot_product_flash_attention(*args, dropout_p, is_causal, scale=scale)[0]
+            if backend == _EFFICIENT and not enable_gqa:
+                return aten._scaled_dot_product_efficient_attention(
+                    *args, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+        return original(*args, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    token = _PLANNED_DEVICE.set(device.type)
+    try:
+        yield
+    finally:
+        _PLANNED_DEVICE.reset(token)
+        F.scaled_dot_product_attention = original
 
 
 class _PassCounter(TorchDispatchMode):
@@ -348,25 +475,21 @@ class _PassCounter(TorchDispatchMode):
         return out
 
 
-def _fake_model_state(module: nn.Module, mode: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
-    """Fake copies of the module's parameters (in `dtype`) and buffers, on `device`."""
-    from torch._subclasses.fake_tensor import FakeTensor
+def _meta_model_state(module: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
+    """Meta copies of the module's parameters (in `dtype`) and buffers."""
 
-    def fake(t: torch.Tensor, cast: bool) -> torch.Tensor:
-        meta = t.detach().to("meta")
-        if cast and meta.is_floating_point():
-            meta = meta.to(dtype)
-        return FakeTensor(mode, meta, device)
+    def meta(t: torch.Tensor, cast: bool) -> torch.Tensor:
+        out = t.detach().to("meta")
+        return out.to(dtype) if cast and out.is_floating_point() else out
 
     state: dict[str, Any] = {}
     made: dict[int, nn.Parameter] = {}  # tied parameters stay one object
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in made:
-            made[id(p)] = nn.Parameter(fake(p, cast=True), requires_grad=p.requires_grad)
+            made[id(p)] = nn.Parameter(meta(p, cast=True), requires_grad=p.requires_grad)
         state[name] = made[id(p)]
     for name, b in module.named_buffers(remove_duplicate=False):
-        persistent_float = b.is_floating_point()
-        state[name] = fake(b, cast=persistent_float and b.dtype != torch.float32)
+        state[name] = meta(b, cast=b.is_floating_point() and b.dtype != torch.float32)
     return state
 
 
@@ -379,13 +502,10 @@ def measure_pass(
     device: torch.device,
     unit_classes: tuple[str, ...] = (),
 ) -> PassFacts:
-    """One training forward of `module` on fake tensors: saved bytes per unit, FLOPs, traffic."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    """One training forward of `module` on meta tensors: saved bytes per unit, FLOPs, traffic."""
     torch_dtype = DTYPES[dtype]
     outer = outer_units(module, unit_classes)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    state = _fake_model_state(module, mode, torch_dtype, torch.device(device.type))
+    state = _meta_model_state(module, torch_dtype)
     param_ids = {id(v) for v in state.values() if isinstance(v, nn.Parameter)}
     counter = _PassCounter()
     current: list[int] = []  # stack of outermost units running now
@@ -428,8 +548,11 @@ def measure_pass(
         handles.append(spec.module.register_forward_pre_hook(lambda m, a, k, i=i: pre(i, a, k), with_kwargs=True))
         handles.append(spec.module.register_forward_hook(lambda m, a, o, i=i: post(i)))
     try:
-        with mode, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.device("meta"):
             args, kwargs = example_inputs(micro_batch, seq_len)
+        args, kwargs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with _dynamo_import_deferred(), _attention_as_on(device), counter, saving:
             torch.func.functional_call(module, state, args, kwargs, strict=False)
     finally:
         for h in handles:

@@ -246,7 +246,7 @@ def write_run_timeline(
 ) -> dict[str, Any]:
     """The recorded step of `zeroinf train`/`finetune` (`timeline`: recorder, ledger, step) beside the
     report, with the plan's prediction from the unit plan the engine built; `model_facts()` gives
-    the model's facts (a forward on fake tensors; it may fail, and the timeline is written alone)."""
+    the model's facts (a forward on meta tensors; it may fail, and the timeline is written alone)."""
     import zeroinf
     from zeroinf.planner.api import predict_built
     from zeroinf.planner.report import estimate_json
