@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import zeroinf
-from zeroinf.config import Config, LossScaleConfig, OffloadConfig
+from zeroinf.config import AioConfig, Config, ConfigError, LossScaleConfig, OffloadConfig
 
 # (test id, data for Config.from_dict, field the error must name, fragment of the fix it must give)
 INVALID: list[tuple[str, dict[str, Any], str, str]] = [
@@ -269,3 +269,14 @@ def test_load_yaml_rejected(tmp_path: Path) -> None:
         Config.load(path)
     assert "train.yaml" in str(info.value)
     assert not isinstance(info.value, zeroinf.ConfigError)
+
+
+def test_offload_aio_table_loads_and_names_its_fields(tmp_path: Path) -> None:
+    toml = '[offload]\nparams = "device"\n\n[offload.aio]\nblock_bytes = 2097152\nworkers = 4\n'
+    (tmp_path / "train.toml").write_text(toml)
+    aio = Config.load(tmp_path / "train.toml").offload.aio
+    assert (aio.block_bytes, aio.workers, aio.queue_depth) == (2 * 2**20, 4, AioConfig().queue_depth)
+    with pytest.raises(ConfigError, match=r"offload\.aio\.block_bytes"):
+        Config.from_dict({"offload": {"aio": {"block_bytes": 1000}}})
+    with pytest.raises(ConfigError, match=r"offload\.aio\.made_up"):
+        Config.from_dict({"offload": {"aio": {"made_up": 1}}})

@@ -92,6 +92,59 @@ class LossScaleConfig:
             raise ConfigError("loss_scale.min_scale", self.min_scale, "use a number in (0, initial_scale]")
 
 
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """How the engine splits and issues transfers.
+
+    The defaults match the best sequential O_DIRECT setting measured on the project's NVMe disk
+    (1 MiB requests, 8 in flight, see docs/aio.md); `zeroinf bench-io --sweep` finds yours and
+    prints the `[offload.aio]` lines that apply it.
+    """
+
+    block_bytes: int = 1 * MIB
+    """Size of one request to the kernel. A transfer larger than this is split into blocks issued
+    concurrently. Must be a positive multiple of `alignment_bytes`."""
+
+    queue_depth: int = 8
+    """Most blocks in flight at once across the whole engine (the device's queue depth). With the
+    thread backend each worker has at most one block in flight, so the effective depth is
+    min(queue_depth, workers)."""
+
+    workers: int = 8
+    """Threads issuing the pread/pwrite system calls (they release the GIL). Each owns one bounce
+    buffer of `block_bytes` from the engine's pool."""
+
+    o_direct: bool = True
+    """Open files with O_DIRECT (bypass the page cache). Falls back to buffered I/O, with one warning,
+    on filesystems that refuse it (tmpfs, some network filesystems)."""
+
+    alignment_bytes: int = 4096
+    """Alignment O_DIRECT requires of file offsets, sizes and buffer addresses: the filesystem's
+    logical block (4 KiB covers 512-byte and 4 KiB devices). A power of two."""
+
+    integrity: bool = False
+    """Store an xxh3-64 checksum of every write and verify it when the same (file, offset, bytes)
+    is read back; a mismatch raises IntegrityError. Costs one extra pass over the data."""
+
+    def __post_init__(self) -> None:
+        a = self.alignment_bytes
+        if a <= 0 or a & (a - 1):
+            raise ConfigError("offload.aio.alignment_bytes", a, "use a power of two: 4096 (or 512 for old disks)")
+        if self.block_bytes <= 0 or self.block_bytes % a:
+            raise ConfigError(
+                "offload.aio.block_bytes",
+                self.block_bytes,
+                f"use a positive multiple of alignment_bytes={a}, e.g. {MIB} (1 MiB)",
+            )
+        if self.queue_depth < 1:
+            raise ConfigError("offload.aio.queue_depth", self.queue_depth, "use at least 1, e.g. 8")
+        if self.workers < 1:
+            raise ConfigError("offload.aio.workers", self.workers, "use at least 1, e.g. 8")
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Where each kind of model state lives (`device`, `host` or `nvme`), and how `nvme` states move."""
@@ -112,8 +165,14 @@ class OffloadConfig:
     """Cap on host bytes for offload (staging, or the states on `host`), e.g. "16GiB"; None: no cap."""
     io_timeout_s: float = 600.0
     """Seconds one swap may take before the step fails with an error naming the file."""
+    aio: AioConfig = field(default_factory=AioConfig)
+    """The asynchronous I/O engine's settings for every `nvme` tier (table `[offload.aio]`)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.aio, Mapping):
+            object.__setattr__(self, "aio", _from_dict(AioConfig, dict(self.aio), prefix="offload.aio."))
+        if not isinstance(self.aio, AioConfig):
+            raise ConfigError("offload.aio", self.aio, "use an AioConfig or a table of its fields")
         for name in ("params", "optimizer", "gradients"):
             value = getattr(self, name)
             if value not in (*TIERS, AUTO):
@@ -306,6 +365,11 @@ class Config:
         return dataclasses.asdict(self)
 
 
+_NESTED: dict[tuple[type, str], type] = {
+    (Config, "loss_scale"): LossScaleConfig, (Config, "offload"): OffloadConfig, (OffloadConfig, "aio"): AioConfig,
+}
+
+
 def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(prefix.rstrip(".") or "<root>", data, "use a table of fields")
@@ -314,9 +378,9 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for key, value in data.items():
         if key not in known:
             raise ConfigError(f"{prefix}{key}", value, f"unknown field; known fields are {sorted(known)}")
-        nested = {"loss_scale": LossScaleConfig, "offload": OffloadConfig}.get(key) if cls is Config else None
+        nested = _NESTED.get((cls, key))
         if nested is not None and isinstance(value, dict):
-            value = _from_dict(nested, value, prefix=f"{key}.")
+            value = _from_dict(nested, value, prefix=f"{prefix}{key}.")
         if key == "unit_classes" and isinstance(value, list):
             value = tuple(value)
         kwargs[key] = value
@@ -342,10 +406,11 @@ def config_markdown() -> str:
         "",
         "Generated from `src/zeroinf/config.py` by `python -m zeroinf.config --markdown`; a test keeps it in sync.",
         "Load with `zeroinf.Config.load(\"train.toml\")` (or `.json`); "
-        "nested tables are `[loss_scale]` and `[offload]`.",
+        "nested tables are `[loss_scale]`, `[offload]` and `[offload.aio]`.",
         "",
     ]
-    for cls, title in ((Config, "Config"), (LossScaleConfig, "[loss_scale]"), (OffloadConfig, "[offload]")):
+    for cls, title in ((Config, "Config"), (LossScaleConfig, "[loss_scale]"), (OffloadConfig, "[offload]"),
+                       (AioConfig, "[offload.aio]")):
         lines += [f"## {title}", "", (cls.__doc__ or "").strip(), "", "| field | default | meaning |", "|---|---|---|"]
         docs = field_docs(cls)
         for f in fields(cls):

@@ -31,10 +31,8 @@ pure function of the parsed JSON, and `config_from_deepspeed` adds reading the f
     fp16.min_loss_scale                            loss_scale.min_scale
     gradient_clipping                              grad_clip_norm                 0 means no clipping in both
     gradient_accumulation_steps                    grad_accum_steps
-    aio.block_size, aio.queue_depth,               AioConfig.block_bytes,         validated into Translation.aio but
-      aio.thread_count/intra_op_parallelism          queue_depth, workers         not applied: Config has no aio
-                                                                                  field yet, the NVMe tiers use
-                                                                                  AioConfig() (all aio keys listed)
+    aio.block_size, aio.queue_depth,               offload.aio.block_bytes,       other aio keys (single_submit,
+      aio.thread_count/intra_op_parallelism          queue_depth, workers         overlap_events...) are listed
 
 [Note: element counts become byte counts] DeepSpeed sizes buckets and thresholds in elements, zeroinf
 in bytes. A count of n elements holds n values of the dtype it carries, so it is multiplied by that
@@ -77,7 +75,7 @@ DeepSpeed buffer holds one."""
 MIN_STAGING_BUFFERS = 2
 """The fewest staging buffers `OffloadConfig.buffer_count` accepts."""
 
-AIO_NOT_APPLIED = "not applied: Config has no aio field yet, the NVMe tiers use AioConfig() defaults"
+AIO_NOT_APPLIED = "no zeroinf equivalent: the engine's knobs are offload.aio.block_bytes, queue_depth and workers"
 
 _REASONS = {
     "train_batch_size": "the batch is the data loader's; zeroinf train: --batch",
@@ -116,7 +114,7 @@ class Translation:
     config: Config
     """The engine config."""
     aio: AioConfig | None
-    """The `aio` section translated and validated, None without one; not applied (see AIO_NOT_APPLIED)."""
+    """The `aio` section translated and validated (also `config.offload.aio`), None without one."""
     ignored: Mapping[str, str]
     """Dotted DeepSpeed keys zeroinf does not use -> why (empty when there is nothing more to say)."""
     auto: tuple[str, ...]
@@ -214,7 +212,7 @@ class _Fields:
     """Config fields being gathered, each with the DeepSpeed key and value it came from."""
 
     values: dict[str, dict[str, Any]] = field(
-        default_factory=lambda: {"": {}, "offload": {}, "loss_scale": {}, "aio": {}}
+        default_factory=lambda: {"": {}, "offload": {}, "loss_scale": {}, "offload.aio": {}}
     )
     origin: dict[str, tuple[str, Any]] = field(default_factory=dict)
     has_aio: bool = False
@@ -232,9 +230,10 @@ class _Fields:
         """Construct and validate; a field zeroinf refuses is reported under its DeepSpeed key."""
         v = self.values
         try:
-            loss_scale, offload = LossScaleConfig(**v["loss_scale"]), OffloadConfig(**v["offload"])
+            aio = AioConfig(**v["offload.aio"])
+            loss_scale, offload = LossScaleConfig(**v["loss_scale"]), OffloadConfig(**v["offload"], aio=aio)
             config = Config(**v[""], loss_scale=loss_scale, offload=offload)
-            return config, AioConfig(**v["aio"]) if self.has_aio else None
+            return config, aio if self.has_aio else None
         except ConfigError as error:
             if error.field_name not in self.origin:
                 raise
@@ -355,21 +354,19 @@ def _zero(root: _Table, fields_: _Fields, compute_dtype: str, reduce_dtype: str)
 
 
 def _aio(root: _Table, fields_: _Fields) -> None:
-    """The `aio` table into AioConfig fields; every key of it is listed as not applied."""
+    """The `aio` table into `offload.aio`; its keys without an equivalent are listed as ignored."""
     table = root.table("aio")
     if table is None:
         return
-    for ds_name, name in (
-        ("block_size", "block_bytes"),
-        ("queue_depth", "queue_depth"),
-        ("thread_count", "workers"),
-        ("intra_op_parallelism", "workers"),
-    ):
+    applied = {"block_size": "block_bytes", "queue_depth": "queue_depth", "thread_count": "workers",
+               "intra_op_parallelism": "workers"}
+    for ds_name, name in applied.items():
         value = _count(table, ds_name)
-        fields_.set(f"aio.{name}", value, table.key(ds_name), value)
+        fields_.set(f"offload.aio.{name}", value, table.key(ds_name), value)
     fields_.has_aio = True
     for name in table.data:
-        table.notes.ignored[table.key(name)] = AIO_NOT_APPLIED
+        if name not in applied:
+            table.notes.ignored[table.key(name)] = AIO_NOT_APPLIED
 
 
 def translate(ds: Mapping[str, Any]) -> Translation:

@@ -21,6 +21,7 @@ unsharded gradients of every unit across micro-steps would undo the point of sha
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from collections import deque
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing
+from zeroinf.aio.engine import DISK_ACTIVITY
 from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
@@ -46,6 +48,7 @@ from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
 
 _ATTR = "_zeroinf_engine"
+IO_KINDS = ("params", "grads", "optimizer")  # the NVMe traffic io_report tells apart
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient collectives in flight in backward before the oldest is finished
 
 
@@ -129,6 +132,8 @@ class Engine:
         self.activation_offloader: ActivationOffloader | None = None
         if cfg.activation_checkpointing:
             self._setup_activation_checkpointing()
+        self.io_last_step: dict[str, Any] | None = None  # see io_report
+        self._io_mark = (time.perf_counter(), self._io_totals())
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
         """The unit holding `param`, or None (frozen, or not this model's)."""
@@ -375,6 +380,7 @@ class Engine:
             )
 
     def end_step(self) -> None:
+        self._mark_io_step()
         self.micro_step = 0
         self.counter.end_step()
         self.transfers.end_step()
@@ -395,29 +401,67 @@ class Engine:
         if self.grad_files is not None:
             self.grad_files.close()
 
-    def io_report(self) -> dict[str, float]:
-        """Cumulative NVMe traffic and timing of this rank: bytes read and written (what the SSD
-        wears), seconds blocked on I/O and seconds I/O was in flight; overlap is the share of I/O
-        time hidden behind other work."""
-        read = written = wait = busy = 0.0
-        for files, engine in (
-            (self.param_files, self.param_files.engine if self.param_files else None),
-            (self.grad_files, self.grad_files.swap.engine if self.grad_files else None),
+    def _io_totals(self) -> dict[str, float]:
+        """Cumulative NVMe traffic of this rank per kind ("<kind>_read_bytes", "<kind>_written_bytes"
+        for params, grads and optimizer), seconds blocked on it and in flight, and the process's
+        disk-busy seconds (aio/engine.py DiskActivity)."""
+        out = {f"{kind}_{d}_bytes": 0.0 for kind in IO_KINDS for d in ("read", "written")}
+        wait = busy = 0.0
+        for kind, files, engine in (
+            ("params", self.param_files, self.param_files.engine if self.param_files else None),
+            ("grads", self.grad_files, self.grad_files.swap.engine if self.grad_files else None),
         ):
             if files is None or engine is None:
                 continue
             stats = engine.stats()
-            read, written = read + stats.bytes_read, written + stats.bytes_written
+            out[f"{kind}_read_bytes"], out[f"{kind}_written_bytes"] = stats.bytes_read, stats.bytes_written
             wait, busy = wait + files.io_wait_s, busy + files.io_busy_s
         optimizer_io = getattr(self, "optimizer_io", None)
         if optimizer_io is not None:
             states, pipeline = optimizer_io
-            read += states.traffic.total.get("nvme_read_bytes", 0)
-            written += states.traffic.total.get("nvme_written_bytes", 0)
+            out["optimizer_read_bytes"] = states.traffic.total.get("nvme_read_bytes", 0)
+            out["optimizer_written_bytes"] = states.traffic.total.get("nvme_written_bytes", 0)
             wait, busy = wait + pipeline.io_wait_s, busy + pipeline.io_busy_s
+        out.update(io_wait_s=wait, io_busy_s=busy, disk_busy_s=DISK_ACTIVITY.busy_s())
+        return out
+
+    def _mark_io_step(self) -> None:
+        """Close the I/O window of the step that just ended (`io_last_step`) and open the next one."""
+        now, totals = time.perf_counter(), self._io_totals()
+        start, before = self._io_mark
+        self._io_mark = (now, totals)
+        wall = now - start
+        delta = {k: totals[k] - before[k] for k in totals}
+        by_kind = {kind: {d: delta[f"{kind}_{d}_bytes"] for d in ("read", "written")} for kind in IO_KINDS}
+        moved = sum(v for kind in by_kind.values() for v in kind.values())
+        params_per_rank = sum(u.layout.numel for u in self.all_units) / self.topo.world_size
+        self.io_last_step = {
+            "step_s": wall,
+            "read_bytes": sum(k["read"] for k in by_kind.values()),
+            "written_bytes": sum(k["written"] for k in by_kind.values()),
+            "by_kind": by_kind,
+            "bytes_per_param": moved / params_per_rank if params_per_rank else 0.0,
+            "disk_busy_s": delta["disk_busy_s"],
+            "disk_busy_share": delta["disk_busy_s"] / wall if wall > 0 else 0.0,
+            "io_wait_s": delta["io_wait_s"],
+        }
+
+    def io_report(self) -> dict[str, Any]:
+        """NVMe traffic of this rank: cumulative bytes read and written (what the SSD wears), per
+        kind, seconds blocked on I/O and seconds I/O was in flight (overlap: the share of I/O time
+        hidden behind other work); `last_step`: the same over the last optimizer step's window
+        (end of one step to the end of the next), with bytes per parameter this rank holds and the
+        disk-busy share (seconds any request of the process was in flight / the step's seconds)."""
+        totals = self._io_totals()
+        read = sum(totals[f"{kind}_read_bytes"] for kind in IO_KINDS)
+        written = sum(totals[f"{kind}_written_bytes"] for kind in IO_KINDS)
+        wait, busy = totals["io_wait_s"], totals["io_busy_s"]
         return {
             "nvme_read_bytes": read, "nvme_written_bytes": written, "io_wait_s": wait, "io_busy_s": busy,
             "overlap_pct": 100.0 * (1 - wait / busy) if busy > 0 else 0.0,
+            "by_kind": {kind: {d: totals[f"{kind}_{d}_bytes"] for d in ("read", "written")} for kind in IO_KINDS},
+            "disk_busy_s": totals["disk_busy_s"],
+            "last_step": self.io_last_step,
         }
 
     def memory_report(self) -> dict[str, Any]:

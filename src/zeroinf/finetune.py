@@ -289,6 +289,7 @@ def finetune(args: FinetuneArgs) -> FinetuneResult:
         if args.out:
             print(f"wrote the fine-tuned model to {args.out}", flush=True)
     if args.report_path and run.topo.rank == 0:
+        Path(args.report_path).parent.mkdir(parents=True, exist_ok=True)  # a new folder is fine
         report = {"args": dataclasses.asdict(args), "engine_config": run.cfg.to_dict(), **result.summary()}
         if timeline:
             report["step_report"] = write_timeline(args, run, timeline)

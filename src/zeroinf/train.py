@@ -142,6 +142,17 @@ class TrainResult:
         return dataclasses.asdict(self)
 
 
+def format_step_io(io: dict[str, Any]) -> str:
+    """The progress line's NVMe part: the last step's bytes, bytes per parameter, disk-busy share."""
+    last = io.get("last_step")
+    if not last or not (last["read_bytes"] or last["written_bytes"]):
+        return ""
+    return (
+        f", nvme r/w {format_bytes(last['read_bytes'])}/{format_bytes(last['written_bytes'])} per step "
+        f"({last['bytes_per_param']:.1f} B/param), disk busy {100 * last['disk_busy_share']:.0f}%"
+    )
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """Multiplier of the peak LR at `step`: linear warm-up, then cosine decay to `min_ratio`."""
     if step < warmup_steps:
@@ -331,9 +342,7 @@ def train(args: TrainArgs) -> TrainResult:
                 report = zeroinf.memory_report(run.model)
                 memory = format_memory(report)
                 skipped = f", skipped {skipped_steps}" if skipped_steps else ""
-                io = report["io"]
-                nvme = f", nvme r/w {format_bytes(io['nvme_read_bytes'])}/{format_bytes(io['nvme_written_bytes'])} " \
-                    f"{io['overlap_pct']:.0f}% hidden" if io["io_busy_s"] else ""
+                nvme = format_step_io(report["io"])
                 bar.set_postfix_str(
                     f"loss {losses[-1]:.3f}, {tokens_per_s:,.0f} tok/s, mem {memory}{nvme}{skipped}{saved}"
                 )
@@ -367,6 +376,7 @@ def train(args: TrainArgs) -> TrainResult:
     if show:
         print_summary(result)
     if args.report_path and run.topo.rank == 0:
+        Path(args.report_path).parent.mkdir(parents=True, exist_ok=True)  # a new folder is fine
         report = {"args": dataclasses.asdict(args), "engine_config": run.cfg.to_dict(), **result.summary()}
         if timeline:
             report["step_report"] = write_timeline(args, run, timeline)

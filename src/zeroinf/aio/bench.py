@@ -149,14 +149,26 @@ def run(args: argparse.Namespace) -> int:
                 print(_describe(results[-1]), flush=True)
     # Best by the geometric mean: a setting must be good at both directions.
     best = max(results, key=lambda r: math.sqrt(r["read_gbps"] * r["write_gbps"]))
+    lines = config_lines(best)
     if args.json:
-        print(json.dumps({"results": results, "best": best}))
+        print(json.dumps({"results": results, "best": best, "config_lines": lines}))
     else:
-        print(
-            f"best: --block-bytes {best['block_bytes']} --queue-depth {best['queue_depth']} "
-            f"--workers {best['workers']}: {_describe(best)}"
-        )
+        print(f"best: {_describe(best)}")
+        print("to train with it, add these lines to the config file (`zeroinf train --config FILE`, "
+              "zeroinf.Config.load), or pass OffloadConfig(aio=AioConfig(...)):")
+        print("\n".join(lines))
     return 0
+
+
+def config_lines(result: dict[str, Any]) -> list[str]:
+    """The TOML lines of a training config that apply a measured setting (table `[offload.aio]`)."""
+    return [
+        "[offload.aio]",
+        f"block_bytes = {result['block_bytes']}",
+        f"queue_depth = {result['queue_depth']}",
+        f"workers = {result['workers']}",
+        *([] if result["o_direct"] else ["o_direct = false"]),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

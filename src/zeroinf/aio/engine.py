@@ -48,6 +48,41 @@ from zeroinf.memory import Ledger
 logger = logging.getLogger("zeroinf.aio")
 _engine_ids = itertools.count()  # tells apart the threads of several engines in one process
 
+
+class DiskActivity:
+    """Seconds during which at least one request of any engine in this process was in flight.
+
+    The disk-busy share of a step is the growth of `busy_s()` over the step's wall time: the union
+    of every engine's requests (parameters, gradients, optimizer states), so overlapping transfers
+    count once. Shared by all engines of the process (`DISK_ACTIVITY`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since = 0.0
+        self._busy = 0.0
+
+    def started(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter()
+            self._in_flight += 1
+
+    def finished(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._busy += time.perf_counter() - self._since
+
+    def busy_s(self) -> float:
+        with self._lock:
+            ongoing = time.perf_counter() - self._since if self._in_flight else 0.0
+            return self._busy + ongoing
+
+
+DISK_ACTIVITY = DiskActivity()
+
 FileRef = str | os.PathLike[str] | int
 Op = Literal["read", "write"]
 BlockJob = Callable[[torch.Tensor], None]  # runs one block's system calls, given a bounce buffer
@@ -371,10 +406,15 @@ class AioEngine:
             offset, byte_tensor.numel(), byte_tensor.data_ptr(), alignment, self.config.block_bytes
         )
         request = _Request(op, f, offset, byte_tensor, len(blocks))
+        DISK_ACTIVITY.started()
         if not blocks:
             self._finish(request)
             return request.handle
-        self._backend.submit([functools.partial(self._run_block, request, b) for b in blocks])
+        try:
+            self._backend.submit([functools.partial(self._run_block, request, b) for b in blocks])
+        except BaseException:
+            DISK_ACTIVITY.finished()
+            raise
         return request.handle
 
     def _run_block(self, request: _Request, block: Block, bounce: torch.Tensor) -> None:
@@ -483,6 +523,7 @@ class AioEngine:
         )
 
     def _finish(self, request: _Request) -> None:
+        DISK_ACTIVITY.finished()
         error = request.error
         if error is None and self.config.integrity:
             try:

@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from zeroinf.aio import AioConfig, AioEngine, BufferPool
+from zeroinf.aio import AioEngine, BufferPool
 from zeroinf.checkpoint.common import broadcast_error, gather, module_state_tensors, rng_state
 from zeroinf.checkpoint.format import (
     CHUNK_NUMEL,
@@ -229,7 +229,7 @@ class _SaveJob:
 def _stream_writers(engine: Engine) -> Iterator[Callable[..., StreamWriter]]:
     """Opens StreamWriters sharing one aio engine and staging pool, all closed (or aborted) on exit."""
     writers: list[StreamWriter] = []
-    with AioEngine(AioConfig(), ledger=engine.ledger) as aio, BufferPool(
+    with AioEngine(engine.cfg.offload.aio, ledger=engine.ledger) as aio, BufferPool(
         STAGING_COUNT, STAGING_BYTES, ledger=engine.ledger, tag="checkpoint_staging"
     ) as pool, ThreadPoolExecutor(1, thread_name_prefix="zeroinf-ckpt-hash") as hasher:
 

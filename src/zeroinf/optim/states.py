@@ -240,7 +240,7 @@ class NvmeStateStore:
         assert cfg.nvme_dir is not None  # OffloadConfig requires it for nvme
         source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
         self.ledger, self.traffic = ledger, StepTraffic()
-        aio = aio or AioConfig()
+        aio = aio or cfg.aio
         plan = plan_optimizer_staging(source.numels, cfg, aio)  # the sizes zeroinf.plan predicts
         self.sub_groups = list(plan.sub_groups)
         self.staging_slots = cfg.buffer_count

@@ -11,7 +11,7 @@ step. Host memory for parameters is therefore that pool, whatever the model size
 
 from __future__ import annotations
 
-from zeroinf.aio import AioConfig, AioEngine, BufferPool
+from zeroinf.aio import AioEngine, BufferPool
 from zeroinf.config import Config
 from zeroinf.memory import Ledger
 from zeroinf.partition.shard_home import NvmeGradFiles, NvmeParamFiles
@@ -42,7 +42,7 @@ def open_param_files(plan: ModelPlan, cfg: Config, topo: Topology, ledger: Ledge
         staging.total_bytes, cfg.offload.max_host_bytes, f"parameter staging ({staging.count} buffers)",
         "raise offload.max_host_bytes or lower prefetch_bytes",
     )
-    engine = AioEngine(AioConfig(), ledger=ledger)
+    engine = AioEngine(cfg.offload.aio, ledger=ledger)
     try:
         swap = NvmeSwap(swap_layout, engine, ledger=ledger)
     except BaseException:
@@ -59,7 +59,7 @@ def open_grad_files(plan: ModelPlan, cfg: Config, topo: Topology, ledger: Ledger
     shard_bytes = plan.grad_swap_bytes()
     folder = cfg.offload.nvme_dir
     assert folder is not None
-    engine = AioEngine(AioConfig(), ledger=ledger)
+    engine = AioEngine(cfg.offload.aio, ledger=ledger)
     try:
         layout = plan_swap_layout(shard_bytes, folder, topo.rank, alignment_bytes=ALIGN_BYTES)
         swap = NvmeSwap(layout, engine, ledger=ledger)

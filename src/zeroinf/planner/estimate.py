@@ -51,7 +51,6 @@ from zeroinf.planner.unit_plan import FP32_BYTES, OPTIMIZER_SWAP_KINDS, SWAP_ALI
 from zeroinf.runtime.prefetch import plan_prefetch
 from zeroinf.runtime.streams import STAGING_TAG
 
-AIO_ENGINE_BYTES = 8 * 2**20  # AioConfig(): 8 workers x 1 MiB bounce buffers, per NVMe kind's engine
 GRAD_BUFFERS_IN_FLIGHT = 3  # stage 3: engine.MAX_REDUCTIONS_IN_FLIGHT reducing + one filling
 RAM_HEADROOM = 0.9  # plan to use at most this share of the available RAM
 DEVICE_HEADROOM = 0.9
@@ -340,6 +339,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             tags[tier][tag] = tags[tier].get(tag, 0) + int(nbytes)
 
     units = plan.units
+    engine_bytes = o.aio.workers * o.aio.block_bytes  # each NVMe kind's engine: one bounce buffer per worker
     if cfg.stage < 2:  # every buffer lives until the end of backward
         add("device", "param_unsharded", sum(u.unsharded_bytes for u in units))
         add("device", "grad_unsharded", sum(u.grad_unsharded_bytes for u in units))
@@ -354,14 +354,14 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
         if o.params == "nvme" and plan.sharded_units:  # none sharded: all stay on the device
             add("nvme", "param_shard", _swap_file_bytes(plan.param_swap_bytes()))
             add("host", "param_staging", plan.param_staging().total_bytes)
-            add("host", "aio_buffers", AIO_ENGINE_BYTES)
+            add("host", "aio_buffers", engine_bytes)
         else:
             add(o.params, "param_shard", shards)
     if cfg.stage >= 2:
         if o.gradients == "nvme":
             add("nvme", "grad_shard", _swap_file_bytes(plan.grad_swap_bytes()))
             add("host", STAGING_TAG, _grad_landing_bytes(plan))
-            add("host", "aio_buffers", AIO_ENGINE_BYTES)
+            add("host", "aio_buffers", engine_bytes)
         elif o.gradients == "host":  # device shards: counted in the moments above
             add(o.gradients, "grad_shard", sum(u.grad_shard_bytes for u in plan.trainable_units))
     state_bytes = 3 * FP32_BYTES * plan.owned_numel
@@ -371,7 +371,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("nvme", kind, staging.file_bytes)
         add("host", "optimizer_staging", staging.pool.total_bytes)
         add("host", "optimizer_assembly", staging.assembly_numel * FP32_BYTES)
-        add("host", "aio_buffers", AIO_ENGINE_BYTES)
+        add("host", "aio_buffers", engine_bytes)
     else:
         add(o.optimizer, "optimizer_state", state_bytes)
     add("host", "activation_offload", activation_offload_bytes)

@@ -87,7 +87,7 @@ def chrome_trace(events: Sequence[PhaseEvent], origin_s: float, rank: int = 0) -
 
 
 def _svg(events: Sequence[PhaseEvent], start_s: float, end_s: float, main_thread: str) -> str:
-    width, left, row_h = 1100, 150, 18
+    width, left, right, row_h = 1100, 150, 40, 18  # right: room for the last tick's label
     span = max(end_s - start_s, 1e-9)
     threads = sorted({e.thread for e in events}, key=lambda t: (t != main_thread, t))
     rows: list[tuple[str, int]] = []  # (thread, depth)
@@ -96,7 +96,7 @@ def _svg(events: Sequence[PhaseEvent], start_s: float, end_s: float, main_thread
         rows += [(t, d) for d in range(depth + 1)]
     row_of = {r: i for i, r in enumerate(rows)}
     height = 30 + row_h * len(rows) + 30
-    scale = (width - left - 10) / span
+    scale = (width - left - right) / span
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
              f'font-size="11">']
     for (thread, depth), i in row_of.items():
@@ -104,10 +104,10 @@ def _svg(events: Sequence[PhaseEvent], start_s: float, end_s: float, main_thread
         if depth == 0:
             label = "training thread" if thread == main_thread else thread
             parts.append(f'<text x="4" y="{y + 13}">{html.escape(label[:22])}</text>')
-        parts.append(f'<line x1="{left}" x2="{width - 10}" y1="{y + row_h}" y2="{y + row_h}" stroke="#eee"/>')
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y + row_h}" y2="{y + row_h}" stroke="#eee"/>')
     ticks = 10
     for k in range(ticks + 1):
-        x = left + k * (width - left - 10) / ticks
+        x = left + k * (width - left - right) / ticks
         ms = span * 1e3 * k / ticks
         parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="22" y2="{height - 25}" stroke="#ddd"/>')
         parts.append(f'<text x="{x:.1f}" y="16" text-anchor="middle">{ms:.0f} ms</text>')

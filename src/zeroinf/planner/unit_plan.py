@@ -234,7 +234,7 @@ class ModelPlan:
     # -- optimizer states ---------------------------------------------------------------------------------
     def optimizer_staging(self, aio: AioConfig | None = None) -> OptimizerStaging:
         owned = [u.owned_numel for u in self.trainable_units]
-        return plan_optimizer_staging(owned, self.cfg.offload, aio or AioConfig())
+        return plan_optimizer_staging(owned, self.cfg.offload, aio or self.cfg.offload.aio)
 
 
 def is_resident(unit: UnitShape, cfg: Config, world_size: int, layout: FlatLayout | None = None) -> bool:
