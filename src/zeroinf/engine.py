@@ -432,14 +432,12 @@ class Engine:
         self._io_mark = (now, totals)
         wall = now - start
         delta = {k: totals[k] - before[k] for k in totals}
-        by_kind = {kind: {d: delta[f"{kind}_{d}_bytes"] for d in ("read", "written")} for kind in IO_KINDS}
-        moved = sum(v for kind in by_kind.values() for v in kind.values())
+        traffic = _traffic(delta)
+        moved = traffic["read_bytes"] + traffic["written_bytes"]
         params_per_rank = sum(u.layout.numel for u in self.all_units) / self.topo.world_size
         self.io_last_step = {
             "step_s": wall,
-            "read_bytes": sum(k["read"] for k in by_kind.values()),
-            "written_bytes": sum(k["written"] for k in by_kind.values()),
-            "by_kind": by_kind,
+            **traffic,
             "bytes_per_param": moved / params_per_rank if params_per_rank else 0.0,
             "disk_busy_s": delta["disk_busy_s"],
             "disk_busy_share": delta["disk_busy_s"] / wall if wall > 0 else 0.0,
@@ -453,13 +451,13 @@ class Engine:
         (end of one step to the end of the next), with bytes per parameter this rank holds and the
         disk-busy share (seconds any request of the process was in flight / the step's seconds)."""
         totals = self._io_totals()
-        read = sum(totals[f"{kind}_read_bytes"] for kind in IO_KINDS)
-        written = sum(totals[f"{kind}_written_bytes"] for kind in IO_KINDS)
+        traffic = _traffic(totals)
         wait, busy = totals["io_wait_s"], totals["io_busy_s"]
         return {
-            "nvme_read_bytes": read, "nvme_written_bytes": written, "io_wait_s": wait, "io_busy_s": busy,
+            "nvme_read_bytes": traffic["read_bytes"], "nvme_written_bytes": traffic["written_bytes"],
+            "io_wait_s": wait, "io_busy_s": busy,
             "overlap_pct": 100.0 * (1 - wait / busy) if busy > 0 else 0.0,
-            "by_kind": {kind: {d: totals[f"{kind}_{d}_bytes"] for d in ("read", "written")} for kind in IO_KINDS},
+            "by_kind": traffic["by_kind"],
             "disk_busy_s": totals["disk_busy_s"],
             "last_step": self.io_last_step,
         }
@@ -477,6 +475,17 @@ class Engine:
             traces = (self.scheduler.forward_trace, self.scheduler.backward_trace)
             report["trace_departures"] = sum(t.departures for t in traces)
         return report
+
+
+def _traffic(counts: dict[str, float]) -> dict[str, Any]:
+    """Bytes read and written, in all and per kind, from `Engine._io_totals`-style counters (or their
+    difference over a step)."""
+    by_kind = {kind: {d: counts[f"{kind}_{d}_bytes"] for d in ("read", "written")} for kind in IO_KINDS}
+    return {
+        "read_bytes": sum(k["read"] for k in by_kind.values()),
+        "written_bytes": sum(k["written"] for k in by_kind.values()),
+        "by_kind": by_kind,
+    }
 
 
 def shard(

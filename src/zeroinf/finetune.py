@@ -20,13 +20,12 @@
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,9 +38,19 @@ from zeroinf.checkpoint.saving import finish_pending_save
 from zeroinf.config import Config
 from zeroinf.data import BatchSampler
 from zeroinf.optional import require
-from zeroinf.telemetry import phase_scope, record_phases
+from zeroinf.telemetry import phase_scope
 from zeroinf.train import TrainResult as FinetuneResult
-from zeroinf.train import format_memory, lr_factor, mean_over_ranks, print_summary, resume, save, set_cpu_threads
+from zeroinf.train import (
+    format_memory,
+    lr_factor,
+    mean_over_ranks,
+    print_summary,
+    recorded_step,
+    resume,
+    save,
+    set_cpu_threads,
+    write_report,
+)
 
 DEFAULT_CONFIG = Config(stage=3, grad_clip_norm=1.0)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -252,11 +261,10 @@ def finetune(args: FinetuneArgs) -> FinetuneResult:
         for step in range(start_step, run.steps):
             t0 = time.perf_counter()
             if step == report_step:
-                with record_phases() as recorder:
-                    losses.append(train_step(run, step))
-                timeline = {"recorder": recorder, "step": step, "ledger": zeroinf.memory_report(run.model)["last_step"]}
+                loss, timeline = recorded_step(functools.partial(train_step, run, step), run.model, step)
             else:
-                losses.append(train_step(run, step))
+                loss = train_step(run, step)
+            losses.append(loss)
             times.append(time.perf_counter() - t0)
             bar.update(1)
             if args.save_every and (step + 1) % args.save_every == 0:
@@ -289,19 +297,14 @@ def finetune(args: FinetuneArgs) -> FinetuneResult:
         if args.out:
             print(f"wrote the fine-tuned model to {args.out}", flush=True)
     if args.report_path and run.topo.rank == 0:
-        Path(args.report_path).parent.mkdir(parents=True, exist_ok=True)  # a new folder is fine
-        report = {"args": dataclasses.asdict(args), "engine_config": run.cfg.to_dict(), **result.summary()}
-        if timeline:
-            report["step_report"] = write_timeline(args, run, timeline)
-            if show:
-                print(f"step timeline: {report['step_report']['timeline_html']}", flush=True)
-        Path(args.report_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        step_report = (lambda: write_timeline(args, run, timeline)) if timeline else None
+        write_report(args, run.cfg, result.summary(), step_report, show)
     return result
 
 
 def write_timeline(args: FinetuneArgs, run: FinetuneRun, timeline: dict[str, Any]) -> dict[str, Any]:
     """The recorded step's timeline beside the report, with the plan's prediction from the unit plan
-    the engine built (frozen units included) and the model's config (its forward on fake tensors)."""
+    the engine built (frozen units included) and the model's config (its forward on meta tensors)."""
     from zeroinf.planner.model_facts import from_hf
     from zeroinf.planner.timeline import write_run_timeline
     from zeroinf.train import placement_line

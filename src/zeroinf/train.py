@@ -8,10 +8,12 @@ summary; every rank returns the same `TrainResult` (losses are averaged across r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,11 +329,10 @@ def train(args: TrainArgs) -> TrainResult:
         for step in range(start_step, args.steps):
             step_start_s = time.perf_counter()
             if step == report_step:
-                with record_phases() as recorder:
-                    losses.append(train_step(run, step))
-                timeline = {"recorder": recorder, "step": step, "ledger": zeroinf.memory_report(run.model)["last_step"]}
+                loss, timeline = recorded_step(functools.partial(train_step, run, step), run.model, step)
             else:
-                losses.append(train_step(run, step))
+                loss = train_step(run, step)
+            losses.append(loss)
             step_times_s.append(time.perf_counter() - step_start_s)
             skipped_steps += int(run.opt.last_step_skipped)  # type: ignore[attr-defined]
             bar.update(1)
@@ -376,14 +377,31 @@ def train(args: TrainArgs) -> TrainResult:
     if show:
         print_summary(result)
     if args.report_path and run.topo.rank == 0:
-        Path(args.report_path).parent.mkdir(parents=True, exist_ok=True)  # a new folder is fine
-        report = {"args": dataclasses.asdict(args), "engine_config": run.cfg.to_dict(), **result.summary()}
-        if timeline:
-            report["step_report"] = write_timeline(args, run, timeline)
-            if show:
-                print(f"step timeline: {report['step_report']['timeline_html']}", flush=True)
-        Path(args.report_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        step_report = (lambda: write_timeline(args, run, timeline)) if timeline else None
+        write_report(args, run.cfg, result.summary(), step_report, show)
     return result
+
+
+def recorded_step(step: Callable[[], float], model: torch.nn.Module, index: int) -> tuple[float, dict[str, Any]]:
+    """Run one training step under the phase recorder: its loss, and the timeline `--report` draws."""
+    with record_phases() as recorder:
+        loss = step()
+    return loss, {"recorder": recorder, "step": index, "ledger": zeroinf.memory_report(model)["last_step"]}
+
+
+def write_report(
+    args: Any, cfg: Config, summary: dict[str, Any], step_report: Callable[[], dict[str, Any]] | None, show: bool
+) -> None:
+    """`--report`: the run's arguments, engine config and summary as JSON (its folder created), with
+    the recorded step's timeline written beside it by `step_report` (train and finetune share this)."""
+    path = Path(args.report_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"args": dataclasses.asdict(args), "engine_config": cfg.to_dict(), **summary}
+    if step_report is not None:
+        report["step_report"] = step_report()
+        if show:
+            print(f"step timeline: {report['step_report']['timeline_html']}", flush=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
 def timeline_step(args: TrainArgs, start_step: int) -> int | None:

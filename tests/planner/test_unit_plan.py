@@ -156,3 +156,27 @@ def test_plan_units_refuses_auto_fields_and_bad_world() -> None:
         plan_units(units, zeroinf.Config(stage="auto"), 1)
     with pytest.raises(ValueError, match="world_size = 0"):
         plan_units(units, zeroinf.Config(stage=3), 0)
+
+
+def test_a_frozen_twins_backward_step_keeps_its_blocks_activations() -> None:
+    """LoRA: a block is a trainable unit and a frozen unit of the same name. At the frozen unit's
+    backward step the activations of its block and those before it are alive, as at its trainable
+    twin's step (not only the root's)."""
+    from zeroinf.planner.estimate import _stage3_timeline, activations_alive
+    from zeroinf.planner.model_facts import from_gpt_config
+    from zeroinf.planner.unit_plan import UnitShape, plan_units
+
+    facts = from_gpt_config(GPT_CFG).pass_facts(BATCH, GPT_CFG.seq_len, "fp32", torch.device("cpu"))
+    assert facts is not None
+    blocks = [f"blocks.{i}" for i in range(GPT_CFG.n_layer)]
+    units = [UnitShape(b, ((f"{b}.lora", (64, 4)),)) for b in blocks]
+    units += [UnitShape("", (("head.weight", (256, 64)),))]
+    units += [UnitShape(b, ((f"{b}.weight", (512, 512)),), frozen=True) for b in blocks]
+    plan = plan_units(units, zeroinf.Config(stage=3, persist_threshold_bytes=0), 1)
+    alive = activations_alive(plan, facts)
+    assert alive is not None
+    steps = zip(_stage3_timeline(plan), alive, strict=True)
+    by_unit = {(plan.units[w].name, plan.units[w].frozen): a for (w, _), a in steps if w >= 0}
+    for k, block in enumerate(blocks):
+        expected = facts.root_saved_bytes + sum(facts.unit_saved_bytes[: k + 1])
+        assert by_unit[(block, True)] == by_unit[(block, False)] == expected, block

@@ -257,13 +257,17 @@ def _stage3_moments(plan: ModelPlan) -> list[dict[str, int]]:
 _FORWARD, _END = -1, -2  # `_stage3_timeline` markers: the forward's fullest step, the end of backward
 
 
-def _stage3_timeline(plan: ModelPlan) -> list[tuple[int, dict[str, int]]]:
-    """`_stage3_moments`, each with where it falls: _FORWARD, the unit whose backward step it is, or _END."""
+@functools.lru_cache(maxsize=16)
+def _stage3_timeline(plan: ModelPlan) -> tuple[tuple[int, dict[str, int]], ...]:
+    """`_stage3_moments`, each with where it falls: _FORWARD, the unit whose backward step it is, or _END.
+
+    Cached (a plan is frozen): the ledger's peak and the peak with activations both read it, and the
+    prefetch planning behind it is most of an estimate's time. Read-only."""
     units = plan.units
     resident_params = sum(u.unsharded_bytes for u in units if u.resident)
     plans = _prefetch_plans(plan)
     if plans is None:
-        return [(_FORWARD, {"param_unsharded": resident_params})]
+        return ((_FORWARD, {"param_unsharded": resident_params}),)
     forward, backward = plans
     gathered = resident_params + max(_gathered_bytes(forward, units), default=0)
     live = dict(zip((step.unit for step in backward.steps), _gathered_bytes(backward, units), strict=True))
@@ -280,7 +284,7 @@ def _stage3_timeline(plan: ModelPlan) -> list[tuple[int, dict[str, int]]]:
             current = current if units[step.unit].frozen else next(pending)
             moments.append((step.unit, {"param_unsharded": resident_params + live[step.unit], **current}))
         moments.append((_END, {"param_unsharded": resident_params, **grads[-1]}))  # the resident units reduce
-    return moments
+    return tuple(moments)
 
 
 def device_peak_with_activations(plan: ModelPlan, facts: PassFacts | None, ledger: TierBytes) -> int:
@@ -288,35 +292,46 @@ def device_peak_with_activations(plan: ModelPlan, facts: PassFacts | None, ledge
 
     Backward frees a block's saved activations as it goes while gradient shards pile up, so the
     two peaks do not coincide: at stage 3 without activation checkpointing each moment of
-    `_stage3_timeline` gets the activations of the blocks whose backward has not finished.
-    Otherwise (or when the units do not line up with the pass's blocks) both peaks are added.
+    `_stage3_timeline` gets the activations alive then (`activations_alive`). Otherwise (or when
+    the units do not line up with the pass's blocks) both peaks are added.
     """
     activations, _ = activation_peak(facts, plan.cfg)
-    if facts is None or plan.cfg.stage != 3 or plan.cfg.activation_checkpointing:
+    alive = activations_alive(plan, facts)
+    if facts is None or alive is None:
         return ledger.device + activations
-    nested = _nested(tuple(u.name for u in plan.units))
-    inner = set().union(*nested.values())
+    transient = activations - facts.saved_bytes
+    timeline = _stage3_timeline(plan)
+    fixed = ledger.device - max(sum(m.values()) for _, m in timeline)  # shards, states: always there
+    return max(fixed + sum(moment.values()) + a + transient for (_, moment), a in zip(timeline, alive, strict=True))
+
+
+def activations_alive(plan: ModelPlan, facts: PassFacts | None) -> list[int] | None:
+    """Saved activation bytes alive at each moment of `_stage3_timeline`: all of them at the forward's
+    fullest step; at a unit's backward step the root's and those of the blocks up to the one holding
+    the unit (by module path: a nested unit, or a frozen twin of the same name); the root's at the
+    end. None where the pass's blocks cannot be matched to units: not stage 3, activation
+    checkpointing (recomputation changes what is alive), or a different count of blocks."""
+    if facts is None or plan.cfg.stage != 3 or plan.cfg.activation_checkpointing:
+        return None
+    inner = set().union(*_nested(tuple(u.name for u in plan.units)).values())
     outer = sorted(
         (i for i, u in enumerate(plan.units) if u.name and not u.frozen and i not in inner),
         key=lambda i: _module_order(plan.units[i]),
     )
     if len(outer) != len(facts.unit_saved_bytes):
-        return ledger.device + activations
-    block_of = {j: k for k, i in enumerate(outer) for j in (i, *nested[i])}
-    transient = activations - facts.saved_bytes
-    timeline = _stage3_timeline(plan)
-    fixed = ledger.device - max(sum(m.values()) for _, m in timeline)  # shards, states: always there
-    peak = 0
-    for where, moment in timeline:
+        return None
+    block_of_name = {plan.units[i].name: k for k, i in enumerate(outer)}
+
+    def at(where: int) -> int:
         if where == _FORWARD:
-            alive = facts.saved_bytes
-        elif where == _END:
-            alive = facts.root_saved_bytes
-        else:
-            k = block_of.get(where)
-            alive = facts.root_saved_bytes + sum(facts.unit_saved_bytes[: (k + 1 if k is not None else 0)])
-        peak = max(peak, fixed + sum(moment.values()) + alive + transient)
-    return peak
+            return facts.saved_bytes
+        name = "" if where == _END else plan.units[where].name
+        while name and name not in block_of_name:
+            name = name.rpartition(".")[0]
+        blocks = block_of_name[name] + 1 if name else 0
+        return facts.root_saved_bytes + sum(facts.unit_saved_bytes[:blocks])
+
+    return [at(where) for where, _ in _stage3_timeline(plan)]
 
 
 def _grad_landing_bytes(plan: ModelPlan) -> int:

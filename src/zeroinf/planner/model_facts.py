@@ -338,13 +338,14 @@ def _backend_choice(device: torch.device, query: torch.Tensor, key: torch.Tensor
     the same dtype, heads and head size (the choice does not depend on the sequence length)."""
     if device.type == "cuda" and not torch.cuda.is_available():  # planning for a GPU from a CPU machine
         return _FLASH if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) else _EFFICIENT
+
     def tiny(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*t.shape[:-2], 2, t.shape[-1], dtype=t.dtype, device=device, requires_grad=t.requires_grad)
-    mask = None
-    if isinstance(attn_mask, torch.Tensor):
-        with _disable_current_modes():
-            mask = torch.zeros(*(min(n, 1) for n in attn_mask.shape[:-2]), 2, 2, dtype=attn_mask.dtype, device=device)
+
     with _disable_current_modes():  # the pass's counter must not see these tensors
+        mask = None
+        if isinstance(attn_mask, torch.Tensor):
+            mask = torch.zeros(*(min(n, 1) for n in attn_mask.shape[:-2]), 2, 2, dtype=attn_mask.dtype, device=device)
         q, k = tiny(query), tiny(key)
         return int(torch._fused_sdp_choice(q, k, k, mask, dropout_p, is_causal, enable_gqa=enable_gqa))
 
