@@ -140,7 +140,7 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
     opt = zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
     per_rank = GLOBAL_BATCH // world_size
     micro = per_rank // case.accum
-    losses, skipped = [], []
+    losses, skipped, stepped_in_backward = [], [], []
     for step in range(case.steps):
         x, y = global_batch(step)
         x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device) for t in (x, y))
@@ -156,10 +156,13 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
             total /= world_size
         losses.append(float("nan") if step == case.overflow_step else total.item())
         skipped.append(opt.last_step_skipped)
+        stepped_in_backward.append(opt.units_stepped_in_backward)
     report = zeroinf.memory_report(model)
     return {
         "losses": losses,
         "skipped": skipped,
+        "stepped_in_backward": stepped_in_backward,  # units per step (optim/adamw.py)
+        "rollbacks": opt.rollbacks,
         "weights": _weights(model, rank),
         "optimizer_state_bytes": report["device"]["by_tag"].get("optimizer_state", 0),
         "collectives_last_step": report["collectives_last_step"],

@@ -15,11 +15,12 @@ from zeroinf.models.gpt import GPT, GPTConfig
 AIO = AioConfig(block_bytes=256 * 1024, queue_depth=2, workers=2)
 
 
-def test_step_io_is_counted_per_kind_and_engines_use_offload_aio(tmp_path: Path) -> None:
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_step_io_is_counted_per_kind_and_engines_use_offload_aio(tmp_path: Path, step_in_backward: bool) -> None:
     cfg = zeroinf.Config(
         stage=3, persist_threshold_bytes=0,
         offload=zeroinf.OffloadConfig(params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=str(tmp_path),
-                                      aio=AIO),
+                                      aio=AIO, step_in_backward=step_in_backward),
     )
     torch.manual_seed(0)
     gpt = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64, vocab_size=256)
@@ -41,8 +42,11 @@ def test_step_io_is_counted_per_kind_and_engines_use_offload_aio(tmp_path: Path)
     owned = sum(u.owned_numel for u in engine.units)
     # The optimizer swaps its three fp32 states in and out once per step.
     assert kinds["optimizer"] == {"read": 12 * owned, "written": 12 * owned}
-    for kind in ("params", "grads"):
-        assert kinds[kind]["read"] > 0 and kinds[kind]["written"] > 0, kind
+    assert kinds["params"]["read"] > 0 and kinds["params"]["written"] > 0
+    if step_in_backward:  # each reduced gradient is stepped where it is: none goes to disk and back
+        assert kinds["grads"] == {"read": 0, "written": 0} and opt.units_stepped_in_backward > 0
+    else:
+        assert kinds["grads"]["read"] > 0 and kinds["grads"]["written"] > 0
     assert last["read_bytes"] == sum(k["read"] for k in kinds.values())
     assert last["written_bytes"] == sum(k["written"] for k in kinds.values())
     params = sum(p.numel() for p in GPT(gpt).parameters())  # the sharded model's are views of shards

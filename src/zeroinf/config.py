@@ -167,6 +167,12 @@ class OffloadConfig:
     """Seconds one swap may take before the step fails with an error naming the file."""
     aio: AioConfig = field(default_factory=AioConfig)
     """The asynchronous I/O engine's settings for every `nvme` tier (table `[offload.aio]`)."""
+    step_in_backward: bool | str = AUTO
+    """Step each unit's optimizer states (on `host` or `nvme`) during backward, as soon as its reduced
+    gradient is complete, instead of after it (optim/adamw.py [Note: the step inside backward]).
+    Exact; with clipping or fp16 it is speculative and undone when the norm says so, which on `host`
+    keeps a copy of the stepped states until `step()`. "auto": on for `nvme` states, and for `host`
+    states when neither clipping nor fp16 needs the norm; true: also host with clipping/fp16."""
 
     def __post_init__(self) -> None:
         if isinstance(self.aio, Mapping):
@@ -187,6 +193,8 @@ class OffloadConfig:
                 "offload.nvme_dir", None,
                 f"offload.{nvme_tiers[0]} is 'nvme': set nvme_dir to a local folder for the swap files",
             )
+        if self.step_in_backward not in (True, False, AUTO):
+            raise ConfigError("offload.step_in_backward", self.step_in_backward, f"use true, false or {AUTO!r}")
         _positive_int("offload.sub_group_numel", self.sub_group_numel)
         count = self.buffer_count
         if isinstance(count, bool) or not isinstance(count, int) or count < 2:

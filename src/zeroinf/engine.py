@@ -24,6 +24,7 @@ import functools
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,6 +122,10 @@ class Engine:
         self._in_backward = False
         self._sync_this_backward = False
         self._reducing: deque[int] = deque()
+        # Set by zeroinf.AdamW when it steps units inside backward (optim/adamw.py [Note: the step
+        # inside backward]): called with a unit's index once its reduced gradient is complete.
+        self.backward_step: Callable[[int], None] | None = None
+        self._step_in_this_backward = False
         self._hook_handles = [
             h
             for ui, unit in enumerate(self.units)
@@ -322,7 +327,10 @@ class Engine:
             # goes on (a host shard: the owner's d2h copy; see unit.py [Note: where a reduced gradient lands]).
             self._reducing.append(unit_index)
             while len(self._reducing) > MAX_REDUCTIONS_IN_FLIGHT:
-                self.units[self._reducing.popleft()].wait_reduce_grads()
+                reduced = self._reducing.popleft()
+                self.units[reduced].wait_reduce_grads()
+                if self._step_in_this_backward and self.backward_step is not None:
+                    self.backward_step(reduced)
 
     def _begin_backward(self) -> None:
         if self.micro_step >= self.cfg.grad_accum_steps:
@@ -334,6 +342,9 @@ class Engine:
         self._in_backward = True
         last = self.micro_step + 1 == self.cfg.grad_accum_steps
         self._sync_this_backward = last or self.cfg.sync_every_micro_step or self.policy.shard_params
+        self._step_in_this_backward = last and self.backward_step is not None
+        for unit in self.units:
+            unit.hand_off = self._step_in_this_backward
         if self.scheduler is not None:
             self.scheduler.begin_backward()
         hooks.queue_end_of_backward(self._end_backward)

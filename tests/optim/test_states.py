@@ -194,10 +194,11 @@ def test_state_dict_round_trip_resumes_exactly(tmp_path: Path, tier: str) -> Non
 
 
 def test_fp16_overflow_skips_the_step_without_touching_the_swap_files(tmp_path: Path) -> None:
+    """Stepping after backward: the norm is known before any state moves. (Inside backward the step
+    is speculative and an overflow undoes it: tests/optim/test_step_in_backward.py.)"""
     (tmp_path / "swap").mkdir()
-    cfg = zeroinf.Config(
-        stage=2, param_dtype="fp16", offload=OffloadConfig(optimizer="nvme", nvme_dir=str(tmp_path / "swap"))
-    )
+    offload = OffloadConfig(optimizer="nvme", nvme_dir=str(tmp_path / "swap"), step_in_backward=False)
+    cfg = zeroinf.Config(stage=2, param_dtype="fp16", offload=offload)
     model = zeroinf.shard(Net(), cfg, CPU)
     opt = zeroinf.AdamW(model, lr=1e-2)
     _OPEN.append(opt)

@@ -15,30 +15,60 @@ hold the user's nn.Parameter objects and their hyperparameters, so LR schedulers
 Step: the reduced gradients of the owned ranges -> one norm (all-reduced when sharded) that serves
 both the fp16 overflow check and exact global clipping -> unscale and clip in one multiply ->
 per sub-group: swap in, fused AdamW on the masters, cast into the compute params (once a unit's
-whole owned range is updated), swap out -> all-gather (stages 1-2). Nothing touches the states
-before the norm is known, so an fp16 overflow skips the step without any I/O.
+whole owned range is updated), swap out -> all-gather (stages 1-2).
+
+[Note: the step inside backward]
+With the states on `host` or `nvme` (`offload.step_in_backward`, optim `step_mode`), each unit is
+stepped inside the last micro-step's backward as soon as its reduced gradient is complete (the
+engine calls `_step_unit_in_backward`), while backward goes on with the other units: the state
+swaps overlap backward's compute and I/O, and the reduced gradient is taken where the collective
+left it (unit.py `hand_off`), so with one micro-step it never goes to its tier and back (8 bytes
+per parameter per step when gradients are on NVMe). The states are read ahead along the order
+in which the last step's backward completed the units (`SubGroupStream`); `step()` steps the units
+completed at the end of backward and finishes. The result is bitwise the step after backward:
+the same kernel on the same values with the same hyperparameters. Two things need every gradient:
+- Global-norm clipping and the fp16 overflow check. Without them ("final") each unit's step is
+  final as it goes. With them ("speculative") units are stepped with coefficient 1 / loss scale,
+  and `step()` computes the norm exactly as the step after backward would (every gradient landed
+  on its tier first, so the same bits decide). If clipping triggered or fp16 overflowed, the step
+  is undone: NVMe states were written to each sub-group's second swap slot, so the first still
+  holds the old ones (disk space x2, no extra bytes moved); host states were copied before each
+  update (12 bytes per stepped element of RAM until `step()`, so `auto` speculates on host only
+  when asked: `step_in_backward = true`). Then the whole step is redone after backward with the
+  clipped gradients (or skipped, the old parameters written back). After a step that clipped,
+  the next one holds back (steps after backward): clipping tends to persist, and a run that clips
+  every step then pays one undo, not one per step.
+- Hyperparameters changed between backward and `step()`: a speculative step is redone with the
+  new ones; a final step cannot be, so it completes with the backward-time values and `step()`
+  raises, naming the groups. LR schedulers change them after `step()`, which is fine.
+`zero_grad()` between backward and `step()` is refused once units were stepped (the step cannot
+be unmade without speculation). With gradient accumulation at stage 3 the earlier micro-steps'
+shards are already on their tier; those units are stepped in `step()` as before.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
+from zeroinf.comm import Handle
 from zeroinf.engine import Engine, engine_of
 from zeroinf.memory import Tier
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
-from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline
+from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline, SubGroupStream
 from zeroinf.optim.states import MasterSource, build_state_store
 from zeroinf.partition.unit import GradState, ShardedUnit
+from zeroinf.planner.unit_plan import step_in_backward_mode
 from zeroinf.precision import DynamicLossScaler
 from zeroinf.runtime.streams import Landing, Transfers, typed_view
-from zeroinf.telemetry import phase
+from zeroinf.telemetry import phase, phase_scope
 
 
 @dataclass(frozen=True)
@@ -49,6 +79,20 @@ class Run:
     slot_index: int  # the parameter this run belongs to
     start: int
     end: int
+
+
+@dataclass
+class _BackwardStep:
+    """One optimizer step begun inside backward ([Note: the step inside backward])."""
+
+    speculative: bool
+    coef: float  # the gradient factor it stepped with: 1 / loss scale, no clipping
+    hyper: list[dict[str, Any]]  # each group's lr, betas, eps, weight_decay at backward time
+    stream: SubGroupStream
+    stepped: list[int] = field(default_factory=list)  # units, in the order backward completed them
+    stepped_set: set[int] = field(default_factory=set)
+    handles: list[Handle] = field(default_factory=list)
+    hyper_changed: RuntimeError | None = None
 
 
 class _GradOnDisk:
@@ -161,8 +205,26 @@ class AdamW(torch.optim.Optimizer):
         offload = self.engine.cfg.offload
         units = self.engine.units
         masters = MasterSource([u.owned_numel for u in units], lambda i: units[i].take_initial_master())
-        self.states = build_state_store(masters, offload, self.engine.ledger, self.engine.topo.rank)
+        # None, "final" or "speculative": see [Note: the step inside backward].
+        self.step_mode = step_in_backward_mode(self.engine.cfg)
+        shadow = self.step_mode == "speculative"
+        self.states = build_state_store(masters, offload, self.engine.ledger, self.engine.topo.rank, shadow=shadow)
         self._pipeline = SubGroupPipeline(self.states, offload.io_timeout_s)
+        self._unit_sub_groups: list[list[int]] = [[] for _ in units]
+        for sg in self.states.sub_groups:
+            self._unit_sub_groups[sg.unit_index].append(sg.index)
+        self._session: _BackwardStep | None = None
+        self._expected_units = list(reversed(range(len(units))))  # backward's order, learned each step
+        self.rollbacks = 0  # speculative steps undone (clipping triggered, fp16 overflow, changed lr)
+        self.units_stepped_in_backward = 0  # in the last step
+        self._hold_back = False  # the last step clipped: this one steps after backward (likely clips again)
+        if self.step_mode is not None:
+            if self.engine.backward_step is not None:
+                raise RuntimeError(
+                    "a zeroinf.AdamW already steps this model inside backward; build one optimizer per model"
+                )
+            method = weakref.WeakMethod(self._step_unit_in_backward)
+            self.engine.backward_step = lambda ui: method()(ui)  # type: ignore[misc]
         self.engine.optimizer_io = (self.states, self._pipeline)  # for the engine's I/O report
         # Per sub-group: (param group, [(slot, start, end) relative to the sub-group]) per group it meets.
         self._sub_group_runs: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
@@ -201,6 +263,12 @@ class AdamW(torch.optim.Optimizer):
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._session is not None:
+            raise RuntimeError(
+                "optimizer.zero_grad() after a backward that already stepped units inside it "
+                "(offload.step_in_backward): call optimizer.step() first to finish the step, or set "
+                "offload.step_in_backward = false to be able to discard gradients"
+            )
         self.engine.zero_grad()
 
     @torch.no_grad()
@@ -211,23 +279,37 @@ class AdamW(torch.optim.Optimizer):
         if self.pending_save is not None:  # see zeroinf/checkpoint/saving.py [Note: saving without stopping ...]
             self.pending_save.wait()
         engine = self.engine
+        self.states.require_healthy()  # an I/O error inside backward's step tells first
         engine.require_step_boundary()
         # Gradients still on their way to the host arrive (their NVMe norms are set), and the last
         # step's parameter uploads have read the masters this step overwrites.
         engine.transfers.retire()
         engine.transfers.wait_uploads()
+        session, self._session = self._session, None
+        self.units_stepped_in_backward = len(session.stepped) if session is not None else 0
+        if session is not None and session.speculative:
+            # Every gradient on its tier, as a step after backward would find it, so the global norm
+            # is computed from the same values in the same places: the same bits decide the same way.
+            for unit in engine.units:
+                unit.land_handed_off()
+            engine.transfers.retire()
         # Gradient shards on NVMe are read one unit at a time during the update (`_GradOnDisk`); their
         # squared norms were kept when they were written, so the global norm needs no read.
         grads: list[torch.Tensor | _GradOnDisk | None] = [
             _GradOnDisk(unit) if unit.grad_files is not None and unit.grad_state is not GradState.EMPTY
+            and not unit.grad_in_memory
             else self._fp32(unit.owned_grad())
-            for unit in engine.units
+            for ui, unit in enumerate(engine.units)
         ]
+        if session is not None and not session.speculative:  # stepped as it went: nothing to decide
+            for ui in session.stepped:
+                grads[ui] = None
         present = [g for g in grads if isinstance(g, torch.Tensor)]
         on_disk_sq = sum(float(g.unit.grad_sq_norm or 0.0) for g in grads if isinstance(g, _GradOnDisk))
         sharded = engine.policy.shard_optimizer and engine.topo.is_distributed
         need_norm = self.scaler is not None or engine.cfg.grad_clip_norm is not None
         self.last_step_skipped = False
+        coef = 1.0
         if need_norm:
             total_norm = float(global_grad_norm(present, engine.topo, sharded, extra_sq=on_disk_sq))
             if sharded:
@@ -238,38 +320,82 @@ class AdamW(torch.optim.Optimizer):
                 self.scaler.update(overflow, self.step_count + 1)
                 if overflow:
                     self.last_step_skipped = True
+                    if session is not None:
+                        self._undo(session, restore_params=True)
+                    self._release_grads()
                     self.states.traffic.end_step()
                     engine.end_step()
                     return
             total_norm /= scale
             coef = 1.0 / scale
             if engine.cfg.grad_clip_norm is not None:
-                coef *= clip_coefficient(total_norm, engine.cfg.grad_clip_norm)
-            if coef != 1.0:
-                for g in present:
-                    g.mul_(coef)
-                for g in grads:
-                    if isinstance(g, _GradOnDisk):
-                        g.coef = coef
+                clip = clip_coefficient(total_norm, engine.cfg.grad_clip_norm)
+                coef *= clip
+                self._hold_back = clip < 1.0
             self.last_grad_norm = total_norm
-        self._update_states(grads)
+        if session is not None and session.speculative:
+            if coef == session.coef and session.hyper == self._hyperparameters():
+                for ui in session.stepped:  # right as stepped: only the rest remains
+                    grads[ui] = None
+                present = [g for g in grads if isinstance(g, torch.Tensor)]
+            else:  # clipping triggered (or hyperparameters changed): undo, then step everything anew
+                self._undo(session, restore_params=False)
+                session = None
+        if coef != 1.0:
+            for g in present:
+                g.mul_(coef)
+            for g in grads:
+                if isinstance(g, _GradOnDisk):
+                    g.coef = coef
+        if session is not None:
+            self._check_hyperparameters(session)
+        self._update_states(grads, session)
+        self._release_grads()
         self.step_count += 1
         self.states.traffic.end_step()
         engine.end_step()
+        if session is not None and session.hyper_changed:
+            raise session.hyper_changed
 
     def _fp32(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         return grad if grad is None or grad.dtype == torch.float32 else grad.float()
 
-    def _update_states(self, grads: list[torch.Tensor | None]) -> None:
-        """Swap in, update and swap out every sub-group with a gradient; write the new params."""
+    def _release_grads(self) -> None:
+        for unit in self.engine.units:
+            unit.release_handed_off()
+
+    def _update_fn(
+        self,
+        grad_of: Callable[[SubGroup], torch.Tensor],
+        done: Callable[[SubGroup], None],
+        handles: list[Handle],
+        hyper: list[dict[str, Any]] | None = None,
+    ) -> Callable[[Staged], None]:
+        """The update of one staged sub-group: AdamW, then the unit's new params once its master is whole."""
         units, store, transfers = self.engine.units, self.states, self.engine.transfers
-        handles = []
+
+        def update(staged: Staged) -> None:
+            sg = staged.sub_group
+            self._adamw(sg, staged.views, grad_of(sg), hyper)
+            done(sg)
+            master = store.collect_master(staged)
+            if master is not None:
+                handles.append(units[sg.unit_index].start_update_params(master))
+                if store.staging_slots is not None:  # a staging buffer, reused soon: uploads must have read it
+                    transfers.wait_uploads()
+
+        return update
+
+    def _update_states(self, grads: list[torch.Tensor | _GradOnDisk | None], session: _BackwardStep | None) -> None:
+        """Swap in, update and swap out every sub-group with a gradient; write the new params. With a
+        session, the sub-groups it stepped inside backward are done and its stream goes on."""
+        units, store, transfers = self.engine.units, self.states, self.engine.transfers
+        handles: list[Handle] = session.handles if session is not None else []
         on_disk: list[_GradOnDisk | None] = [None]
         order = [sg.index for sg in store.sub_groups if grads[sg.unit_index] is not None]
         crossing = _GradsToHost(transfers, grads, store.sub_groups, order) if store.tier is not Tier.DEVICE else None
 
-        def update(staged: Staged) -> None:
-            sg = staged.sub_group
+        def grad_of(sg: SubGroup) -> torch.Tensor:
             grad = grads[sg.unit_index]
             assert grad is not None
             if isinstance(grad, _GradOnDisk):
@@ -278,35 +404,133 @@ class AdamW(torch.optim.Optimizer):
                 on_disk[0] = grad
                 grad = grad.load()
             host_grad = crossing.get(sg) if crossing is not None else None
-            self._adamw(sg, staged.views, host_grad if host_grad is not None else grad[sg.start : sg.end])
+            return host_grad if host_grad is not None else grad[sg.start : sg.end]
+
+        def done(sg: SubGroup) -> None:
             if crossing is not None:
                 crossing.done(sg)
-            master = store.collect_master(staged)
-            if master is not None:
-                handles.append(units[sg.unit_index].start_update_params(master))
-                if store.staging_slots is not None:  # a staging buffer, reused soon: uploads must have read it
-                    transfers.wait_uploads()
 
-        store.check("read")
-        self._pipeline.run(order, update)
+        update = self._update_fn(grad_of, done, handles, session.hyper if session is not None else None)
+        if session is None:
+            store.check("read")
+            self._pipeline.run(order, update)
+        else:
+            for index in order:
+                session.stream.update(index, update)
+            session.stream.finish()
         if on_disk[0] is not None:
             on_disk[0].drop()
         for handle in handles:
             handle.wait()
         store.check("write")
-        for unit, steps, grad in zip(units, self.param_steps, grads, strict=True):
-            if grad is not None:
+        if session is not None:
+            store.commit()
+            rest = [store.sub_groups[i].unit_index for i in order]
+            self._expected_units = list(dict.fromkeys(session.stepped + rest))  # next step's prefetch order
+        for unit, steps, grad, ui in zip(units, self.param_steps, grads, range(len(units)), strict=True):
+            if grad is not None or (session is not None and ui in session.stepped_set):
                 for slot, had in enumerate(unit.param_had_grad):
                     steps[slot] += int(had)
 
-    def _adamw(self, sg: SubGroup, views: StateViews, grad: torch.Tensor) -> None:
-        """The fused AdamW kernel over one sub-group, one call per param group it holds."""
+    # -- the step inside backward ---------------------------------------------------------------------------
+    def _hyperparameters(self) -> list[dict[str, Any]]:
+        return [{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")} for group in self.param_groups]
+
+    def _open_session(self) -> _BackwardStep:
+        """The first unit of a step is ready inside backward: get the states ready to be stepped."""
+        if self.pending_save is not None:  # its writer still reads the states about to change
+            self.pending_save.wait()
+        engine = self.engine
+        engine.transfers.retire()
+        engine.transfers.wait_uploads()  # the last step's uploads have read the masters
+        self.states.check("read")
+        speculative = self.step_mode == "speculative"
+        if speculative:
+            self.states.speculate()
+        expected = [k for ui in self._expected_units for k in self._unit_sub_groups[ui]]
+        return _BackwardStep(
+            speculative=speculative,
+            coef=1.0 / self.loss_scale,
+            hyper=self._hyperparameters(),
+            stream=self._pipeline.open(expected),
+        )
+
+    @torch.no_grad()
+    def _step_unit_in_backward(self, ui: int) -> None:
+        """Called by the engine in backward once unit `ui`'s reduced gradient is complete."""
+        unit = self.engine.units[ui]
+        if self._hold_back and self.step_mode == "speculative":
+            return
+        if not unit.grad_in_memory or not self._unit_sub_groups[ui]:
+            return  # accumulated on its tier over micro-steps (or nothing owned): stepped in step()
+        raw = self._fp32(unit.owned_grad())
+        if raw is None:
+            return
+        session = self._session = self._session or self._open_session()
+        grad = raw * session.coef if session.coef != 1.0 else raw  # the original stays for a redo
+        grads: list = [None] * len(self.engine.units)
+        grads[ui] = grad
+        crossing = _GradsToHost(self.engine.transfers, grads, self.states.sub_groups, self._unit_sub_groups[ui])
+
+        def grad_of(sg: SubGroup) -> torch.Tensor:
+            host_grad = crossing.get(sg)
+            return host_grad if host_grad is not None else grad[sg.start : sg.end]
+
+        update = self._update_fn(grad_of, crossing.done, session.handles, session.hyper)
+        try:
+            with phase_scope("zeroinf::optimizer"):
+                for index in self._unit_sub_groups[ui]:
+                    session.stream.update(index, update)
+        except BaseException:
+            self._session = None  # the stream is aborted and the store marked: every later step refuses
+            raise
+        session.stepped.append(ui)
+        session.stepped_set.add(ui)
+        if session.speculative:
+            unit.land_handed_off()
+        else:
+            unit.release_handed_off()
+
+    def _undo(self, session: _BackwardStep, restore_params: bool) -> None:
+        """Roll a speculative step back: the states before it; with `restore_params`, the parameters too
+        (a redo rewrites them otherwise)."""
+        session.stream.finish()
+        for handle in session.handles:
+            handle.wait()
+        self.states.rollback()
+        self.rollbacks += 1
+        if restore_params:
+            handles = [self.engine.units[ui].start_update_params(self.states.read_unit(ui).master)
+                       for ui in session.stepped]
+            for handle in handles:
+                handle.wait()
+            self.engine.transfers.wait_uploads()
+
+    def _check_hyperparameters(self, session: _BackwardStep) -> None:
+        """A final step used the hyperparameters of backward time; a change since then cannot apply to
+        the units already stepped, so the whole step uses the old values and step() raises after."""
+        now = self._hyperparameters()
+        if now != session.hyper:
+            changed = [i for i, (a, b) in enumerate(zip(now, session.hyper, strict=True)) if a != b]
+            session.hyper_changed = RuntimeError(
+                f"the hyperparameters of param group(s) {changed} changed between backward and optimizer.step(), "
+                f"but offload.step_in_backward had already stepped {len(session.stepped)} units inside backward "
+                "with the values they had then; this whole step used those values. Change hyperparameters "
+                "before backward (LR schedulers do: scheduler.step() follows optimizer.step()), or set "
+                "offload.step_in_backward = false"
+            )
+
+    def _adamw(
+        self, sg: SubGroup, views: StateViews, grad: torch.Tensor, hyper: list[dict[str, Any]] | None = None
+    ) -> None:
+        """The fused AdamW kernel over one sub-group, one call per param group it holds (with `hyper`:
+        those hyperparameters instead of the groups' current ones)."""
         had_grad, steps = self.engine.units[sg.unit_index].param_had_grad, self.param_steps[sg.unit_index]
         for gi, all_cuts in self._sub_group_runs[sg.index]:
             cuts = [(slot, a, b) for slot, a, b in all_cuts if had_grad[slot]]
             if not cuts:
                 continue
-            group = self.param_groups[gi]
+            group = self.param_groups[gi] if hyper is None else hyper[gi]
             beta1, beta2 = group["betas"]
             step_tensors = self._steps_for(sg.index, gi, len(all_cuts), grad.device)[: len(cuts)]
             for t, (slot, _, _) in zip(step_tensors, cuts, strict=True):

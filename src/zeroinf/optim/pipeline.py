@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -163,9 +163,15 @@ class SwapStore(Protocol):
 class SubGroupPipeline:
     """Runs `update(staged)` over sub-groups with swaps overlapped (module docstring).
 
+    Two ways to drive it: `run(order, update)` updates a known order at once (the step after
+    backward); `open(expected)` returns a `SubGroupStream` that updates sub-groups one call at a
+    time in whatever order they become ready (the step inside backward), prefetching along the
+    order it expects.
+
     `trace`, when a list, receives (event, sub-group index) in the order things happen:
     "swap_in" and "swap_out" when issued, "update" when the update starts, "swap_out_done" when
-    a swap-out has been waited for (its slot is free again).
+    a swap-out has been waited for (its slot is free again), "dropped" when a prefetched sub-group
+    was given back unused.
     """
 
     def __init__(self, store: SwapStore, timeout_s: float | None = None, trace: list | None = None) -> None:
@@ -183,62 +189,142 @@ class SubGroupPipeline:
         if self.trace is not None:
             self.trace.append((event, index))
 
+    def open(self, expected: Sequence[int]) -> SubGroupStream:
+        """A stream that will update (some of) `expected`, most likely in that order."""
+        return SubGroupStream(self, expected)
+
     def run(self, order: Sequence[int], update: Callable[[Staged], None]) -> None:
         """Update the sub-groups `order` (indices into store.sub_groups) in that order."""
-        reads: dict[int, Pending] = {}  # position in `order` -> swap-in in flight
-        writes: deque[tuple[int, Pending]] = deque()
-        held = 0  # slots taken: swapping in, being updated, or swapping out
-        issued = 0  # positions whose swap-in was issued
-        current: Staged | None = None  # the sub-group being updated
+        stream = self.open(order)
+        for index in order:
+            stream.update(index, update)
+        stream.finish()
 
-        def finish_oldest_write() -> None:
-            nonlocal held
-            index, pending = writes.popleft()
-            t0 = time.perf_counter()
-            pending.wait(self.timeout_s)
-            self.io_wait_s += time.perf_counter() - t0
-            held -= 1
-            self._note("swap_out_done", index)
 
-        def issue_read() -> None:
-            nonlocal held, issued
-            if self.store.staging_slots is not None and held >= self.store.staging_slots:
-                finish_oldest_write()
-            index = order[issued]
-            reads[issued] = self.store.start_swap_in(index)
-            held += 1
-            issued += 1
-            self._note("swap_in", index)
+class SubGroupStream:
+    """One step's updates through a pipeline, one `update(index, fn)` at a time, then `finish()`.
 
-        started = time.perf_counter()
+    Reads run `lookahead` sub-groups ahead along the expected order (skipping those already done);
+    a sub-group asked for out of that order is read on demand, evicting the prefetched read that
+    is expected last when every slot is taken. Any error marks the store (`store.fail`) after
+    every transfer in flight has finished.
+    """
+
+    def __init__(self, pipeline: SubGroupPipeline, expected: Sequence[int]) -> None:
+        self.pipeline, self.store = pipeline, pipeline.store
+        self.expected = list(expected)
+        self._rank = {index: pos for pos, index in enumerate(self.expected)}
+        self._cursor = 0  # expected[:cursor] are all done
+        self.done: set[int] = set()
+        self._reads: dict[int, Pending] = {}  # sub-group -> swap-in in flight or finished, not yet used
+        self._writes: deque[tuple[int, Pending]] = deque()
+        self._held = 0  # slots taken: swapping in, being updated, or swapping out
+        self._started = time.perf_counter()
+        self.closed = False
+
+    # -- slots ------------------------------------------------------------------------------------------
+    def _wait(self, pending: Pending) -> Staged:
+        t0 = time.perf_counter()
         try:
-            for pos, index in enumerate(order):
-                while issued < min(len(order), pos + 1 + self.lookahead):
-                    issue_read()
-                with phase_scope("zeroinf::wait_io.optimizer"):
-                    t0 = time.perf_counter()
-                    current = reads.pop(pos).wait(self.timeout_s)
-                    self.io_wait_s += time.perf_counter() - t0
-                self._note("update", index)
-                with phase_scope("zeroinf::optimizer_update"):
-                    update(current)
-                writes.append((index, self.store.start_swap_out(current)))
-                current = None
-                self._note("swap_out", index)
+            return pending.wait(self.pipeline.timeout_s)
+        finally:
+            self.pipeline.io_wait_s += time.perf_counter() - t0
+
+    def _finish_oldest_write(self) -> None:
+        index, pending = self._writes.popleft()
+        self._wait(pending)
+        self._held -= 1
+        self.pipeline._note("swap_out_done", index)
+
+    def _drop_read(self, index: int) -> None:
+        """Give back a prefetched sub-group unused (read-only: nothing to write)."""
+        pending = self._reads.pop(index)
+        self._wait(pending).release()
+        self._held -= 1
+        self.pipeline._note("dropped", index)
+
+    def _free_slot(self, keep: int) -> None:
+        slots = self.store.staging_slots
+        while slots is not None and self._held >= slots:
+            if self._writes:
+                self._finish_oldest_write()
+            else:  # every slot holds a prefetched read: drop the one expected last
+                victim = max((i for i in self._reads if i != keep), key=lambda i: self._rank.get(i, len(self._rank)))
+                self._drop_read(victim)
+
+    def _issue_read(self, index: int) -> None:
+        self._free_slot(keep=index)
+        self._reads[index] = self.store.start_swap_in(index)
+        self._held += 1
+        self.pipeline._note("swap_in", index)
+
+    def _upcoming(self, after: int) -> list[int]:
+        """The next `lookahead` expected sub-groups not done, other than `after`."""
+        while self._cursor < len(self.expected) and self.expected[self._cursor] in self.done:
+            self._cursor += 1
+        found: list[int] = []
+        pos = self._cursor
+        while pos < len(self.expected) and len(found) < self.pipeline.lookahead:
+            index = self.expected[pos]
+            if index not in self.done and index != after:
+                found.append(index)
+            pos += 1
+        return found
+
+    # -- the protocol -------------------------------------------------------------------------------------
+    def update(self, index: int, fn: Callable[[Staged], None]) -> None:
+        """Swap sub-group `index` in (or take its prefetched read), run `fn`, start its swap-out."""
+        if self.closed:
+            raise RuntimeError("this optimizer step's sub-group stream is already finished")
+        if index in self.done:
+            raise RuntimeError(f"sub-group {index} was already updated in this step")
+        current: Staged | None = None
+        try:
+            if index not in self._reads:
+                self._issue_read(index)
+            for ahead in self._upcoming(index):
+                if ahead not in self._reads:
+                    self._issue_read(ahead)
             with phase_scope("zeroinf::wait_io.optimizer"):
-                while writes:
-                    finish_oldest_write()
-            if self.store.staging_slots is not None:
-                self.io_busy_s += time.perf_counter() - started
+                current = self._wait(self._reads.pop(index))
+            self.pipeline._note("update", index)
+            with phase_scope("zeroinf::optimizer_update"):
+                fn(current)
+            self._writes.append((index, self.store.start_swap_out(current)))
+            current = None
+            self.done.add(index)
+            self.pipeline._note("swap_out", index)
         except BaseException as error:
-            self._drain(reads.values(), [p for _, p in writes], current)
-            self.store.fail(error)
+            self.abort(error, current)
             raise
 
-    def _drain(self, reads: Iterable[Pending], writes: Iterable[Pending], current: Staged | None) -> None:
-        """After an error: let every transfer in flight finish (without raising) and free its slot."""
-        for pending in [*reads, *writes]:
-            if pending.settle(self.timeout_s):  # a timed-out transfer keeps its buffer out of the pool
+    def finish(self) -> None:
+        """Wait for every write; give back prefetched sub-groups that were never updated."""
+        if self.closed:
+            return
+        try:
+            with phase_scope("zeroinf::wait_io.optimizer"):
+                while self._writes:
+                    self._finish_oldest_write()
+                for index in list(self._reads):
+                    self._drop_read(index)
+        except BaseException as error:
+            self.abort(error, None)
+            raise
+        self.closed = True
+        if self.store.staging_slots is not None:
+            self.pipeline.io_busy_s += time.perf_counter() - self._started
+
+    def abort(self, error: BaseException, current: Staged | None = None) -> None:
+        """After an error: let every transfer in flight finish (without raising), free its slot, mark the store."""
+        if self.closed:
+            return
+        self.closed = True
+        for pending in [*self._reads.values(), *(p for _, p in self._writes)]:
+            if pending.settle(self.pipeline.timeout_s):  # a timed-out transfer keeps its buffer out of the pool
                 pending.staged.release()
         if current is not None:
             current.release()
+        self._reads.clear()
+        self._writes.clear()
+        self.store.fail(error)

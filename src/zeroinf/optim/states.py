@@ -44,7 +44,7 @@ from zeroinf.aio.errors import AioError
 from zeroinf.config import OffloadConfig
 from zeroinf.memory import Ledger, Tier, format_bytes
 from zeroinf.optim.pipeline import Pending, Staged, StateViews, SubGroup, plan_sub_groups
-from zeroinf.planner.unit_plan import OPTIMIZER_SWAP_KINDS, plan_optimizer_staging
+from zeroinf.planner.unit_plan import OPTIMIZER_SWAP_KINDS, plan_optimizer_staging, shadow_key
 from zeroinf.telemetry import phase
 from zeroinf.tiers.host import check_host_cap, host_zeros, release_host
 from zeroinf.tiers.nvme import NvmeSwap, SwapFolderError, ensure_swap_folder, plan_swap_layout
@@ -109,7 +109,17 @@ class OptimizerStateStore(Protocol):
 
     def check(self, op: str) -> None: ...
 
+    def require_healthy(self) -> None: ...  # raise if an earlier error left the states inconsistent
+
     def fail(self, error: BaseException) -> None: ...
+
+    # The speculative step (optim/adamw.py [Note: the step inside backward]): between `speculate()`
+    # and `commit()` or `rollback()` the states before each update stay recoverable.
+    def speculate(self) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -147,12 +157,37 @@ class ResidentStateStore:
                 self.states.append(StateViews(master, torch.zeros_like(master), torch.zeros_like(master)))
             ledger.reserve(Tier.DEVICE, self._nbytes, "optimizer_state")
         self._closed = False
+        self._backups: dict[int, StateViews] | None = None  # while speculating: states before the update
 
     def start_swap_in(self, index: int) -> Pending:
         sg = self.sub_groups[index]
         self.traffic.add(self.tier, "read", 3 * _FP32_BYTES * sg.numel)
         unit = self.states[sg.unit_index]
+        if self._backups is not None and index not in self._backups:
+            self._backups[index] = StateViews(*(t[sg.start : sg.end].clone() for t in unit))
+            self.ledger.reserve(self.tier, 3 * _FP32_BYTES * sg.numel, "optimizer_backup")
         return Pending("swap_in", Staged(sg, StateViews(*(t[sg.start : sg.end] for t in unit))))
+
+    def speculate(self) -> None:
+        """Keep a copy of each sub-group's states when it is swapped in, until commit or rollback."""
+        self._drop_backups()
+        self._backups = {}
+
+    def commit(self) -> None:
+        self._drop_backups()
+
+    def rollback(self) -> None:
+        """Put back the states of every sub-group updated since `speculate()`."""
+        for index, saved in (self._backups or {}).items():
+            sg = self.sub_groups[index]
+            for dst, src in zip(self.states[sg.unit_index], saved, strict=True):
+                dst[sg.start : sg.end].copy_(src)
+        self._drop_backups()
+
+    def _drop_backups(self) -> None:
+        for index in self._backups or {}:
+            self.ledger.release(self.tier, 3 * _FP32_BYTES * self.sub_groups[index].numel, "optimizer_backup")
+        self._backups = None
 
     def start_swap_out(self, staged: Staged) -> Pending:
         self.traffic.add(self.tier, "written", 3 * _FP32_BYTES * staged.sub_group.numel)
@@ -189,6 +224,9 @@ class ResidentStateStore:
     def check(self, op: str) -> None:
         return None
 
+    def require_healthy(self) -> None:
+        return None
+
     def fail(self, error: BaseException) -> None:
         return None  # in-memory states cannot be left half-written by an I/O error
 
@@ -196,6 +234,7 @@ class ResidentStateStore:
         if self._closed:
             return
         self._closed = True
+        self._drop_backups()
         if self.tier is Tier.HOST:
             for views in self.states:
                 for t in views:
@@ -236,6 +275,7 @@ class NvmeStateStore:
         ledger: Ledger,
         rank: int,
         aio: AioConfig | None = None,
+        shadow: bool = False,
     ) -> None:
         assert cfg.nvme_dir is not None  # OffloadConfig requires it for nvme
         source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
@@ -253,8 +293,13 @@ class NvmeStateStore:
             f"a {assembly_numel * _FP32_BYTES}-byte assembly buffer, {aio.workers} I/O buffers)",
             "raise the cap, or lower offload.sub_group_numel or offload.buffer_count",
         )
+        # With `shadow`, each sub-group has two slots; `_slot[k]` is the one holding its current states
+        # and a speculative update writes the other (see `speculate`).
+        self._slot = [0] * len(self.sub_groups)
+        self._shadow = shadow
+        self._written_aside: set[int] | None = None
         layout = plan_swap_layout(
-            plan.swap_bytes(),
+            plan.swap_bytes(shadow),
             cfg.nvme_dir,
             rank,
             aio.alignment_bytes,
@@ -300,17 +345,25 @@ class NvmeStateStore:
         )
 
     def _swap_all(
-        self, op: str, sg: SubGroup, views: Sequence[torch.Tensor], kinds: Sequence[str] = SWAP_KINDS
+        self,
+        op: str,
+        sg: SubGroup,
+        views: Sequence[torch.Tensor],
+        kinds: Sequence[str] = SWAP_KINDS,
+        slot: int | None = None,
     ) -> list[AioHandle]:
-        """Start one transfer ("swap_in" or "swap_out") per state kind of sub-group `sg`."""
+        """Start one transfer ("swap_in" or "swap_out") per state kind of sub-group `sg`, at its
+        current slot unless told otherwise."""
         assert self._swap is not None
         transfer = self._swap.swap_in if op == "swap_in" else self._swap.swap_out
-        return [transfer(sg.key, kind, t) for kind, t in zip(kinds, views, strict=False)]
+        slot = self._slot[sg.index] if slot is None else slot
+        key = shadow_key(sg.key) if slot else sg.key
+        return [transfer(key, kind, t) for kind, t in zip(kinds, views, strict=False)]
 
     @phase("zeroinf::swap_in")
     def start_swap_in(self, index: int) -> Pending:
         """Reserve a staging buffer (the pipeline guarantees one is free) and start the three reads."""
-        self._require_healthy()
+        self.require_healthy()
         assert self._pool is not None and self._swap is not None
         sg = self.sub_groups[index]
         buffer = self._pool.reserve(timeout_s=0)
@@ -328,13 +381,32 @@ class NvmeStateStore:
         """Start the three writes; the staging buffer returns to the pool when they finish."""
         assert self._swap is not None
         sg = staged.sub_group
-        try:
-            handles = self._swap_all("swap_out", sg, staged.views)
+        aside = self._written_aside is not None
+        try:  # speculating: into the other slot, so the current one keeps the states before the update
+            handles = self._swap_all("swap_out", sg, staged.views, slot=1 - self._slot[sg.index] if aside else None)
         except BaseException:
             staged.release()
             raise
+        if self._written_aside is not None:
+            self._written_aside.add(sg.index)
         self.traffic.add(Tier.NVME, "written", 3 * _FP32_BYTES * sg.numel)
         return Pending("swap_out", staged, handles, release_when_done=True)
+
+    # -- the speculative step: updates go to each sub-group's other slot until commit or rollback --------
+    def speculate(self) -> None:
+        if not self._shadow:
+            raise RuntimeError("this NVMe state store has no second slots (built without shadow=True)")
+        self._written_aside = set()
+
+    def commit(self) -> None:
+        """The updated slots become current (call after their writes finished)."""
+        for index in self._written_aside or ():
+            self._slot[index] = 1 - self._slot[index]
+        self._written_aside = None
+
+    def rollback(self) -> None:
+        """Forget the updates written since `speculate()`: the current slots still hold the states before."""
+        self._written_aside = None
 
     def collect_master(self, staged: Staged) -> torch.Tensor | None:
         """The unit's whole updated master once its last sub-group is in ([Note: master weights ...])."""
@@ -356,13 +428,15 @@ class NvmeStateStore:
         return out
 
     def write_unit(self, unit_index: int, states: StateViews) -> None:
-        self._require_healthy()
+        self.require_healthy()
         self._write_pieces(unit_index, states, SWAP_KINDS)
 
     def _write_pieces(self, unit_index: int, sources: Sequence[torch.Tensor], kinds: Sequence[str]) -> None:
         assert self._pool is not None and self._swap is not None
         with self._pool.reserve() as flat:
             for sg in self._unit_groups.get(unit_index, []):
+                if self._written_aside is not None:  # these states replace any speculative update
+                    self._written_aside.discard(sg.index)
                 views = self._views(flat, sg.numel)
                 for src, view in zip(sources, views, strict=False):
                     view.copy_(src[sg.start : sg.end])
@@ -375,7 +449,7 @@ class NvmeStateStore:
     def iter_segments(self, unit_index: int, ahead: int = 2) -> Iterator[tuple[int, int, StateViews]]:
         """Yield each sub-group's states in a staging buffer, valid until the next item; the reads of
         the next `ahead - 1` sub-groups run while the caller uses this one."""
-        self._require_healthy()
+        self.require_healthy()
         assert self._pool is not None and self._swap is not None
         groups = self._unit_groups.get(unit_index, [])
         ahead = max(1, min(ahead, self._pool.count))
@@ -413,7 +487,7 @@ class NvmeStateStore:
 
     @contextlib.contextmanager
     def segment_for_write(self, unit_index: int, start: int, end: int) -> Iterator[StateViews]:
-        self._require_healthy()
+        self.require_healthy()
         assert self._pool is not None and self._swap is not None
         sg = next((g for g in self._unit_groups.get(unit_index, []) if (g.start, g.end) == (start, end)), None)
         if sg is None:
@@ -447,7 +521,7 @@ class NvmeStateStore:
         """Record that a step stopped midway: the files hold a mix of old and new states."""
         self.failure = self.failure or error
 
-    def _require_healthy(self) -> None:
+    def require_healthy(self) -> None:
         if self.failure is not None:
             raise RuntimeError(
                 f"the optimizer states in {self._paths[0]!r} and its sibling files are inconsistent after an "
@@ -488,10 +562,11 @@ class MasterSource:
 
 
 def build_state_store(
-    masters: MasterSource, cfg: OffloadConfig, ledger: Ledger, rank: int
+    masters: MasterSource, cfg: OffloadConfig, ledger: Ledger, rank: int, shadow: bool = False
 ) -> ResidentStateStore | NvmeStateStore:
-    """The store for `cfg.optimizer`, taking ownership of the initial fp32 masters (one per unit)."""
+    """The store for `cfg.optimizer`, taking ownership of the initial fp32 masters (one per unit);
+    `shadow`: NVMe states get a second slot per sub-group for the speculative step."""
     if cfg.optimizer == "nvme":
-        return NvmeStateStore(masters, cfg, ledger, rank)
+        return NvmeStateStore(masters, cfg, ledger, rank, shadow=shadow)
     resident = [masters.take(i) for i in range(len(masters.numels))]
     return ResidentStateStore(resident, Tier(cfg.optimizer), ledger, cfg.max_host_bytes)

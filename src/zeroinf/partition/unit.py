@@ -32,6 +32,12 @@ shard leaves the device at once on the owner's d2h stream (runtime/streams.py), 
 overlapping the rest of backward, copied over the shard or, for a later micro-step, into a pool
 buffer that the CPU adds once the copy's event completed. `owned_grad()` waits for that landing.
 On NVMe the landing goes through a pool buffer to the gradient swap file.
+
+With the optimizer stepping inside backward (`hand_off` set by the engine), a reduced shard that
+has no earlier micro-step to add to is not landed: it stays where the collective left it, the
+step takes it (`owned_grad()`), and then either drops it (`release_handed_off`: the gradient
+never travels to its tier) or, for a speculative step that may have to be redone, lands it as
+above (`land_handed_off`).
 """
 
 from __future__ import annotations
@@ -161,6 +167,8 @@ class ShardedUnit:
         self.grad_shard: torch.Tensor | None = None  # stages 2-3: owned shard, reduce dtype
         self._rs_out: torch.Tensor | None = None  # where the reduce-scatter in flight writes
         self.grad_state = GradState.EMPTY
+        self.hand_off = False  # keep the next reduced shard for the optimizer (module docstring)
+        self._handed: torch.Tensor | None = None
         self._arrived = [False] * len(self.params)
         # Per parameter: did any rank produce a gradient since zero_grad? (set by the engine after
         # its agreement all-reduce). Like torch.optim, the optimizer skips parameters without one.
@@ -443,18 +451,41 @@ class ShardedUnit:
         if self.policy.shard_grads:
             out, self._rs_out = self._rs_out, None
             assert out is not None
-            accumulate = self._grad_landed
-            if self.grad_files is not None:
-                self._land_on_disk(out, accumulate)
-            elif out is not self.grad_shard:
-                assert self.grad_shard is not None
-                if self.grad_tier is Tier.HOST:
-                    self._landing = self.transfers.land(out, self.grad_shard, accumulate=accumulate)
-                else:
-                    self.grad_shard.add_(out)
-            self._grad_landed = True
-            self._drop_reduce_buffers(out)
+            if self.hand_off and not self._grad_landed:
+                self._handed = out  # landed or dropped once the optimizer stepped it
+            else:
+                self._land(out)
         self.grad_state = GradState.REDUCED
+
+    def _land(self, out: torch.Tensor) -> None:
+        accumulate = self._grad_landed
+        if self.grad_files is not None:
+            self._land_on_disk(out, accumulate)
+        elif out is not self.grad_shard:
+            assert self.grad_shard is not None
+            if self.grad_tier is Tier.HOST:
+                self._landing = self.transfers.land(out, self.grad_shard, accumulate=accumulate)
+            else:
+                self.grad_shard.add_(out)
+        self._grad_landed = True
+        self._drop_reduce_buffers(out)
+
+    @property
+    def grad_in_memory(self) -> bool:
+        """The reduced gradient can be stepped now without a tier: handed off, or never sharded."""
+        return self.grad_state is GradState.REDUCED and (self._handed is not None or not self.policy.shard_grads)
+
+    def land_handed_off(self) -> None:
+        """Put a handed-off shard on its tier after all (a speculative step may need it again)."""
+        if self._handed is not None:
+            out, self._handed = self._handed, None
+            self._land(out)
+
+    def release_handed_off(self) -> None:
+        """The optimizer is done with the handed-off shard: free it without landing it."""
+        if self._handed is not None:
+            out, self._handed = self._handed, None
+            self._drop_reduce_buffers(out)
 
     def _land_on_disk(self, out: torch.Tensor, accumulate: bool) -> None:
         """The reduced shard goes to the gradient swap file through a staging buffer of the pool:
@@ -502,6 +533,8 @@ class ShardedUnit:
             return None
         if self.grad_state is not GradState.REDUCED:
             raise RuntimeError(f"unit {self.name}: gradients are {self.grad_state.value}, not reduced")
+        if self._handed is not None:
+            return self._handed
         self._finish_landing()
         if self.grad_files is not None:
             numel = self.layout.shard_numel
@@ -525,6 +558,7 @@ class ShardedUnit:
         for handle in self._grad_handles:
             handle.wait()
         self._grad_handles = []
+        self.release_handed_off()
         self._finish_landing()  # nothing may still be added into the shard once the next step starts
         self.release_owned_grad()
         if self._rs_out is not None:  # reduced but never waited (an error mid-backward)

@@ -47,7 +47,13 @@ from zeroinf.memory import Tier
 from zeroinf.partition.shard_home import MAX_GRAD_WRITES_IN_FLIGHT
 from zeroinf.planner.model_facts import PassFacts
 from zeroinf.planner.profile import MachineProfile
-from zeroinf.planner.unit_plan import FP32_BYTES, OPTIMIZER_SWAP_KINDS, SWAP_ALIGN_BYTES, ModelPlan
+from zeroinf.planner.unit_plan import (
+    FP32_BYTES,
+    OPTIMIZER_SWAP_KINDS,
+    SWAP_ALIGN_BYTES,
+    ModelPlan,
+    step_in_backward_mode,
+)
 from zeroinf.runtime.prefetch import plan_prefetch
 from zeroinf.runtime.streams import STAGING_TAG
 
@@ -343,6 +349,11 @@ def _grad_landing_bytes(plan: ModelPlan) -> int:
     return sum(size * min(count, at_once) for size, count in sizes.items())
 
 
+def _grads_stay_in_memory(cfg: Config) -> bool:
+    """Whether no reduced gradient lands on its tier before the step: no earlier micro-step was reduced."""
+    return cfg.grad_accum_steps == 1 or (cfg.stage < 3 and not cfg.sync_every_micro_step)
+
+
 def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierBytes:
     """Peak bytes per tier, and by tag at that peak, as the engine's ledger counts them over a step."""
     cfg = plan.cfg
@@ -372,23 +383,27 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("host", "aio_buffers", engine_bytes)
         else:
             add(o.params, "param_shard", shards)
+    mode = step_in_backward_mode(cfg)
     if cfg.stage >= 2:
         if o.gradients == "nvme":
             add("nvme", "grad_shard", _swap_file_bytes(plan.grad_swap_bytes()))
-            add("host", STAGING_TAG, _grad_landing_bytes(plan))
+            if not (mode == "final" and _grads_stay_in_memory(cfg)):  # else stepped where reduced, never landed
+                add("host", STAGING_TAG, _grad_landing_bytes(plan))
             add("host", "aio_buffers", engine_bytes)
         elif o.gradients == "host":  # device shards: counted in the moments above
             add(o.gradients, "grad_shard", sum(u.grad_shard_bytes for u in plan.trainable_units))
     state_bytes = 3 * FP32_BYTES * plan.owned_numel
     if o.optimizer == "nvme":
         staging = plan.optimizer_staging()
-        for kind in OPTIMIZER_SWAP_KINDS:
-            add("nvme", kind, staging.file_bytes)
+        for kind in OPTIMIZER_SWAP_KINDS:  # a speculative step writes each sub-group's second slot
+            add("nvme", kind, staging.file_bytes(shadow=mode == "speculative"))
         add("host", "optimizer_staging", staging.pool.total_bytes)
         add("host", "optimizer_assembly", staging.assembly_numel * FP32_BYTES)
         add("host", "aio_buffers", engine_bytes)
     else:
         add(o.optimizer, "optimizer_state", state_bytes)
+        if mode == "speculative":  # the states before the step, kept until step() validates it
+            add(o.optimizer, "optimizer_backup", state_bytes)
     add("host", "activation_offload", activation_offload_bytes)
     return TierBytes(*(sum(tags[t].values()) for t in ("device", "host", "nvme")), by_tag=tags)
 
@@ -459,10 +474,13 @@ def step_time(
     if cfg.stage == 3 and o.params == "nvme":
         fb_read += 2 * accum * shard_b
         opt_write += shard_b
+    mode = step_in_backward_mode(cfg)
     if cfg.stage >= 2 and o.gradients == "nvme":
-        fb_write += accum * FP32_BYTES * owned
-        fb_read += (accum - 1) * FP32_BYTES * owned
-        opt_read += FP32_BYTES * owned
+        landed = accum if mode != "final" or not _grads_stay_in_memory(cfg) else 0
+        fb_write += landed * FP32_BYTES * owned
+        fb_read += max(0, landed - 1) * FP32_BYTES * owned
+        if mode is None or not _grads_stay_in_memory(cfg):  # else stepped from memory inside backward
+            opt_read += FP32_BYTES * owned
     if o.optimizer == "nvme":
         opt_read += 3 * FP32_BYTES * owned
         opt_write += 3 * FP32_BYTES * owned
@@ -479,6 +497,12 @@ def step_time(
         optimizer_s += first / rd + first / wr
     fb_s = max(compute_s + collectives_s, fb_io_s)
     opt_s = max(optimizer_s, opt_io_s)
+    if mode is not None and _grads_stay_in_memory(cfg):
+        # Stepped inside backward: the state swaps share backward's window with its I/O; the update
+        # itself overlaps an accelerator's compute, and takes the same cores as a CPU device's.
+        cpu_bound = compute_s + collectives_s + (optimizer_s if profile.device == "cpu" else 0.0)
+        fb_s = max(cpu_bound, optimizer_s, fb_io_s + opt_io_s)
+        opt_s = 0.0
     parts = {
         "compute": compute_s, "collectives": collectives_s, "nvme I/O": fb_io_s + opt_io_s, "optimizer": optimizer_s,
     }

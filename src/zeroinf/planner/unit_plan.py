@@ -139,13 +139,43 @@ class OptimizerStaging:
     def host_bytes(self) -> int:
         return self.pool.total_bytes + self.assembly_numel * FP32_BYTES
 
-    def swap_bytes(self) -> dict[tuple[str, str], int]:
-        return {(sg.key, kind): sg.numel * FP32_BYTES for kind in OPTIMIZER_SWAP_KINDS for sg in self.sub_groups}
+    def swap_bytes(self, shadow: bool = False) -> dict[tuple[str, str], int]:
+        """Swap slots per (sub-group key, kind); `shadow` adds a second slot per sub-group (the
+        speculative step inside backward writes there, see optim/states.py)."""
+        keys = [sg.key for sg in self.sub_groups] + ([shadow_key(sg.key) for sg in self.sub_groups] if shadow else [])
+        numel = {sg.key: sg.numel for sg in self.sub_groups}
+        return {
+            (key, kind): numel[key.removesuffix(SHADOW_SUFFIX)] * FP32_BYTES
+            for kind in OPTIMIZER_SWAP_KINDS
+            for key in keys
+        }
 
-    @cached_property
-    def file_bytes(self) -> int:
+    def file_bytes(self, shadow: bool = False) -> int:
         """Bytes of one state kind's swap file (the three are the same size), as tiers/nvme.py lays it out."""
-        return sum(round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES) for sg in self.sub_groups)
+        one = sum(round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES) for sg in self.sub_groups)
+        return 2 * one if shadow else one
+
+
+SHADOW_SUFFIX = "~"
+
+
+def shadow_key(key: str) -> str:
+    """The swap key of a sub-group's second slot."""
+    return key + SHADOW_SUFFIX
+
+
+def step_in_backward_mode(cfg: Config) -> str | None:
+    """How the optimizer steps (pure; optim/adamw.py [Note: the step inside backward]): None after
+    backward; "final" inside backward, exact as it goes (no decision needs every gradient);
+    "speculative" inside backward, checked against the global norm in `step()` and undone when
+    clipping triggers or fp16 overflows."""
+    offload = cfg.offload
+    if offload.optimizer not in ("host", "nvme") or offload.step_in_backward is False:
+        return None
+    if cfg.grad_clip_norm is None and cfg.param_dtype != "fp16":
+        return "final"
+    # Undoing needs the old states: on nvme a second swap slot (disk only), on host a copy in RAM.
+    return "speculative" if offload.optimizer == "nvme" or offload.step_in_backward is True else None
 
 
 def plan_optimizer_staging(owned_numels: Sequence[int], offload: OffloadConfig, aio: AioConfig) -> OptimizerStaging:
