@@ -6,8 +6,10 @@ results are recorded with the command that made them.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -90,8 +92,24 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
 def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name()}
+
+
+def add_offload_args(parser: argparse.ArgumentParser, preset: str, seq_len: int) -> None:
+    """The options of the fully offloaded GPT benchmarks: swap folder, model size, batch, steps."""
+    parser.add_argument("--nvme-dir", required=True)
+    parser.add_argument("--preset", default=preset)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--batch", type=int, default=2)
 
 
 def offloaded_run(n_layer: int, d_model: int, seq_len: int, batch: int, steps: int, nvme_dir: str) -> dict[str, Any]:

@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from _bench import build, close, machine, median, train_step  # noqa: E402
+from _bench import add_offload_args, build, close, machine, median, train_step  # noqa: E402
 
 import zeroinf  # noqa: E402
 from zeroinf.models.gpt import GPTConfig  # noqa: E402
@@ -41,20 +40,9 @@ VARIANTS = {  # name: (step_in_backward, grad_clip_norm, speculate every step)
 REFERENCE = {"in": "after", "in-clip-idle": "after", "in-clip-undo": "after-clip"}
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nvme-dir", required=True)
-    parser.add_argument("--preset", default="125m")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=2)
+    add_offload_args(parser, preset="125m", seq_len=64)
     parser.add_argument("--steps", type=int, default=4)
     a = parser.parse_args()
     gpt = GPTConfig.preset(a.preset, seq_len=a.seq_len)
@@ -81,7 +69,7 @@ def main() -> None:
     for run in runs.values():
         close(run)
     out = {
-        "machine": {**machine(), "cpu": cpu_name()},
+        "machine": machine(),
         "args": vars(a),
         "params": params,
         "variants": {

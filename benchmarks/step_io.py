@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _bench import build, close, machine, train_step  # noqa: E402
+from _bench import add_offload_args, build, close, machine, train_step  # noqa: E402
 
 import zeroinf  # noqa: E402
 from zeroinf.models.gpt import GPTConfig  # noqa: E402
@@ -32,10 +31,7 @@ def proc_io() -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nvme-dir", required=True)
-    parser.add_argument("--preset", default="125m")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=2)
+    add_offload_args(parser, preset="125m", seq_len=64)
     parser.add_argument("--steps", type=int, default=3)
     a = parser.parse_args()
     os.makedirs(a.nvme_dir, exist_ok=True)
@@ -57,13 +53,7 @@ def main() -> None:
         })
     params = sum(u.layout.numel for u in zeroinf.engine_of(run.model).all_units)
     close(run)
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    print(json.dumps({"machine": {**machine(), "cpu": cpu}, "args": vars(a), "params": params, "steps": steps},
+    print(json.dumps({"machine": machine(), "args": vars(a), "params": params, "steps": steps},
                      indent=1))
 
 

@@ -224,7 +224,13 @@ class AdamW(torch.optim.Optimizer):
                     "a zeroinf.AdamW already steps this model inside backward; build one optimizer per model"
                 )
             method = weakref.WeakMethod(self._step_unit_in_backward)
-            self.engine.backward_step = lambda ui: method()(ui)  # type: ignore[misc]
+
+            def step_unit(ui: int) -> None:
+                bound = method()
+                if bound is not None:  # a collected optimizer steps nothing
+                    bound(ui)
+
+            self.engine.backward_step = step_unit
         self.engine.optimizer_io = (self.states, self._pipeline)  # for the engine's I/O report
         # Per sub-group: (param group, [(slot, start, end) relative to the sub-group]) per group it meets.
         self._sub_group_runs: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
@@ -609,4 +615,6 @@ class AdamW(torch.optim.Optimizer):
         """Free the optimizer states (for nvme: remove the swap files). Also done at exit."""
         if self.pending_save is not None:  # its writer still reads the states
             self.pending_save.wait()
+        if self.step_mode is not None:
+            self.engine.backward_step = None
         self.states.close()
