@@ -90,7 +90,6 @@ class _BackwardStep:
     hyper: list[dict[str, Any]]  # each group's lr, betas, eps, weight_decay at backward time
     stream: SubGroupStream
     stepped: list[int] = field(default_factory=list)  # units, in the order backward completed them
-    stepped_set: set[int] = field(default_factory=set)
     handles: list[Handle] = field(default_factory=list)
     hyper_changed: RuntimeError | None = None
 
@@ -433,8 +432,9 @@ class AdamW(torch.optim.Optimizer):
             store.commit()
             rest = [store.sub_groups[i].unit_index for i in order]
             self._expected_units = list(dict.fromkeys(session.stepped + rest))  # next step's prefetch order
-        for unit, steps, grad, ui in zip(units, self.param_steps, grads, range(len(units)), strict=True):
-            if grad is not None or (session is not None and ui in session.stepped_set):
+        stepped = set(session.stepped) if session is not None else set()
+        for ui, (unit, steps, grad) in enumerate(zip(units, self.param_steps, grads, strict=True)):
+            if grad is not None or ui in stepped:
                 for slot, had in enumerate(unit.param_had_grad):
                     steps[slot] += int(had)
 
@@ -491,7 +491,6 @@ class AdamW(torch.optim.Optimizer):
             self._session = None  # the stream is aborted and the store marked: every later step refuses
             raise
         session.stepped.append(ui)
-        session.stepped_set.add(ui)
         if session.speculative:
             unit.land_handed_off()
         else:
