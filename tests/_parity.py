@@ -165,6 +165,8 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
         "rollbacks": opt.rollbacks,
         "weights": _weights(model, rank),
         "optimizer_state_bytes": report["device"]["by_tag"].get("optimizer_state", 0),
+        "host_optimizer_state_bytes": report["host"]["by_tag"].get("optimizer_state", 0),
+        "optimizer_split": split.to_json() if (split := getattr(opt.states, "split", None)) is not None else None,
         "collectives_last_step": report["collectives_last_step"],
         "transfers": report["transfers"],
     }

@@ -50,7 +50,6 @@ from zeroinf.weights.source import CheckpointWeights, UnitWeights
 
 _ATTR = "_zeroinf_engine"
 IO_KINDS = ("params", "grads", "optimizer")  # the NVMe traffic io_report tells apart
-MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient collectives in flight in backward before the oldest is finished
 
 
 class Engine:
@@ -76,7 +75,9 @@ class Engine:
         self.all_specs = specs + frozen_specs
         self.weights = weights
         # What to build for each unit, computed before any memory is touched; `zeroinf.plan` reads the same.
-        self.unit_plan = plan_units([UnitShape.of(spec) for spec in self.all_specs], cfg, topo.world_size)
+        self.unit_plan = plan_units(
+            [UnitShape.of(spec) for spec in self.all_specs], cfg, topo.world_size, topo.device.type
+        )
         offload = cfg.offload
         if "device" != offload.params or "device" != offload.optimizer or "device" != offload.gradients:
             map_large_buffers()
@@ -122,6 +123,7 @@ class Engine:
         self._in_backward = False
         self._sync_this_backward = False
         self._reducing: deque[int] = deque()
+        self._reductions_in_flight = self.unit_plan.reductions_in_flight
         # Set by zeroinf.AdamW when it steps units inside backward (optim/adamw.py [Note: the step
         # inside backward]): called with a unit's index once its reduced gradient is complete.
         self.backward_step: Callable[[int], None] | None = None
@@ -326,7 +328,7 @@ class Engine:
             # alive (stages 2-3) and starts the reduced shard on its way to its tier while backward
             # goes on (a host shard: the owner's d2h copy; see unit.py [Note: where a reduced gradient lands]).
             self._reducing.append(unit_index)
-            while len(self._reducing) > MAX_REDUCTIONS_IN_FLIGHT:
+            while len(self._reducing) > self._reductions_in_flight:
                 reduced = self._reducing.popleft()
                 self.units[reduced].wait_reduce_grads()
                 if self._step_in_this_backward and self.backward_step is not None:
@@ -475,6 +477,13 @@ class Engine:
 
     def memory_report(self) -> dict[str, Any]:
         report: dict[str, Any] = self.ledger.snapshot()
+        # Bytes per parameter of this rank's share (model size / world), live and peak, per tier: with
+        # the optimizer on the host and stepped inside backward, host is 12 plus the staging.
+        params_per_rank = sum(u.layout.numel for u in self.all_units) / self.topo.world_size
+        for tier in ("device", "host", "nvme"):
+            for kind in ("live", "peak"):
+                value = report[tier][f"{kind}_bytes"] / params_per_rank if params_per_rank else 0.0
+                report[tier][f"{kind}_bytes_per_param"] = value
         report["io"] = self.io_report()
         report["collectives_last_step"] = dict(self.counter.last_step)
         report["collectives_total"] = dict(self.counter.total)

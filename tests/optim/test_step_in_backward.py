@@ -152,3 +152,44 @@ def test_modes_and_what_speculation_keeps(tmp_path: Path) -> None:
     opt.step()
     assert ledger.live_bytes(Tier.HOST, "optimizer_backup") == 0 and opt.rollbacks == 0
     opt.close()
+
+
+def _most_gradient_bytes(tmp_path: Path, gradients: str) -> tuple[dict[str, int], int, dict, zeroinf.AdamW]:
+    offload = OffloadConfig(params="nvme", optimizer="host", gradients=gradients, nvme_dir=str(tmp_path))
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload)
+    model = zeroinf.shard(Stack(), cfg, Topology.single(torch.device("cpu")))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    engine = zeroinf.engine_of(model)
+    most: dict[str, int] = {}
+    reserve = engine.ledger.reserve
+
+    def watch(tier: object, nbytes: int, tag: str) -> None:
+        reserve(tier, nbytes, tag)  # type: ignore[arg-type]
+        for where in (Tier.DEVICE, Tier.HOST):  # gradient bytes alive at once, per tier
+            alive = sum(engine.ledger.live_bytes(where, t) for t in ("grad_shard", "grad_unsharded"))
+            most[where.value] = max(most.get(where.value, 0), alive)
+
+    engine.ledger.reserve = watch  # type: ignore[method-assign]
+    for _ in range(2):
+        opt.backward(model(torch.randn(4, 32)))
+        opt.step()
+        opt.zero_grad()
+    one_unit = max(4 * u.layout.shard_numel for u in engine.units)
+    return most, one_unit, zeroinf.memory_report(model), opt
+
+
+@pytest.mark.parametrize("gradients", ["device", "host"])
+def test_gradients_stepped_inside_backward_are_freed_one_unit_at_a_time(tmp_path: Path, gradients: str) -> None:
+    """With the optimizer on the host stepping inside backward, no gradient buffer of the model's size
+    exists: one CPU process holds one unit's reduced gradient at a time (and with gradients on the
+    host no persistent host shard is ever made); memory_report gives host bytes per parameter."""
+    most, one_unit, report, opt = _most_gradient_bytes(tmp_path, gradients)
+    engine = opt.engine
+    assert opt.units_stepped_in_backward > 0
+    assert most["host"] == 0, most
+    assert most["device"] <= one_unit, most
+    params = sum(u.layout.numel for u in engine.all_units)
+    assert report["host"]["peak_bytes_per_param"] == report["host"]["peak_bytes"] / params
+    assert report["host"]["by_tag"]["optimizer_state"] == 12 * sum(u.owned_numel for u in engine.units)
+    opt.close()
+    engine.close()

@@ -207,7 +207,10 @@ class AdamW(torch.optim.Optimizer):
         # None, "final" or "speculative": see [Note: the step inside backward].
         self.step_mode = step_in_backward_mode(self.engine.cfg)
         shadow = self.step_mode == "speculative"
-        self.states = build_state_store(masters, offload, self.engine.ledger, self.engine.topo.rank, shadow=shadow)
+        self.states = build_state_store(
+            masters, offload, self.engine.ledger, self.engine.topo.rank, shadow=shadow,
+            split=self.engine.unit_plan.optimizer_split(),
+        )
         self._pipeline = SubGroupPipeline(self.states, offload.io_timeout_s)
         self._unit_sub_groups: list[list[int]] = [[] for _ in units]
         for sg in self.states.sub_groups:
@@ -386,7 +389,7 @@ class AdamW(torch.optim.Optimizer):
             master = store.collect_master(staged)
             if master is not None:
                 handles.append(units[sg.unit_index].start_update_params(master))
-                if store.staging_slots is not None:  # a staging buffer, reused soon: uploads must have read it
+                if staged.buffer is not None:  # a staging buffer, reused soon: uploads must have read it
                     transfers.wait_uploads()
 
         return update

@@ -153,6 +153,8 @@ class SwapStore(Protocol):
     sub_groups: list[SubGroup]
     staging_slots: int | None
 
+    def swaps(self, index: int) -> bool: ...  # False: in memory, takes no staging slot
+
     def start_swap_in(self, index: int) -> Pending: ...
 
     def start_swap_out(self, staged: Staged) -> Pending: ...
@@ -217,7 +219,7 @@ class SubGroupStream:
         self._cursor = 0  # expected[:cursor] are all done
         self.done: set[int] = set()
         self._reads: dict[int, Pending] = {}  # sub-group -> swap-in in flight or finished, not yet used
-        self._writes: deque[tuple[int, Pending]] = deque()
+        self._writes: deque[tuple[int, Pending]] = deque()  # swap-outs holding a slot, oldest first
         self._held = 0  # slots taken: swapping in, being updated, or swapping out
         self._started = time.perf_counter()
         self.closed = False
@@ -240,33 +242,37 @@ class SubGroupStream:
         """Give back a prefetched sub-group unused (read-only: nothing to write)."""
         pending = self._reads.pop(index)
         self._wait(pending).release()
-        self._held -= 1
+        self._held -= self.store.swaps(index)
         self.pipeline._note("dropped", index)
 
-    def _free_slot(self, keep: int) -> None:
+    def _free_slot(self, keep: tuple[int, ...]) -> None:
         slots = self.store.staging_slots
         while slots is not None and self._held >= slots:
             if self._writes:
                 self._finish_oldest_write()
             else:  # every slot holds a prefetched read: drop the one expected last
-                victim = max((i for i in self._reads if i != keep), key=lambda i: self._rank.get(i, len(self._rank)))
+                last = len(self._rank)
+                victim = max((i for i in self._reads if i not in keep), key=lambda i: self._rank.get(i, last))
                 self._drop_read(victim)
 
-    def _issue_read(self, index: int) -> None:
-        self._free_slot(keep=index)
+    def _issue_read(self, index: int, keep: tuple[int, ...] = ()) -> None:
+        slot = self.store.swaps(index)
+        if slot:
+            self._free_slot(keep=(index, *keep))
         self._reads[index] = self.store.start_swap_in(index)
-        self._held += 1
+        self._held += slot
         self.pipeline._note("swap_in", index)
 
     def _upcoming(self, after: int) -> list[int]:
-        """The next `lookahead` expected sub-groups not done, other than `after`."""
+        """The next `lookahead` expected sub-groups that swap (in memory ones need no read ahead), not
+        done, other than `after`."""
         while self._cursor < len(self.expected) and self.expected[self._cursor] in self.done:
             self._cursor += 1
         found: list[int] = []
         pos = self._cursor
         while pos < len(self.expected) and len(found) < self.pipeline.lookahead:
             index = self.expected[pos]
-            if index not in self.done and index != after:
+            if index not in self.done and index != after and self.store.swaps(index):
                 found.append(index)
             pos += 1
         return found
@@ -284,16 +290,21 @@ class SubGroupStream:
                 self._issue_read(index)
             for ahead in self._upcoming(index):
                 if ahead not in self._reads:
-                    self._issue_read(ahead)
+                    self._issue_read(ahead, keep=(index,))
             with phase_scope("zeroinf::wait_io.optimizer"):
                 current = self._wait(self._reads.pop(index))
             self.pipeline._note("update", index)
             with phase_scope("zeroinf::optimizer_update"):
                 fn(current)
-            self._writes.append((index, self.store.start_swap_out(current)))
+            pending = self.store.start_swap_out(current)
             current = None
             self.done.add(index)
             self.pipeline._note("swap_out", index)
+            if self.store.swaps(index):
+                self._writes.append((index, pending))
+            else:  # in memory: complete at once, no slot to give back
+                self._wait(pending)
+                self.pipeline._note("swap_out_done", index)
         except BaseException as error:
             self.abort(error, current)
             raise

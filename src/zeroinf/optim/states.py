@@ -44,8 +44,8 @@ from zeroinf.aio.errors import AioError
 from zeroinf.config import OffloadConfig
 from zeroinf.memory import Ledger, Tier, format_bytes
 from zeroinf.optim.pipeline import Pending, Staged, StateViews, SubGroup, plan_sub_groups
-from zeroinf.planner.unit_plan import OPTIMIZER_SWAP_KINDS, plan_optimizer_staging, shadow_key
-from zeroinf.telemetry import phase
+from zeroinf.planner.unit_plan import OPTIMIZER_SWAP_KINDS, OptimizerSplit, plan_optimizer_staging, shadow_key
+from zeroinf.telemetry import get_logger, phase
 from zeroinf.tiers.host import check_host_cap, host_zeros, release_host
 from zeroinf.tiers.nvme import NvmeSwap, SwapFolderError, ensure_swap_folder, plan_swap_layout
 
@@ -87,6 +87,8 @@ class OptimizerStateStore(Protocol):
     sub_groups: list[SubGroup]
     staging_slots: int | None  # sub-groups that may be in memory at once (None: all)
     traffic: StepTraffic
+
+    def swaps(self, index: int) -> bool: ...  # whether sub-group `index` takes a staging slot
 
     def start_swap_in(self, index: int) -> Pending: ...
 
@@ -130,34 +132,37 @@ class ResidentStateStore:
     staging_slots = None
 
     def __init__(
-        self, masters: list[torch.Tensor], tier: Tier, ledger: Ledger, max_host_bytes: int | None
+        self, masters: Sequence[torch.Tensor] | MasterSource, tier: Tier, ledger: Ledger, max_host_bytes: int | None
     ) -> None:
+        source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
         self.tier, self.ledger, self.traffic = tier, ledger, StepTraffic()
-        self.sub_groups = plan_sub_groups([m.numel() for m in masters], None)
-        self._nbytes = 3 * _FP32_BYTES * sum(m.numel() for m in masters)
+        self.sub_groups = plan_sub_groups(source.numels, None)
+        self._nbytes = 3 * _FP32_BYTES * sum(source.numels)
         self.states: list[StateViews] = []
         if tier is Tier.HOST:
             check_host_cap(
                 self._nbytes,
                 max_host_bytes,
                 "optimizer states on host",
-                'use offload.optimizer = "nvme" or raise the cap',
+                'raise the cap, set offload.nvme_dir to keep what fits on the host and the rest on NVMe, '
+                'or use offload.optimizer = "nvme"',
             )
-            for master in masters:
-                views = StateViews(
-                    *(
-                        host_zeros(master.numel(), torch.float32, ledger, "optimizer_state")
-                        for _ in STATE_KINDS
-                    )
-                )
-                views.master.copy_(master)
+            # One initial master at a time: copied into its states, then dropped (the states and all
+            # the masters never exist together: 12, not 16 bytes per element at the peak).
+            for i, numel in enumerate(source.numels):
+                views = StateViews(*(host_zeros(numel, torch.float32, ledger, "optimizer_state") for _ in STATE_KINDS))
+                views.master.copy_(source.take(i))
                 self.states.append(views)
         else:
-            for master in masters:
+            for i in range(len(source.numels)):
+                master = source.take(i)
                 self.states.append(StateViews(master, torch.zeros_like(master), torch.zeros_like(master)))
             ledger.reserve(Tier.DEVICE, self._nbytes, "optimizer_state")
         self._closed = False
         self._backups: dict[int, StateViews] | None = None  # while speculating: states before the update
+
+    def swaps(self, index: int) -> bool:
+        return False  # in memory: no staging slot
 
     def start_swap_in(self, index: int) -> Pending:
         sg = self.sub_groups[index]
@@ -360,6 +365,9 @@ class NvmeStateStore:
         key = shadow_key(sg.key) if slot else sg.key
         return [transfer(key, kind, t) for kind, t in zip(kinds, views, strict=False)]
 
+    def swaps(self, index: int) -> bool:
+        return True  # through a staging buffer
+
     @phase("zeroinf::swap_in")
     def start_swap_in(self, index: int) -> Pending:
         """Reserve a staging buffer (the pipeline guarantees one is free) and start the three reads."""
@@ -561,12 +569,135 @@ class MasterSource:
         return cls([m.numel() for m in masters], masters.__getitem__)
 
 
+class SplitStateStore:
+    """States of some units in host RAM and of the others on NVMe (`OptimizerSplit`, chosen by the
+    unit plan within `offload.max_host_bytes`): a `ResidentStateStore` and an `NvmeStateStore`, each
+    over its own units, behind the one protocol. Sub-groups are numbered over the whole model, in
+    unit order (each unit's from the part that holds it); a host sub-group takes no staging slot,
+    so the pipeline reads NVMe sub-groups ahead while host units are updated."""
+
+    tier = Tier.HOST  # where the update runs: the CPU, with host-resident or staged states
+
+    def __init__(self, host: ResidentStateStore, nvme: NvmeStateStore, split: OptimizerSplit) -> None:
+        self.host, self.nvme, self.split = host, nvme, split
+        self.traffic = StepTraffic()
+        host.traffic = nvme.traffic = self.traffic  # one account; each part adds under its own tier
+        self.staging_slots = nvme.staging_slots
+        self._parts: list[tuple[ResidentStateStore | NvmeStateStore, int]] = []  # per unit: (part, local unit)
+        local = {id(host): 0, id(nvme): 0}
+        for on_host in split.on_host:
+            part = host if on_host else nvme
+            self._parts.append((part, local[id(part)]))
+            local[id(part)] += 1
+        by_local: dict[tuple[int, int], list[SubGroup]] = {}
+        for part in (host, nvme):
+            for sg in part.sub_groups:
+                by_local.setdefault((id(part), sg.unit_index), []).append(sg)
+        self.sub_groups: list[SubGroup] = []
+        self._local: list[tuple[ResidentStateStore | NvmeStateStore, SubGroup]] = []
+        for ui, (part, li) in enumerate(self._parts):
+            for sg in by_local.get((id(part), li), []):
+                self.sub_groups.append(SubGroup(len(self.sub_groups), ui, sg.start, sg.end, sg.unit_numel))
+                self._local.append((part, sg))
+        self._global = {(id(part), sg.index): i for i, (part, sg) in enumerate(self._local)}
+
+    def swaps(self, index: int) -> bool:
+        return self._local[index][0] is self.nvme
+
+    def _to_global(self, staged: Staged, part: object) -> Staged:
+        sg = self.sub_groups[self._global[(id(part), staged.sub_group.index)]]
+        return Staged(sg, staged.views, staged.buffer)
+
+    def start_swap_in(self, index: int) -> Pending:
+        part, sg = self._local[index]
+        pending = part.start_swap_in(sg.index)
+        pending.staged = self._to_global(pending.staged, part)  # the same buffer, owned by the new Staged
+        return pending
+
+    def start_swap_out(self, staged: Staged) -> Pending:
+        part, sg = self._local[staged.sub_group.index]
+        local = Staged(sg, staged.views, staged.buffer)
+        staged.buffer = None  # the part's swap-out owns (and returns) the buffer now
+        return part.start_swap_out(local)
+
+    def collect_master(self, staged: Staged) -> torch.Tensor | None:
+        part, sg = self._local[staged.sub_group.index]
+        return part.collect_master(Staged(sg, staged.views, staged.buffer))
+
+    def read_unit(self, unit_index: int) -> StateViews:
+        part, li = self._parts[unit_index]
+        return part.read_unit(li)
+
+    def write_unit(self, unit_index: int, states: StateViews) -> None:
+        part, li = self._parts[unit_index]
+        part.write_unit(li, states)
+
+    def segment_bounds(self, unit_index: int) -> list[tuple[int, int]]:
+        part, li = self._parts[unit_index]
+        return part.segment_bounds(li)
+
+    def iter_segments(self, unit_index: int) -> Iterator[tuple[int, int, StateViews]]:
+        part, li = self._parts[unit_index]
+        return part.iter_segments(li)
+
+    def segment_for_write(self, unit_index: int, start: int, end: int) -> AbstractContextManager[StateViews]:
+        part, li = self._parts[unit_index]
+        return part.segment_for_write(li, start, end)
+
+    def check(self, op: str) -> None:
+        self.nvme.check(op)
+
+    def require_healthy(self) -> None:
+        self.nvme.require_healthy()
+
+    def fail(self, error: BaseException) -> None:
+        self.nvme.fail(error)
+
+    def speculate(self) -> None:
+        self.host.speculate()
+        self.nvme.speculate()
+
+    def commit(self) -> None:
+        self.host.commit()
+        self.nvme.commit()
+
+    def rollback(self) -> None:
+        self.host.rollback()
+        self.nvme.rollback()
+
+    @property
+    def engine(self) -> AioEngine:
+        return self.nvme.engine
+
+    def close(self) -> None:
+        self.host.close()
+        self.nvme.close()
+
+
 def build_state_store(
-    masters: MasterSource, cfg: OffloadConfig, ledger: Ledger, rank: int, shadow: bool = False
-) -> ResidentStateStore | NvmeStateStore:
+    masters: MasterSource, cfg: OffloadConfig, ledger: Ledger, rank: int, shadow: bool = False,
+    split: OptimizerSplit | None = None,
+) -> ResidentStateStore | NvmeStateStore | SplitStateStore:
     """The store for `cfg.optimizer`, taking ownership of the initial fp32 masters (one per unit);
-    `shadow`: NVMe states get a second slot per sub-group for the speculative step."""
+    `shadow`: NVMe states get a second slot per sub-group for the speculative step; `split`: the
+    units' states over host and NVMe (the unit plan's `optimizer_split()`)."""
+    if split is not None:
+        host_units, nvme_units = split.host_units, split.nvme_units
+        # Built unit by unit in order, so each master is taken once and dropped once stored.
+        nvme = NvmeStateStore(
+            MasterSource([masters.numels[i] for i in nvme_units], lambda j: masters.take(nvme_units[j])),
+            cfg, ledger, rank, shadow=shadow,
+        )
+        try:
+            host = ResidentStateStore(
+                MasterSource([masters.numels[i] for i in host_units], lambda j: masters.take(host_units[j])),
+                Tier.HOST, ledger, None,
+            )
+        except BaseException:
+            nvme.close()
+            raise
+        get_logger().info("%s", split.describe())
+        return SplitStateStore(host, nvme, split)
     if cfg.optimizer == "nvme":
         return NvmeStateStore(masters, cfg, ledger, rank, shadow=shadow)
-    resident = [masters.take(i) for i in range(len(masters.numels))]
-    return ResidentStateStore(resident, Tier(cfg.optimizer), ledger, cfg.max_host_bytes)
+    return ResidentStateStore(masters, Tier(cfg.optimizer), ledger, cfg.max_host_bytes)

@@ -37,7 +37,10 @@ With the optimizer stepping inside backward (`hand_off` set by the engine), a re
 has no earlier micro-step to add to is not landed: it stays where the collective left it, the
 step takes it (`owned_grad()`), and then either drops it (`release_handed_off`: the gradient
 never travels to its tier) or, for a speculative step that may have to be redone, lands it as
-above (`land_handed_off`).
+above (`land_handed_off`). Such a shard is never reduced into the persistent host shard, and a
+dropped one frees its memory at once, so a step inside backward holds no gradient buffer of the
+model's size on any tier, only those of the units being reduced or stepped: with the optimizer on
+the host, the host holds the states' 12 bytes per parameter and buffers of a few units.
 """
 
 from __future__ import annotations
@@ -423,9 +426,10 @@ class ShardedUnit:
                     self.grad_shard = torch.empty(numel, dtype=self.reduce_dtype, device=device)
                 self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
                 return self.grad_shard
-            host_shard = self._host_grad_shard()
-            if host_shard.device == device:  # a CPU device: the host shard is where gloo reduces
-                return host_shard
+            if not self.hand_off:  # a handed-off shard may never land: no persistent host shard for it
+                host_shard = self._host_grad_shard()
+                if host_shard.device == device:  # a CPU device: the host shard is where gloo reduces
+                    return host_shard
         if not self.topo.is_distributed:
             return self.grad_flat
         out = torch.empty(numel, dtype=self.reduce_dtype, device=device)
@@ -462,10 +466,10 @@ class ShardedUnit:
         if self.grad_files is not None:
             self._land_on_disk(out, accumulate)
         elif out is not self.grad_shard:
-            assert self.grad_shard is not None
             if self.grad_tier is Tier.HOST:
-                self._landing = self.transfers.land(out, self.grad_shard, accumulate=accumulate)
+                self._landing = self.transfers.land(out, self._host_grad_shard(), accumulate=accumulate)
             else:
+                assert self.grad_shard is not None
                 self.grad_shard.add_(out)
         self._grad_landed = True
         self._drop_reduce_buffers(out)
@@ -482,10 +486,14 @@ class ShardedUnit:
             self._land(out)
 
     def release_handed_off(self) -> None:
-        """The optimizer is done with the handed-off shard: free it without landing it."""
+        """The optimizer is done with the handed-off shard: free it without landing it (a device
+        shard too: nothing reads it before `zero_grad`)."""
         if self._handed is not None:
             out, self._handed = self._handed, None
             self._drop_reduce_buffers(out)
+            if out is self.grad_shard and self.grad_tier is Tier.DEVICE:
+                self.ledger.release(Tier.DEVICE, _nbytes(out), "grad_shard")
+                self.grad_shard = None
 
     def _land_on_disk(self, out: torch.Tensor, accumulate: bool) -> None:
         """The reduced shard goes to the gradient swap file through a staging buffer of the pool:

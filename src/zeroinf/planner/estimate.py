@@ -21,7 +21,8 @@ Memory, per rank, by ledger tag:
   buffer a host shard is reduced into on an accelerator (`grad_reduce_out`, shard-sized, at most
   two) is not counted.
 - `optimizer_state`: 12 bytes per owned element on `offload.optimizer` (NVMe: three swap files,
-  `optimizer_staging` and `optimizer_assembly` on the host).
+  `optimizer_staging` and `optimizer_assembly` on the host); split by `max_host_bytes`
+  (`ModelPlan.optimizer_split`): the host part on the host, the rest as on NVMe.
 - `transfer_staging` (host): NVMe gradient shards land in pool buffers, a few per shard size.
 - `aio_buffers`: each NVMe kind has an I/O engine with one bounce buffer per worker.
 - `activation_offload` (host): with `offload_activations`, the inputs kept by checkpointing.
@@ -52,12 +53,12 @@ from zeroinf.planner.unit_plan import (
     OPTIMIZER_SWAP_KINDS,
     SWAP_ALIGN_BYTES,
     ModelPlan,
+    OptimizerSplit,
     step_in_backward_mode,
 )
 from zeroinf.runtime.prefetch import plan_prefetch
 from zeroinf.runtime.streams import STAGING_TAG
 
-GRAD_BUFFERS_IN_FLIGHT = 3  # stage 3: engine.MAX_REDUCTIONS_IN_FLIGHT reducing + one filling
 RAM_HEADROOM = 0.9  # plan to use at most this share of the available RAM
 DEVICE_HEADROOM = 0.9
 OP_OVERHEAD_S = 20e-6  # fixed cost of one operator launch (CPU) when the profile has none
@@ -126,10 +127,13 @@ class Estimate:
     time: StepTime
     pressure: float = 0.0
     """The largest share of a resource (RAM, device memory, NVMe folder) the placement needs; > 1: no fit."""
+    optimizer_split: OptimizerSplit | None = None
+    """The host/NVMe split of the optimizer states (`offload.max_host_bytes`), when there is one."""
 
     @property
     def placement(self) -> str:
-        return describe_placement(self.config)
+        split = self.optimizer_split
+        return describe_placement(self.config) + (f" ({split.describe()})" if split is not None else "")
 
 
 def describe_placement(cfg: Config) -> str:
@@ -188,40 +192,55 @@ def _gathered_bytes(prefetch: Any, units: tuple[Any, ...]) -> list[int]:
     ]
 
 
+def _last(values: list[int], count: int) -> list[int]:
+    return values[max(0, len(values) - count) :]
+
+
 def _grad_moments(
-    plan: ModelPlan, order: list[Any], held: bool = False, accumulated: bool = False
+    plan: ModelPlan, order: list[Any], held: bool = False, accumulated: bool = False, settled: bool = False
 ) -> list[dict[str, int]]:
     """Stages 2-3: the gradient bytes on the device as each unit of `order` (backward order) starts its
     reduction (unit.py [Note: where a reduced gradient lands]): the unsharded buffers filling or in
-    flight (at most GRAD_BUFFERS_IN_FLIGHT), those of units not yet reduced when an earlier
+    flight (at most `reductions_in_flight` + 1), those of units not yet reduced when an earlier
     micro-step kept them all (`held`), and the device shards reduced so far, or all of them when an
     earlier micro-step reduced into them (`accumulated`). At world 1 the first micro-step's device
-    shard is the unsharded buffer itself, adopted when its reduction starts."""
+    shard is the unsharded buffer itself, adopted when its reduction starts. A shard the optimizer
+    steps inside backward and frees (`_released`) lives only while its reduction is in flight;
+    `settled`: the moment just after, once the reductions beyond the limit were finished and stepped
+    (what a frozen unit's backward, which reduces nothing, finds)."""
     device_shards = plan.cfg.offload.gradients == "device"
     adopt = device_shards and plan.world_size == 1 and not accumulated
     all_shards = sum(u.grad_shard_bytes for u in order) if device_shards else 0
+    released = _released(plan) and not accumulated
+    in_flight = plan.reductions_in_flight + (0 if settled and released else 1)
     flats: list[int] = []
+    window: list[int] = []
     shards = 0
     moments = []
     for i, unit in enumerate(order):
         if not adopt:
-            flats = (flats + [unit.grad_unsharded_bytes])[-GRAD_BUFFERS_IN_FLIGHT:]
-        shards += unit.grad_shard_bytes if device_shards else 0
+            flats = _last(flats + [unit.grad_unsharded_bytes], in_flight)
+        if released:
+            window = _last(window + [unit.grad_shard_bytes if device_shards else 0], in_flight)
+            shards = sum(window)
+        else:
+            shards += unit.grad_shard_bytes if device_shards else 0
         waiting = sum(u.grad_unsharded_bytes for u in order[i + 1 :]) if held else 0
         moments.append({"grad_unsharded": sum(flats) + waiting, "grad_shard": all_shards if accumulated else shards})
     return moments
 
 
 def _backward_moments(
-    plan: ModelPlan, order: list[Any], last: list[Any], held: bool = False, accumulated: bool = False
+    plan: ModelPlan, order: list[Any], last: list[Any], held: bool = False, accumulated: bool = False,
+    settled: bool = False,
 ) -> list[dict[str, int]]:
     """The gradient moments of one backward: the units of `order` reduce in turn while the buffers of
     `last` (the root: its embedding's gradient comes last, its head's first) fill all along; they
     reduce at the end."""
     base = sum(u.grad_unsharded_bytes for u in last)
-    during = _grad_moments(plan, order, held, accumulated)
+    during = _grad_moments(plan, order, held, accumulated, settled)
     moments = [{**m, "grad_unsharded": base + m["grad_unsharded"]} for m in during]
-    end = _grad_moments(plan, order + last, held, accumulated)
+    end = _grad_moments(plan, order + last, held, accumulated, settled)
     return moments + end[-1:]
 
 
@@ -282,12 +301,16 @@ def _stage3_timeline(plan: ModelPlan) -> tuple[tuple[int, dict[str, int]], ...]:
     moments: list[tuple[int, dict[str, int]]] = []
     for _, accumulated in _micro_steps(plan):
         grads = _backward_moments(plan, order, resident, accumulated=accumulated)
+        after = _backward_moments(plan, order, resident, accumulated=accumulated, settled=True)
         shards_before = grads[0]["grad_shard"] if accumulated else 0
-        current = {"grad_unsharded": sum(u.grad_unsharded_bytes for u in resident), "grad_shard": shards_before}
+        carried = {"grad_unsharded": sum(u.grad_unsharded_bytes for u in resident), "grad_shard": shards_before}
         moments.append((_FORWARD, {"param_unsharded": gathered, "grad_shard": shards_before}))
-        pending = iter(grads[:-1])
-        for step in backward.steps:  # a frozen unit's step carries the gradients as they are
-            current = current if units[step.unit].frozen else next(pending)
+        pending = iter(zip(grads[:-1], after[:-1], strict=True))
+        for step in backward.steps:  # a frozen unit's step finds the gradients as the last reduction left them
+            if units[step.unit].frozen:
+                current = carried
+            else:
+                current, carried = next(pending)
             moments.append((step.unit, {"param_unsharded": resident_params + live[step.unit], **current}))
         moments.append((_END, {"param_unsharded": resident_params, **grads[-1]}))  # the resident units reduce
     return tuple(moments)
@@ -349,6 +372,12 @@ def _grad_landing_bytes(plan: ModelPlan) -> int:
     return sum(size * min(count, at_once) for size, count in sizes.items())
 
 
+def _released(plan: ModelPlan) -> bool:
+    """Whether each reduced gradient is stepped inside backward and freed at once, never landing on its
+    tier (one micro-step, or the only reducing one; the "final" mode)."""
+    return step_in_backward_mode(plan.cfg) == "final" and _grads_stay_in_memory(plan.cfg)
+
+
 def _grads_stay_in_memory(cfg: Config) -> bool:
     """Whether no reduced gradient lands on its tier before the step: no earlier micro-step was reduced."""
     return cfg.grad_accum_steps == 1 or (cfg.stage < 3 and not cfg.sync_every_micro_step)
@@ -390,10 +419,15 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             if not (mode == "final" and _grads_stay_in_memory(cfg)):  # else stepped where reduced, never landed
                 add("host", STAGING_TAG, _grad_landing_bytes(plan))
             add("host", "aio_buffers", engine_bytes)
-        elif o.gradients == "host":  # device shards: counted in the moments above
+        elif o.gradients == "host" and not _released(plan):  # device shards: counted in the moments above
             add(o.gradients, "grad_shard", sum(u.grad_shard_bytes for u in plan.trainable_units))
     state_bytes = 3 * FP32_BYTES * plan.owned_numel
-    if o.optimizer == "nvme":
+    split = plan.optimizer_split()
+    if split is not None:  # the host part's states (and copies) on the host, the rest as on NVMe below
+        add("host", "optimizer_state", 3 * FP32_BYTES * split.host_numel)
+        if mode == "speculative":
+            add("host", "optimizer_backup", 3 * FP32_BYTES * split.host_numel)
+    if o.optimizer == "nvme" or split is not None:
         staging = plan.optimizer_staging()
         for kind in OPTIMIZER_SWAP_KINDS:  # a speculative step writes each sub-group's second slot
             add("nvme", kind, staging.file_bytes(shadow=mode == "speculative"))
@@ -481,9 +515,10 @@ def step_time(
         fb_read += max(0, landed - 1) * FP32_BYTES * owned
         if mode is None or not _grads_stay_in_memory(cfg):  # else stepped from memory inside backward
             opt_read += FP32_BYTES * owned
-    if o.optimizer == "nvme":
-        opt_read += 3 * FP32_BYTES * owned
-        opt_write += 3 * FP32_BYTES * owned
+    split = plan.optimizer_split()
+    on_nvme = owned if o.optimizer == "nvme" else split.nvme_numel if split is not None else 0
+    opt_read += 3 * FP32_BYTES * on_nvme
+    opt_write += 3 * FP32_BYTES * on_nvme
     rd, wr = profile.disk_read_bps, profile.disk_write_bps
     fb_io_s = fb_read / rd + fb_write / wr
     opt_io_s = opt_read / rd + opt_write / wr
@@ -491,7 +526,7 @@ def step_time(
     adam_rate = profile.device_adam_params_per_s if o.optimizer == "device" else profile.adam_params_per_s
     itemsize = DTYPES[cfg.param_dtype].itemsize
     optimizer_s = owned / adam_rate + owned * (FP32_BYTES + itemsize) / profile.copy_bps
-    if o.optimizer == "nvme":  # the pipeline waits for the first sub-group's read and the last one's write
+    if on_nvme:  # the pipeline waits for the first sub-group's read and the last one's write
         staging = plan.optimizer_staging()
         first = 3 * staging.state_bytes
         optimizer_s += first / rd + first / wr
@@ -567,7 +602,9 @@ def estimate(
                     f"NVMe: needs {_gib(ledger.nvme)} per rank, the folder has {_gib(capacity.nvme_free_bytes)} free"
                 )
     time = step_time(plan, facts, work, profile, param_count)
-    return Estimate(cfg, ledger, activations, ram, device_need, not why, tuple(why), time, max(shares))
+    return Estimate(
+        cfg, ledger, activations, ram, device_need, not why, tuple(why), time, max(shares), plan.optimizer_split()
+    )
 
 
 def _gib(nbytes: float) -> str:

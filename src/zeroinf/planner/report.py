@@ -13,7 +13,8 @@ def _short(e: Estimate) -> str:
     c = e.config
     o = c.offload
     ckpt = "yes" if c.activation_checkpointing else "no"
-    return f"{c.stage}  {o.params:<6} {o.optimizer:<6} {o.gradients:<6} {ckpt:<4}"
+    optimizer = "split" if e.optimizer_split is not None else o.optimizer  # host + nvme by max_host_bytes
+    return f"{c.stage}  {o.params:<6} {optimizer:<6} {o.gradients:<6} {ckpt:<4}"
 
 
 def _mib(n: float) -> str:
@@ -99,6 +100,7 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
             "gradients": e.config.offload.gradients, "activation_checkpointing": e.config.activation_checkpointing,
             "param_dtype": e.config.param_dtype,
         },
+        "optimizer_split": None if e.optimizer_split is None else e.optimizer_split.to_json(),
         "peak_bytes": {"device": e.ledger.device, "host": e.ledger.host, "nvme": e.ledger.nvme},
         "peak_bytes_by_tag": e.ledger.by_tag,
         "activation_bytes": e.activation_bytes,

@@ -34,6 +34,7 @@ SWAP_ALIGN_BYTES = 4096  # offsets of shards in the swap files, and staging buff
 PARAM_STAGING_EXTRA = 3  # staging buffers beyond read-ahead: the unit running now, one being gathered, one write
 OPTIMIZER_SWAP_KINDS = ("optimizer_master", "optimizer_exp_avg", "optimizer_exp_avg_sq")  # swap kinds = NVME tags
 FP32_BYTES = 4
+MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient collectives in flight in backward before the oldest is finished
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,72 @@ def _optimizer_staging(
     return OptimizerStaging(sub_groups, state_bytes, StagingPlan(buffer_count, 3 * state_bytes), assembly_numel)
 
 
+@dataclass(frozen=True)
+class OptimizerSplit:
+    """Optimizer states over two tiers: the units marked `on_host` keep theirs in host RAM, the
+    others on NVMe (offload.optimizer = "host" with a `max_host_bytes` the states exceed, and an
+    `nvme_dir` to spill to). Indices are over the trainable units."""
+
+    on_host: tuple[bool, ...]
+    owned_numels: tuple[int, ...]
+    budget_bytes: int
+    """Host bytes the states may take: `max_host_bytes` less the engine's other host buffers."""
+
+    @property
+    def host_units(self) -> tuple[int, ...]:
+        return tuple(i for i, h in enumerate(self.on_host) if h)
+
+    @property
+    def nvme_units(self) -> tuple[int, ...]:
+        return tuple(i for i, h in enumerate(self.on_host) if not h)
+
+    @property
+    def host_numel(self) -> int:
+        return sum(n for n, h in zip(self.owned_numels, self.on_host, strict=True) if h)
+
+    @property
+    def nvme_numel(self) -> int:
+        return sum(n for n, h in zip(self.owned_numels, self.on_host, strict=True) if not h)
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "host_units": len(self.host_units), "nvme_units": len(self.nvme_units),
+            "host_numel": self.host_numel, "nvme_numel": self.nvme_numel, "budget_bytes": self.budget_bytes,
+        }
+
+    def describe(self) -> str:
+        host, nvme = self.host_numel, self.nvme_numel
+        share = host / (host + nvme) if host + nvme else 0.0
+        return (
+            f"optimizer states split: {len(self.host_units)} units ({100 * share:.0f}%, "
+            f"{3 * FP32_BYTES * host / 2**30:.2f} GiB) on host, {len(self.nvme_units)} units "
+            f"({3 * FP32_BYTES * nvme / 2**30:.2f} GiB) on nvme, interleaved along the step order"
+        )
+
+
+def choose_host_units(owned_numels: Sequence[int], budget_bytes: int, bytes_per_element: int) -> tuple[bool, ...]:
+    """Which units keep their states on the host within `budget_bytes` (pure).
+
+    The host units are spread evenly along the units' order (a running share, as a line is drawn on
+    a grid), not packed at one end: whichever order the step visits them in (forward's, or backward's
+    reverse), NVMe sub-groups alternate with host units, so their swaps run while host units are
+    stepped. What the even pass leaves of the budget is then filled in order with the units that fit.
+    """
+    total = sum(owned_numels) * bytes_per_element
+    share = min(1.0, budget_bytes / total) if total else 1.0
+    on_host = [False] * len(owned_numels)
+    used = seen = 0
+    for i, numel in enumerate(owned_numels):
+        nbytes = numel * bytes_per_element
+        seen += nbytes
+        if used + nbytes <= share * seen and used + nbytes <= budget_bytes:
+            on_host[i], used = True, used + nbytes
+    for i, numel in enumerate(owned_numels):
+        if not on_host[i] and used + numel * bytes_per_element <= budget_bytes:
+            on_host[i], used = True, used + numel * bytes_per_element
+    return tuple(on_host)
+
+
 def _check_tiers(cfg: Config) -> None:
     tiers = (cfg.stage, cfg.offload.params, cfg.offload.optimizer, cfg.offload.gradients, cfg.param_dtype)
     if "auto" in tiers or cfg.activation_checkpointing == "auto":
@@ -209,6 +276,15 @@ class ModelPlan:
     units: tuple[UnitPlan, ...]
     cfg: Config
     world_size: int
+    device_type: str = "cpu"
+    """The accelerator's kind ("cuda", ...) or "cpu" when the CPU computes."""
+
+    @property
+    def reductions_in_flight(self) -> int:
+        """Gradient reductions backward leaves running before it finishes the oldest (engine.py). One
+        CPU process has nothing to overlap a reduction with (it is done when started): finishing each
+        at once frees its gradient buffer, or steps it, before the next unit's fills."""
+        return 0 if self.world_size == 1 and self.device_type == "cpu" else MAX_REDUCTIONS_IN_FLIGHT
 
     @cached_property
     def _by_name(self) -> dict[str, UnitPlan]:
@@ -263,8 +339,48 @@ class ModelPlan:
 
     # -- optimizer states ---------------------------------------------------------------------------------
     def optimizer_staging(self, aio: AioConfig | None = None) -> OptimizerStaging:
+        """The NVMe sub-groups and staging of the optimizer states on NVMe (with a split, of its NVMe part)."""
         owned = [u.owned_numel for u in self.trainable_units]
+        split = self.optimizer_split()
+        if split is not None:
+            owned = [split.owned_numels[i] for i in split.nvme_units]
         return plan_optimizer_staging(owned, self.cfg.offload, aio or self.cfg.offload.aio)
+
+    def other_host_bytes(self, optimizer_on_nvme: bool = True) -> int:
+        """The engine's host buffers other than optimizer states on the host: parameter staging,
+        gradient shards on the host, one I/O engine's buffers per NVMe kind, and (`optimizer_on_nvme`)
+        the NVMe optimizer staging. The part of `max_host_bytes` they leave is what optimizer states
+        on the host may take."""
+        o, cfg = self.cfg.offload, self.cfg
+        engine_bytes = o.aio.workers * o.aio.block_bytes
+        nbytes = 0
+        if cfg.stage == 3 and o.params == "nvme" and self.sharded_units:
+            nbytes += self.param_staging().total_bytes + engine_bytes
+        if cfg.stage >= 2 and o.gradients == "host":
+            nbytes += sum(u.grad_shard_bytes for u in self.trainable_units)
+        if cfg.stage >= 2 and o.gradients == "nvme":
+            nbytes += engine_bytes
+        if optimizer_on_nvme and o.nvme_dir is not None:  # (part of) the states on NVMe
+            owned = [u.owned_numel for u in self.trainable_units]
+            nbytes += plan_optimizer_staging(owned, o, o.aio).host_bytes + engine_bytes
+        return nbytes
+
+    @cached_property
+    def _optimizer_split(self) -> OptimizerSplit | None:
+        o = self.cfg.offload
+        if o.optimizer != "host" or o.max_host_bytes is None or o.nvme_dir is None:
+            return None
+        owned = tuple(u.owned_numel for u in self.trainable_units)
+        per_element = 3 * FP32_BYTES * (2 if step_in_backward_mode(self.cfg) == "speculative" else 1)
+        if sum(owned) * per_element <= o.max_host_bytes - self.other_host_bytes(optimizer_on_nvme=False):
+            return None  # everything fits: no split
+        budget = max(0, o.max_host_bytes - self.other_host_bytes())
+        return OptimizerSplit(choose_host_units(owned, budget, per_element), owned, budget)
+
+    def optimizer_split(self) -> OptimizerSplit | None:
+        """The host/NVMe split of the optimizer states, when `offload.optimizer` = "host", its states
+        exceed `offload.max_host_bytes` and `offload.nvme_dir` is set; None otherwise."""
+        return self._optimizer_split
 
 
 def is_resident(unit: UnitShape, cfg: Config, world_size: int, layout: FlatLayout | None = None) -> bool:
@@ -280,8 +396,9 @@ def _layout(unit: UnitShape, world_size: int) -> FlatLayout:
     return FlatLayout.build([(n, torch.Size(s)) for n, s in unit.params], world_size)
 
 
-def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int) -> ModelPlan:
-    """The plan of every unit (in the order given: unit discovery's order, root last). Pure."""
+def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int, device_type: str = "cpu") -> ModelPlan:
+    """The plan of every unit (in the order given: unit discovery's order, root last) on `world_size`
+    ranks computing on `device_type`. Pure."""
     _check_tiers(cfg)
     if world_size < 1:
         raise ValueError(f"world_size = {world_size} is invalid: use a positive number of ranks")
@@ -294,4 +411,4 @@ def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int) -> Mode
         tier = Tier(cfg.offload.params) if cfg.stage == 3 and not resident else Tier.DEVICE
         owned = 0 if unit.frozen else layout.shard_numel if cfg.stage >= 1 else layout.padded_numel
         planned.append(UnitPlan(unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned, unit.frozen))
-    return ModelPlan(tuple(planned), cfg, world_size)
+    return ModelPlan(tuple(planned), cfg, world_size, device_type)

@@ -1,0 +1,238 @@
+"""Optimizer states split between host and NVMe by `offload.max_host_bytes` (`SplitStateStore`):
+which units stay on the host, bitwise parity with the single-tier placements at world 1 and 2
+(stepped inside backward, after it, and speculatively with clipping), checkpoints saved under one
+split and loaded under another, and the plan's report of the split."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeroinf
+from tests._harness import run_ranks
+from tests._parity import GLOBAL_BATCH, LR, Case, build_model, global_batch, run_cases
+from zeroinf import OffloadConfig
+from zeroinf.memory import Tier
+from zeroinf.partition.wrap import discover_units
+from zeroinf.planner.unit_plan import UnitShape, choose_host_units, plan_units
+from zeroinf.tiers.host import HostCapError
+
+
+# -- which units stay on the host (pure) ---------------------------------------------------------------------
+def test_host_units_are_spread_along_the_order_and_fill_the_budget() -> None:
+    on_host = choose_host_units([100] * 10, budget_bytes=12 * 500, bytes_per_element=12)
+    assert sum(on_host) == 5
+    assert on_host == (False, True) * 5  # alternating: NVMe swaps run while host units step
+    # Uneven units: never over budget; what the even pass leaves is filled with units that fit.
+    sizes = [400, 50, 50, 300, 50, 50, 200, 50]
+    on_host = choose_host_units(sizes, budget_bytes=12 * 600, bytes_per_element=12)
+    used = sum(n for n, h in zip(sizes, on_host, strict=True) if h)
+    assert used <= 600
+    assert all(used + n > 600 for n, h in zip(sizes, on_host, strict=True) if not h)
+    assert choose_host_units([10, 10], 0, 12) == (False, False)
+    assert choose_host_units([10, 10], 10**9, 12) == (True, True)
+
+
+# Small staging, so that a tiny model's states (~0.5 MB) outweigh the NVMe part's buffers.
+SMALL_IO = {"sub_group_numel": 2048, "aio": {"workers": 1, "block_bytes": 4096, "queue_depth": 1}}
+
+
+def _plan(offload: OffloadConfig, world: int, stage: int = 3, **cfg: object):
+    config = zeroinf.Config(stage=stage, persist_threshold_bytes=0, offload=offload, **cfg)  # type: ignore[arg-type]
+    shapes = [UnitShape.of(spec) for spec in discover_units(build_model(), ())]
+    return plan_units(shapes, config, world)
+
+
+def _budget(folder: Path, world: int, share: float, **offload: object) -> int:
+    """A `max_host_bytes` leaving `share` of the states' bytes for them after the other host buffers."""
+    probe = OffloadConfig(optimizer="host", nvme_dir=str(folder), **SMALL_IO, **offload)  # type: ignore[arg-type]
+    plan = _plan(probe, world)
+    return plan.other_host_bytes() + int(12 * plan.owned_numel * share)
+
+
+def test_the_plan_splits_only_what_exceeds_the_budget(tmp_path: Path) -> None:
+    budget = _budget(tmp_path, 1, 0.5, params="nvme")
+    offload = OffloadConfig(params="nvme", optimizer="host", nvme_dir=str(tmp_path), max_host_bytes=budget, **SMALL_IO)
+    split = _plan(offload, 1).optimizer_split()
+    assert split is not None and split.host_units and split.nvme_units
+    assert 12 * split.host_numel <= split.budget_bytes
+    roomy = OffloadConfig(params="nvme", optimizer="host", nvme_dir=str(tmp_path), max_host_bytes=2**40)
+    assert _plan(roomy, 1).optimizer_split() is None
+    no_folder = OffloadConfig(optimizer="host", max_host_bytes=budget)  # nowhere to spill: no split
+    assert _plan(no_folder, 1).optimizer_split() is None
+
+
+# -- parity: the split trains exactly as the single-tier placements -------------------------------------------
+VARIANTS = {  # name: (Case fields, offload fields)
+    "in": ({}, {}),  # stepped inside backward ("final")
+    "after": ({}, {"step_in_backward": False}),
+    "clip-spec": ({"clip": 0.05}, {"step_in_backward": True}),  # speculative: undone and redone
+}
+
+
+def _cases(folder: Path, world: int) -> list[Case]:
+    cases = []
+    for variant, (fields, extra) in VARIANTS.items():
+        if world == 2 and variant == "after":
+            continue  # suite time: world 2 runs the two in-backward modes
+        budget = _budget(folder, world, 0.5, params="nvme", **extra)
+        tiers = {
+            "host": {"optimizer": "host"},
+            "split": {"optimizer": "host", "max_host_bytes": budget},
+            "nvme": {"optimizer": "nvme"},
+        }
+        for tier, offload in tiers.items():
+            name = f"{variant}-{tier}"
+            cfg = OffloadConfig(
+                params="nvme", nvme_dir=str(folder / name), **offload, **extra, **SMALL_IO  # type: ignore[arg-type]
+            )
+            overrides = (("offload", cfg), ("persist_threshold_bytes", 0))
+            cases.append(Case(name, 3, steps=4, overrides=overrides, **fields))  # type: ignore[arg-type]
+    return cases
+
+
+def _compare(results: dict[str, dict]) -> None:
+    for name, got in results.items():
+        if not name.endswith("-split"):
+            continue
+        split = got["optimizer_split"]
+        assert split is not None and split["host_units"] > 0 and split["nvme_units"] > 0, (name, split)
+        assert 0 < got["host_optimizer_state_bytes"] == 12 * split["host_numel"] <= split["budget_bytes"], name
+        for other in ("host", "nvme"):
+            ref = results[name.removesuffix("split") + other]
+            assert ref["optimizer_split"] is None
+            assert got["losses"] == ref["losses"], (name, other, got["losses"], ref["losses"])
+            for key, value in ref["weights"].items():
+                assert torch.equal(got["weights"][key], value), (name, other, key)
+            assert got["rollbacks"] == ref["rollbacks"], name
+        assert (max(got["stepped_in_backward"]) > 0) == (not name.startswith("after")), name
+
+
+def test_split_equals_host_and_nvme_world_1(tmp_path: Path) -> None:
+    _compare(run_cases(0, 1, _cases(tmp_path, 1)))
+
+
+def test_split_equals_host_and_nvme_world_2(tmp_path: Path) -> None:
+    results = run_ranks(run_cases, 2, _cases(tmp_path, 2), timeout_s=600)
+    _compare(results[0])
+
+
+# -- checkpoints across splits --------------------------------------------------------------------------------
+SAVE_AT, STEPS = 2, 4
+
+
+def _make(kind: str, folder: str, budget: int):
+    offload = {
+        "host": {"optimizer": "host"},
+        "split": {"optimizer": "host", "max_host_bytes": budget},
+        "nvme": {"optimizer": "nvme"},
+    }[kind]
+    os.makedirs(folder, exist_ok=True)
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0,
+                         offload=OffloadConfig(params="nvme", nvme_dir=folder, **offload, **SMALL_IO))  # type: ignore[arg-type]
+    model = zeroinf.shard(build_model(), cfg)
+    return model, zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _train(model, opt, rank: int, world: int, start: int, stop: int) -> list[float]:
+    per = GLOBAL_BATCH // world
+    losses = []
+    for step in range(start, stop):
+        x, y = global_batch(step)
+        loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return losses
+
+
+def _checkpoints_across_splits(rank: int, world: int, root: str, budget: int) -> dict:
+    import zeroinf.checkpoint as ck
+
+    out: dict[str, object] = {}
+    model, opt = _make("split", f"{root}/swap-straight", budget)
+    assert getattr(opt.states, "split", None) is not None
+    out["straight"] = _train(model, opt, rank, world, 0, STEPS)
+    opt.close()
+    for saved in ("split", "host", "nvme"):
+        model, opt = _make(saved, f"{root}/swap-save-{saved}", budget)
+        _train(model, opt, rank, world, 0, SAVE_AT)
+        ck.save(f"{root}/ckpt-{saved}", model, opt, step=SAVE_AT)
+        opt.close()
+    for saved, loaded in (("split", "host"), ("split", "nvme"), ("host", "split"), ("nvme", "split")):
+        model, opt = _make(loaded, f"{root}/swap-{saved}-{loaded}", budget)
+        info = ck.load(f"{root}/ckpt-{saved}", model, opt)
+        out[f"{saved}->{loaded}"] = _train(model, opt, rank, world, info["step"], STEPS)
+        opt.close()
+    return out
+
+
+def test_checkpoints_load_across_any_split(tmp_path: Path) -> None:
+    budget = _budget(tmp_path, 2, 0.5, params="nvme")
+    results = run_ranks(_checkpoints_across_splits, 2, str(tmp_path), budget, timeout_s=300)
+    straight = results[0]["straight"]
+    for key, losses in results[0].items():
+        if key != "straight":
+            assert losses == straight[SAVE_AT:], (key, losses, straight)
+
+
+# -- the ledger, the plan and the error without a folder ------------------------------------------------------
+def test_ledger_counts_each_part_where_it_is_and_the_plan_reports_the_split(tmp_path: Path) -> None:
+    budget = _budget(tmp_path, 1, 0.4, params="nvme")
+    offload = OffloadConfig(params="nvme", optimizer="host", nvme_dir=str(tmp_path), max_host_bytes=budget, **SMALL_IO)
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload)
+    model = zeroinf.shard(build_model(), cfg)
+    opt = zeroinf.AdamW(model, lr=LR)
+    split = opt.states.split
+    x, y = global_batch(0)
+    opt.backward(model(x, y))
+    opt.step()
+    opt.zero_grad()
+    ledger = zeroinf.engine_of(model).ledger
+    assert ledger.live_bytes(Tier.HOST, "optimizer_state") == 12 * split.host_numel
+    assert ledger.live_bytes(Tier.NVME, "optimizer_master") >= 4 * split.nvme_numel
+    traffic = opt.states.traffic.last_step
+    assert traffic["host_read_bytes"] == 12 * split.host_numel
+    assert traffic["nvme_read_bytes"] == traffic["nvme_written_bytes"] == 12 * split.nvme_numel
+    assert zeroinf.memory_report(model)["io"]["last_step"]["by_kind"]["optimizer"]["read"] == 12 * split.nvme_numel
+    # zeroinf.plan predicts the same split and the same host bytes for it.
+    plan = zeroinf.plan(build_model(), cfg, tokens_per_step=GLOBAL_BATCH * 16, nvme_dir=str(tmp_path))
+    estimate = next(e for e in plan.estimates if e.optimizer_split is not None)
+    assert estimate.optimizer_split == split
+    assert estimate.ledger.by_tag["host"]["optimizer_state"] == 12 * split.host_numel
+    assert "optimizer states split" in estimate.placement
+    opt.close()
+
+
+def test_a_cap_too_small_without_a_folder_names_the_fix() -> None:
+    cfg = zeroinf.Config(offload=OffloadConfig(optimizer="host", max_host_bytes=4096))
+    model = zeroinf.shard(build_model(), cfg)
+    with pytest.raises(HostCapError, match="set offload.nvme_dir"):
+        zeroinf.AdamW(model)
+
+
+def test_split_time_model_counts_only_the_nvme_part(tmp_path: Path) -> None:
+    from zeroinf.planner.estimate import Workload, step_time
+    from zeroinf.planner.profile import default_profile
+
+    budget = _budget(tmp_path, 1, 0.5, params="nvme")
+    base = {"params": "nvme", "nvme_dir": str(tmp_path), **SMALL_IO}
+    plans = {
+        "host": _plan(OffloadConfig(optimizer="host", **base), 1),
+        "split": _plan(OffloadConfig(optimizer="host", max_host_bytes=budget, **base), 1),
+        "nvme": _plan(OffloadConfig(optimizer="nvme", **base), 1),
+    }
+    profile, work = default_profile(), Workload(tokens_per_step=32, seq_len=16, world_size=1)
+    moved = {k: step_time(p, None, work, profile, 40_000).nvme_read_bytes for k, p in plans.items()}
+    split = plans["split"].optimizer_split()
+    assert split is not None and math.isclose(moved["split"] - moved["host"], 12 * split.nvme_numel)
+    assert moved["host"] < moved["split"] < moved["nvme"]
