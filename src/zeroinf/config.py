@@ -163,8 +163,9 @@ class OffloadConfig:
     """Host staging buffers for `nvme` sub-groups (>= 2); 3 overlap reading k+1 and writing k-1 with k."""
     max_host_bytes: int | None = None
     """Cap on host bytes for offload (staging, or the states on `host`), e.g. "16GiB"; None: no cap. With
-    `optimizer = "host"` and an `nvme_dir`, states beyond what the cap leaves after the other buffers
-    are kept on NVMe (split by unit, spread along the step order); without a folder, an error."""
+    an `nvme_dir`, what exceeds it goes to NVMe, split by unit and spread along the step order:
+    parameter shards on `host` first, then optimizer states on `host` in what the shards and buffers
+    leave; without a folder, optimizer states over the cap are an error."""
     io_timeout_s: float = 600.0
     """Seconds one swap may take before the step fails with an error naming the file."""
     aio: AioConfig = field(default_factory=AioConfig)

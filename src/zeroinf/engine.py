@@ -37,7 +37,7 @@ from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.init import InitFn, map_large_buffers, materialize_and_build, needs_materializing
 from zeroinf.partition.offload import open_grad_files, open_param_files
-from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles
+from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
@@ -157,22 +157,24 @@ class Engine:
         return self.unit_plan.unit(spec.key).resident
 
     def _make_home_factory(self, specs: list[UnitSpec]) -> HomeFactory:
-        """Where each stage-3 shard lives: resident units on the device, the others on offload.params."""
-        tier, device, ledger, transfers = Tier(self.cfg.offload.params), self.topo.device, self.ledger, self.transfers
-        if tier is Tier.NVME:
-            self.param_files = open_param_files(self.unit_plan, self.cfg, self.topo, ledger)
-            files = self.param_files
+        """Where each stage-3 shard lives: resident units on the device, the others on the tier the unit
+        plan gives them (offload.params; with a host/NVMe split, per unit)."""
+        plan, device, ledger, transfers = self.unit_plan, self.topo.device, self.ledger, self.transfers
+        files = None
+        if Tier(self.cfg.offload.params) is Tier.NVME or plan.nvme_param_units:
+            self.param_files = files = open_param_files(plan, self.cfg, self.topo, ledger)
             if files is not None:  # None: every unit is resident, nothing goes to NVMe
                 files.max_pending_writes = 1  # while building (see NvmeParamFiles); lifted once built
                 weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
-                return lambda name, initial, resident: (
-                    MemoryHome(initial, Tier.DEVICE, device, ledger, transfers, alias=True)
-                    if resident
-                    else NvmeHome(name, initial, files, device, transfers)
-                )
-        return lambda name, initial, resident: MemoryHome(
-            initial, Tier.DEVICE if resident else tier, device, ledger, transfers, alias=resident
-        )
+
+        def home(name: str, initial: torch.Tensor, resident: bool) -> ShardHome:
+            tier = Tier.DEVICE if resident else plan.unit(name).param_tier
+            if tier is Tier.NVME:
+                assert files is not None
+                return NvmeHome(name, initial, files, device, transfers)
+            return MemoryHome(initial, tier, device, ledger, transfers, alias=resident)
+
+        return home
 
     def _build_unit(self, spec: UnitSpec) -> ShardedUnit:
         params = [p for _, p in spec.params]

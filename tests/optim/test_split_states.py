@@ -236,3 +236,117 @@ def test_split_time_model_counts_only_the_nvme_part(tmp_path: Path) -> None:
     split = plans["split"].optimizer_split()
     assert split is not None and math.isclose(moved["split"] - moved["host"], 12 * split.nvme_numel)
     assert moved["host"] < moved["split"] < moved["nvme"]
+
+
+# -- parameter shards split between host and NVMe ---------------------------------------------------------------
+class Stack(torch.nn.Module):
+    """Ten units: enough that a few units' staging is smaller than the shards they stand for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(10)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _stack_config(kind: str, folder: str, world: int, optimizer: str = "device") -> zeroinf.Config:
+    """Parameters on the host, on NVMe, or split with room for about half the host shards."""
+    base = dict(stage=3, persist_threshold_bytes=0, prefetch_bytes=0)
+    common = dict(nvme_dir=folder, optimizer=optimizer, **SMALL_IO)
+    if kind == "nvme":
+        return zeroinf.Config(**base, offload=OffloadConfig(params="nvme", **common))  # type: ignore[arg-type]
+    budget = None
+    if kind == "split":
+        shapes = [UnitShape.of(spec) for spec in discover_units(Stack(), ())]
+        probe = plan_units(shapes, zeroinf.Config(**base, offload=OffloadConfig(params="nvme", **common)), world)
+        budget = probe.other_host_bytes() + sum(u.shard_bytes for u in probe.sharded_units) // 2
+    return zeroinf.Config(**base, offload=OffloadConfig(params="host", max_host_bytes=budget, **common))  # type: ignore[arg-type]
+
+
+def _train_stack(rank: int, world: int, root: str, optimizer: str) -> dict:
+    import zeroinf.checkpoint as ck
+
+    out: dict[str, object] = {}
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))[rank::world]
+    for kind in ("host", "split", "nvme"):
+        cfg = _stack_config(kind, f"{root}/{kind}", world, optimizer)
+        with zeroinf.init(cfg):
+            model = Stack()
+        zeroinf.shard(model, cfg)
+        opt = zeroinf.AdamW(model, lr=1e-2)
+        engine = zeroinf.engine_of(model)
+        tiers = [engine.unit_plan.unit(u.name).param_tier.value for u in engine.all_units if not u.resident]
+        losses = []
+        for step in range(4):
+            loss = model(x * (step + 1))
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if step == 1:
+                ck.save(f"{root}/ckpt-{kind}", model, opt, step=2)
+        out[kind] = {"losses": losses, "weights": {k: v.clone() for k, v in model.state_dict().items()},
+                     "tiers": tiers, "host_shard_bytes": engine.ledger.live_bytes(Tier.HOST, "param_shard"),
+                     "optimizer_split": (split := getattr(opt.states, "split", None)) is not None,
+                     "optimizer_host_units": len(split.host_units) if split is not None else None}
+        opt.close()
+        engine.close()
+    for saved, loaded in (("split", "host"), ("split", "nvme"), ("nvme", "split")):
+        cfg = _stack_config(loaded, f"{root}/{saved}-{loaded}", world, optimizer)
+        model = zeroinf.shard(Stack(), cfg)
+        opt = zeroinf.AdamW(model, lr=1e-2)
+        ck.load(f"{root}/ckpt-{saved}", model, opt)
+        losses = []
+        for step in range(2, 4):
+            loss = model(x * (step + 1))
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[f"{saved}->{loaded}"] = losses
+        opt.close()
+        zeroinf.engine_of(model).close()
+    return out
+
+
+def _check_param_split(got: dict, optimizer: str) -> None:
+    tiers = got["split"]["tiers"]
+    assert "host" in tiers and "nvme" in tiers, tiers
+    assert tiers[::2] != tiers[1::2]  # spread along the order, not packed at one end
+    assert set(got["host"]["tiers"]) == {"host"} and set(got["nvme"]["tiers"]) == {"nvme"}
+    assert 0 < got["split"]["host_shard_bytes"] < got["host"]["host_shard_bytes"]
+    for other in ("host", "nvme"):
+        assert got["split"]["losses"] == got[other]["losses"], other
+        for key, value in got[other]["weights"].items():
+            assert torch.equal(got["split"]["weights"][key], value), (other, key)
+    for key in ("split->host", "split->nvme", "nvme->split"):
+        assert got[key] == got["host"]["losses"][2:], key
+    # Parameter shards come first in the host budget: the optimizer states (on "host") get what they
+    # leave, here nothing, so they all went to NVMe rather than over the cap.
+    assert got["split"]["optimizer_split"] == (optimizer == "host")
+    if optimizer == "host":
+        assert got["split"]["optimizer_host_units"] == 0
+
+
+def test_parameter_shards_split_world_1(tmp_path: Path) -> None:
+    _check_param_split(_train_stack(0, 1, str(tmp_path), "device"), "device")
+
+
+def test_parameter_and_optimizer_split_world_2(tmp_path: Path) -> None:
+    results = run_ranks(_train_stack, 2, str(tmp_path), "host", timeout_s=300)
+    _check_param_split(results[0], "host")
+
+
+def test_plan_reports_the_parameter_split(tmp_path: Path) -> None:
+    cfg = _stack_config("split", str(tmp_path), 1)
+    plan = zeroinf.plan(Stack(), cfg, tokens_per_step=8, seq_len=1, nvme_dir=str(tmp_path),
+                        example_inputs=lambda batch, seq: ((torch.randn(batch, 64),), {}))
+    estimate = plan.estimates[0]
+    assert estimate.param_split is not None and all(estimate.param_split)
+    assert "parameter shards split" in estimate.placement
+    host = estimate.ledger.by_tag["host"]
+    assert 0 < host["param_shard"] and host["param_staging"] > 0

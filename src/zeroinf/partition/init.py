@@ -117,8 +117,13 @@ def evict(park: ParamPark) -> None:
 
 
 def _park_store(cfg: Config | None, topo: Topology) -> ParkStore:
-    """The tier parked slices go to: the stage-3 parameter tier of `cfg`, else the device."""
+    """The tier parked slices go to: the stage-3 parameter tier of `cfg`, else the device. Parameters on
+    the host under a `max_host_bytes` with an `nvme_dir` may be split to NVMe (planner/unit_plan.py
+    `_split_params`), which is known only once the model is built: they are parked on NVMe, so
+    construction stays bounded whatever the split."""
     tier = Tier(cfg.offload.params) if cfg is not None and cfg.stage == 3 else Tier.DEVICE
+    if tier is Tier.HOST and cfg is not None and cfg.offload.max_host_bytes is not None and cfg.offload.nvme_dir:
+        tier = Tier.NVME
     if tier is Tier.NVME:
         from zeroinf.tiers.park_file import NvmeParkStore
 

@@ -26,7 +26,7 @@ from zeroinf.topology import Topology
 def open_param_files(plan: ModelPlan, cfg: Config, topo: Topology, ledger: Ledger) -> NvmeParamFiles | None:
     """The parameter swap file and staging pool, sized by the unit plan (planner/unit_plan.py); None
     (with a notice) when every unit is resident."""
-    if not plan.sharded_units:  # small models: keep them resident and run, as DeepSpeed does
+    if not plan.nvme_param_units:  # small models: keep them resident and run, as DeepSpeed does
         get_logger().info(
             "offload.params = 'nvme', but all %d units are resident (the root, or below persist_threshold_bytes "
             "= %d): every parameter stays on the device; lower persist_threshold_bytes to offload them",

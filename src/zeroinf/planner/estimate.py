@@ -129,11 +129,17 @@ class Estimate:
     """The largest share of a resource (RAM, device memory, NVMe folder) the placement needs; > 1: no fit."""
     optimizer_split: OptimizerSplit | None = None
     """The host/NVMe split of the optimizer states (`offload.max_host_bytes`), when there is one."""
+    param_split: tuple[int, int] | None = None
+    """Units whose parameter shards are on the host and on NVMe, when `max_host_bytes` splits them."""
 
     @property
     def placement(self) -> str:
-        split = self.optimizer_split
-        return describe_placement(self.config) + (f" ({split.describe()})" if split is not None else "")
+        notes = []
+        if self.param_split is not None:
+            notes.append(f"parameter shards split: {self.param_split[0]} units on host, {self.param_split[1]} on nvme")
+        if self.optimizer_split is not None:
+            notes.append(self.optimizer_split.describe())
+        return describe_placement(self.config) + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def describe_placement(cfg: Config) -> str:
@@ -405,13 +411,13 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
         peak = max(_stage3_moments(plan), key=lambda m: sum(m.values()))
         for tag, nbytes in peak.items():
             add("device", tag, nbytes)
-        shards = sum(u.shard_bytes for u in units if not u.resident)
-        if o.params == "nvme" and plan.sharded_units:  # none sharded: all stay on the device
+        if plan.nvme_param_units:  # none sharded: all stay on the device
             add("nvme", "param_shard", _swap_file_bytes(plan.param_swap_bytes()))
             add("host", "param_staging", plan.param_staging().total_bytes)
             add("host", "aio_buffers", engine_bytes)
-        else:
-            add(o.params, "param_shard", shards)
+        for u in plan.sharded_units:  # in memory (a split's host part included)
+            if u.param_tier is not Tier.NVME:
+                add(u.param_tier.value, "param_shard", u.shard_bytes)
     mode = step_in_backward_mode(cfg)
     if cfg.stage >= 2:
         if o.gradients == "nvme":
@@ -502,10 +508,10 @@ def step_time(
     latency = profile.collective_latency_s if w > 1 else 0.0
     collectives_s = collective_bytes / rate + calls * latency
     # NVMe traffic of a step.
-    shard_b = sum(u.shard_bytes for u in plan.sharded_units)
+    shard_b = sum(u.shard_bytes for u in plan.nvme_param_units)
     owned = plan.owned_numel
     fb_read = fb_write = opt_read = opt_write = 0
-    if cfg.stage == 3 and o.params == "nvme":
+    if cfg.stage == 3 and shard_b:
         fb_read += 2 * accum * shard_b
         opt_write += shard_b
     mode = step_in_backward_mode(cfg)
@@ -602,8 +608,11 @@ def estimate(
                     f"NVMe: needs {_gib(ledger.nvme)} per rank, the folder has {_gib(capacity.nvme_free_bytes)} free"
                 )
     time = step_time(plan, facts, work, profile, param_count)
+    nvme_units = len(plan.nvme_param_units)
+    param_split = (len(plan.sharded_units) - nvme_units, nvme_units) if plan.params_split else None
     return Estimate(
-        cfg, ledger, activations, ram, device_need, not why, tuple(why), time, max(shares), plan.optimizer_split()
+        cfg, ledger, activations, ram, device_need, not why, tuple(why), time, max(shares), plan.optimizer_split(),
+        param_split,
     )
 
 

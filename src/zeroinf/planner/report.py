@@ -14,7 +14,8 @@ def _short(e: Estimate) -> str:
     o = c.offload
     ckpt = "yes" if c.activation_checkpointing else "no"
     optimizer = "split" if e.optimizer_split is not None else o.optimizer  # host + nvme by max_host_bytes
-    return f"{c.stage}  {o.params:<6} {optimizer:<6} {o.gradients:<6} {ckpt:<4}"
+    params = "split" if e.param_split is not None else o.params
+    return f"{c.stage}  {params:<6} {optimizer:<6} {o.gradients:<6} {ckpt:<4}"
 
 
 def _mib(n: float) -> str:
@@ -101,6 +102,8 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
             "param_dtype": e.config.param_dtype,
         },
         "optimizer_split": None if e.optimizer_split is None else e.optimizer_split.to_json(),
+        "param_split": None if e.param_split is None else {"host_units": e.param_split[0],
+                                                            "nvme_units": e.param_split[1]},
         "peak_bytes": {"device": e.ledger.device, "host": e.ledger.host, "nvme": e.ledger.nvme},
         "peak_bytes_by_tag": e.ledger.by_tag,
         "activation_bytes": e.activation_bytes,

@@ -13,6 +13,7 @@ Sizes are per rank: every rank's shard of a unit has the same size (the flat buf
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -315,15 +316,26 @@ class ModelPlan:
     def owned_numel(self) -> int:
         return sum(u.owned_numel for u in self.units)
 
+    @property
+    def nvme_param_units(self) -> tuple[UnitPlan, ...]:
+        """Units whose parameter shard lives on NVMe (offload.params = nvme, or the NVMe part of a split)."""
+        return tuple(u for u in self.sharded_units if u.param_tier is Tier.NVME)
+
+    @property
+    def params_split(self) -> bool:
+        """Parameter shards on both the host and NVMe (offload.params = host over `max_host_bytes`)."""
+        tiers = {u.param_tier for u in self.sharded_units}
+        return tiers == {Tier.HOST, Tier.NVME}
+
     # -- parameters on NVMe (partition/offload.py) -----------------------------------------------------
     def param_swap_bytes(self) -> dict[tuple[str, str], int]:
-        """Slots of the parameter swap file: every non-resident unit's shard (offload.params = nvme)."""
-        return {(u.swap_key, PARAM_SWAP_KIND): u.shard_bytes for u in self.sharded_units}
+        """Slots of the parameter swap file: every non-resident unit's shard on NVMe."""
+        return {(u.swap_key, PARAM_SWAP_KIND): u.shard_bytes for u in self.nvme_param_units}
 
     def param_staging(self) -> StagingPlan:
         """Host buffers for NVMe parameter shards in flight: the units the prefetcher may read ahead
         (bounded by `prefetch_bytes` and the smallest unit) and `PARAM_STAGING_EXTRA`."""
-        sharded = self.sharded_units
+        sharded = self.nvme_param_units
         if not sharded:
             raise ValueError("offload.params = 'nvme' but every unit is resident; lower persist_threshold_bytes")
         smallest = min(u.unsharded_bytes for u in sharded)
@@ -347,20 +359,20 @@ class ModelPlan:
         return plan_optimizer_staging(owned, self.cfg.offload, aio or self.cfg.offload.aio)
 
     def other_host_bytes(self, optimizer_on_nvme: bool = True) -> int:
-        """The engine's host buffers other than optimizer states on the host: parameter staging,
-        gradient shards on the host, one I/O engine's buffers per NVMe kind, and (`optimizer_on_nvme`)
-        the NVMe optimizer staging. The part of `max_host_bytes` they leave is what optimizer states
-        on the host may take."""
+        """The engine's host buffers other than optimizer states on the host: parameter shards on the
+        host, parameter staging, gradient shards on the host, one I/O engine's buffers per NVMe kind,
+        and (`optimizer_on_nvme`) the NVMe optimizer staging. The part of `max_host_bytes` they leave
+        is what optimizer states on the host may take."""
         o, cfg = self.cfg.offload, self.cfg
         engine_bytes = o.aio.workers * o.aio.block_bytes
-        nbytes = 0
-        if cfg.stage == 3 and o.params == "nvme" and self.sharded_units:
+        nbytes = sum(u.shard_bytes for u in self.sharded_units if u.param_tier is Tier.HOST)
+        if self.nvme_param_units:
             nbytes += self.param_staging().total_bytes + engine_bytes
         if cfg.stage >= 2 and o.gradients == "host":
             nbytes += sum(u.grad_shard_bytes for u in self.trainable_units)
         if cfg.stage >= 2 and o.gradients == "nvme":
             nbytes += engine_bytes
-        if optimizer_on_nvme and o.nvme_dir is not None:  # (part of) the states on NVMe
+        if optimizer_on_nvme and o.optimizer in ("host", "nvme") and o.nvme_dir is not None:  # states on NVMe
             owned = [u.owned_numel for u in self.trainable_units]
             nbytes += plan_optimizer_staging(owned, o, o.aio).host_bytes + engine_bytes
         return nbytes
@@ -411,4 +423,31 @@ def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int, device_
         tier = Tier(cfg.offload.params) if cfg.stage == 3 and not resident else Tier.DEVICE
         owned = 0 if unit.frozen else layout.shard_numel if cfg.stage >= 1 else layout.padded_numel
         planned.append(UnitPlan(unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned, unit.frozen))
-    return ModelPlan(tuple(planned), cfg, world_size, device_type)
+    plan = ModelPlan(tuple(planned), cfg, world_size, device_type)
+    return _split_params(plan)
+
+
+def _split_params(plan: ModelPlan) -> ModelPlan:
+    """Parameter shards on the host beyond what `max_host_bytes` leaves them go to NVMe (with an
+    `nvme_dir`), units spread along the order as the optimizer's split does. The shards come first
+    in the host budget (a shard is read twice and written once a step, so a host byte saves more
+    disk traffic as a shard than as an optimizer state), then the engine's other buffers; the
+    optimizer states get what remains (`optimizer_split`)."""
+    o = plan.cfg.offload
+    if plan.cfg.stage != 3 or o.params != "host" or o.max_host_bytes is None or o.nvme_dir is None:
+        return plan
+    sharded = [i for i, u in enumerate(plan.units) if not u.resident]
+    if not sharded:
+        return plan
+    if plan.other_host_bytes() <= o.max_host_bytes:  # host shards included
+        return plan  # every shard fits on the host
+    # With some shards on NVMe: their staging and I/O engine come out of the budget too.
+    probe = dataclasses.replace(plan, units=tuple(
+        dataclasses.replace(u, param_tier=Tier.NVME) if i in sharded else u for i, u in enumerate(plan.units)
+    ))
+    budget = max(0, o.max_host_bytes - probe.other_host_bytes())
+    on_host = choose_host_units([plan.units[i].shard_bytes for i in sharded], budget, 1)
+    tiers = {i: Tier.HOST if h else Tier.NVME for i, h in zip(sharded, on_host, strict=True)}
+    return dataclasses.replace(plan, units=tuple(
+        dataclasses.replace(u, param_tier=tiers[i]) if i in tiers else u for i, u in enumerate(plan.units)
+    ))
