@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _bench import batch_for, build, close, machine, median, peak_rss_bytes, rss_bytes  # noqa: E402
+from _bench import build, close, machine, median, peak_rss_bytes, rss_bytes, train_step  # noqa: E402
 
 import zeroinf  # noqa: E402
 from zeroinf.models.gpt import GPTConfig  # noqa: E402
@@ -50,14 +50,9 @@ def child(a: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t0
     seconds, losses, host_peaks, device_peaks = [], [], [], []
     for step in range(a.steps):
-        x, y = batch_for(run, step)
-        t0 = time.perf_counter()
-        loss = run.model(x, y)
-        run.opt.backward(loss)
-        run.opt.step()
-        run.opt.zero_grad()
-        seconds.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        took, loss = train_step(run, step)
+        seconds.append(took)
+        losses.append(loss)
         last = zeroinf.memory_report(run.model)["last_step"] or {}
         host_peaks.append(last.get("host", {}).get("peak_bytes", 0))
         device_peaks.append(last.get("device", {}).get("peak_bytes", 0))

@@ -186,3 +186,22 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
 
 def with_name(case: Case, suffix: str) -> Case:
     return replace(case, name=f"{case.name}{suffix}")
+
+
+def train_rank_slices(model: nn.Module, opt: object, rank: int, world: int, start: int, stop: int) -> list[float]:
+    """Steps `start`..`stop` of the global batches, this rank training on its slice; the mean loss
+    over ranks per step (every rank calls it)."""
+    per = GLOBAL_BATCH // world
+    losses = []
+    for step in range(start, stop):
+        x, y = global_batch(step)
+        loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+        opt.backward(loss)  # type: ignore[attr-defined]
+        opt.step()  # type: ignore[attr-defined]
+        opt.zero_grad()  # type: ignore[attr-defined]
+        total = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return losses

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests._harness import run_ranks
-from tests._parity import GLOBAL_BATCH, LR, build_model, global_batch
+from tests._parity import LR, build_model, train_rank_slices
 
 STEPS, SAVE_AT = 10, 5
 # name -> (stage, states on nvme)
@@ -39,38 +39,21 @@ def _make(stage: int, nvme: bool, scratch: str, model: torch.nn.Module | None = 
     return m, zeroinf.AdamW(m, lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def _train(m, o, rank: int, world: int, start: int, stop: int) -> list[float]:
-    per = GLOBAL_BATCH // world
-    losses = []
-    for step in range(start, stop):
-        x, y = global_batch(step)
-        loss = m(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-        o.backward(loss)
-        o.step()
-        o.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-            total /= world
-        losses.append(total.item())
-    return losses
-
-
 def phase_save(rank: int, world: int, root: str, scratch: str) -> dict:
     import zeroinf.checkpoint as ck
 
     out = {}
     for name, (stage, nvme) in CONFIGS.items():
         m, o = _make(stage, nvme, scratch)
-        out[name] = _train(m, o, rank, world, 0, STEPS)
+        out[name] = train_rank_slices(m, o, rank, world, 0, STEPS)
         m, o = _make(stage, nvme, scratch)
-        _train(m, o, rank, world, 0, SAVE_AT)
+        train_rank_slices(m, o, rank, world, 0, SAVE_AT)
         ck.save(os.path.join(root, name), m, o, step=SAVE_AT, extra={"data_position": SAVE_AT})
         if name == "s3nvme":  # the same checkpoint again, written in the background while training goes on
             pending = ck.save(os.path.join(root, "s3nvme-bg"), m, o, step=SAVE_AT,
                               extra={"data_position": SAVE_AT}, blocking=False)
             assert isinstance(pending, ck.PendingSave) and o.pending_save is pending
-            after = _train(m, o, rank, world, SAVE_AT, SAVE_AT + 1)  # its step() finishes the checkpoint
+            after = train_rank_slices(m, o, rank, world, SAVE_AT, SAVE_AT + 1)  # its step() finishes the checkpoint
             assert o.pending_save is None and pending.wait() == os.path.join(root, "s3nvme-bg", "step_00000005")
             assert after == out[name][SAVE_AT : SAVE_AT + 1]  # saving changed nothing in training
     # A bigger stage-3 model for consolidation; rank 0 keeps the gathered weights as the oracle.
@@ -100,7 +83,7 @@ def phase_load(rank: int, world: int, root: str, scratch: str, plan: list[tuple[
         m, o = _make(stage, nvme, scratch)
         info = ck.load(os.path.join(root, ckpt), m, o)
         assert info["step"] == SAVE_AT and info["extra"] == {"data_position": SAVE_AT}, info
-        out[f"{ckpt}->{cfg}"] = _train(m, o, rank, world, info["step"], STEPS)
+        out[f"{ckpt}->{cfg}"] = train_rank_slices(m, o, rank, world, info["step"], STEPS)
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
-from tests._parity import GLOBAL_BATCH, LR, Case, build_model, global_batch, run_cases
+from tests._parity import GLOBAL_BATCH, LR, Case, build_model, global_batch, run_cases, train_rank_slices
 from zeroinf import OffloadConfig
 from zeroinf.memory import Tier
 from zeroinf.partition.wrap import discover_units
@@ -138,40 +138,23 @@ def _make(kind: str, folder: str, budget: int):
     return model, zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def _train(model, opt, rank: int, world: int, start: int, stop: int) -> list[float]:
-    per = GLOBAL_BATCH // world
-    losses = []
-    for step in range(start, stop):
-        x, y = global_batch(step)
-        loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-            total /= world
-        losses.append(total.item())
-    return losses
-
-
 def _checkpoints_across_splits(rank: int, world: int, root: str, budget: int) -> dict:
     import zeroinf.checkpoint as ck
 
     out: dict[str, object] = {}
     model, opt = _make("split", f"{root}/swap-straight", budget)
     assert getattr(opt.states, "split", None) is not None
-    out["straight"] = _train(model, opt, rank, world, 0, STEPS)
+    out["straight"] = train_rank_slices(model, opt, rank, world, 0, STEPS)
     opt.close()
     for saved in ("split", "host", "nvme"):
         model, opt = _make(saved, f"{root}/swap-save-{saved}", budget)
-        _train(model, opt, rank, world, 0, SAVE_AT)
+        train_rank_slices(model, opt, rank, world, 0, SAVE_AT)
         ck.save(f"{root}/ckpt-{saved}", model, opt, step=SAVE_AT)
         opt.close()
     for saved, loaded in (("split", "host"), ("split", "nvme"), ("host", "split"), ("nvme", "split")):
         model, opt = _make(loaded, f"{root}/swap-{saved}-{loaded}", budget)
         info = ck.load(f"{root}/ckpt-{saved}", model, opt)
-        out[f"{saved}->{loaded}"] = _train(model, opt, rank, world, info["step"], STEPS)
+        out[f"{saved}->{loaded}"] = train_rank_slices(model, opt, rank, world, info["step"], STEPS)
         opt.close()
     return out
 
