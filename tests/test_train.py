@@ -108,6 +108,13 @@ def test_cli_overrides_the_config_file(tmp_path: Path) -> None:
     assert (cfg.stage, cfg.param_dtype, cfg.grad_accum_steps, cfg.grad_clip_norm) == (1, "bf16", 4, 0.5)
 
 
+def test_cli_max_host_bytes_sets_the_cap_for_the_split(tmp_path: Path) -> None:
+    ns = cli.build_parser().parse_args(["train", "--stage", "3", "--offload-optimizer", "host",
+                                        "--nvme-dir", str(tmp_path), "--max-host-bytes", "2GiB"])
+    cfg = cli.engine_config(ns)
+    assert (cfg.offload.optimizer, cfg.offload.max_host_bytes, cfg.offload.nvme_dir) == ("host", 2**31, str(tmp_path))
+
+
 def test_nproc_relaunches_through_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[list[str]] = []
 

@@ -108,6 +108,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--nvme-dir", metavar="DIR", help="folder for the swap files (default: a temporary folder, removed at exit)"
     )
+    engine.add_argument(
+        "--max-host-bytes", metavar="SIZE",
+        help='cap on host memory for offload, e.g. 16GiB; with --nvme-dir, host parameter shards and optimizer '
+        "states beyond it go to NVMe (split by unit)",
+    )
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,8 +191,11 @@ def engine_config(ns: argparse.Namespace, default: Config = DEFAULT_CONFIG) -> C
         if ns.stage is None:
             cfg = dataclasses.replace(cfg, stage=AUTO)
     tiers = {k: v for k, v in tiers.items() if v is not None}
-    if tiers or ns.nvme_dir:
+    cap = getattr(ns, "max_host_bytes", None)
+    if tiers or ns.nvme_dir or cap:
         merged = {**dataclasses.asdict(cfg.offload), **tiers}
+        if cap:
+            merged["max_host_bytes"] = cap
         if ns.nvme_dir:
             merged["nvme_dir"] = ns.nvme_dir
         elif {"nvme", AUTO} & {merged["params"], merged["optimizer"], merged["gradients"]} and not merged["nvme_dir"]:

@@ -127,3 +127,22 @@ def torch_stack() -> object:
     from torch import nn
 
     return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+
+
+def test_max_host_bytes_shows_the_host_nvme_split(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A Llama whose optimizer states (12 B/param) exceed the cap: the plan keeps part on the host."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 1024,
+                                                    "num_hidden_layers": 8}))
+    argv = ["plan", "--hf", str(folder), "--seq-len", "64", "--stage", "3", "--offload-params", "nvme",
+            "--offload-optimizer", "host", "--offload-gradients", "device", "--checkpointing", "off", "--dtype", "fp32",
+            "--nvme-dir", str(tmp_path / "swap"), "--max-host-bytes", "100MiB"]
+    code, out, _ = _main([*argv, "--json"], capsys)
+    assert code == 0
+    best = json.loads(out)["candidates"][0]
+    split = best["optimizer_split"]
+    assert split["host_units"] > 0 and split["nvme_units"] > 0
+    assert best["peak_bytes_by_tag"]["host"]["optimizer_state"] == 12 * split["host_numel"]
+    code, out, _ = _main(argv, capsys)
+    assert code == 0 and "split" in out and "optimizer states split" in out

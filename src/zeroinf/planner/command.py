@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--offload-gradients", choices=tiers)
     engine.add_argument("--checkpointing", choices=("on", "off", AUTO), help="activation checkpointing")
     engine.add_argument("--nvme-dir", metavar="DIR", help="folder of the swap files (default: the temp folder)")
+    engine.add_argument(
+        "--max-host-bytes", metavar="SIZE",
+        help="cap on host memory for offload, e.g. 16GiB: host parameter shards and optimizer states beyond it are "
+        "planned on NVMe (the split is shown)",
+    )
     machine = parser.add_argument_group("machine and output")
     machine.add_argument(
         "--measure", action="store_true",
@@ -79,6 +84,8 @@ def plan_config(ns: argparse.Namespace) -> Config:
     offload = {**dataclasses.asdict(base.offload), **{k: v for k, v in tiers.items() if v is not None}}
     if ns.nvme_dir:
         offload["nvme_dir"] = ns.nvme_dir
+    if ns.max_host_bytes:
+        offload["max_host_bytes"] = ns.max_host_bytes
     return dataclasses.replace(base, **changes, offload=OffloadConfig(**offload))  # type: ignore[arg-type]
 
 
