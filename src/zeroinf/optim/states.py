@@ -599,19 +599,15 @@ class SplitStateStore:
             for sg in by_local.get((id(part), li), []):
                 self.sub_groups.append(SubGroup(len(self.sub_groups), ui, sg.start, sg.end, sg.unit_numel))
                 self._local.append((part, sg))
-        self._global = {(id(part), sg.index): i for i, (part, sg) in enumerate(self._local)}
 
     def swaps(self, index: int) -> bool:
         return self._local[index][0] is self.nvme
 
-    def _to_global(self, staged: Staged, part: object) -> Staged:
-        sg = self.sub_groups[self._global[(id(part), staged.sub_group.index)]]
-        return Staged(sg, staged.views, staged.buffer)
-
     def start_swap_in(self, index: int) -> Pending:
         part, sg = self._local[index]
         pending = part.start_swap_in(sg.index)
-        pending.staged = self._to_global(pending.staged, part)  # the same buffer, owned by the new Staged
+        inner = pending.staged  # the same views and buffer, under the model-wide sub-group
+        pending.staged = Staged(self.sub_groups[index], inner.views, inner.buffer)
         return pending
 
     def start_swap_out(self, staged: Staged) -> Pending:
@@ -664,10 +660,6 @@ class SplitStateStore:
     def rollback(self) -> None:
         self.host.rollback()
         self.nvme.rollback()
-
-    @property
-    def engine(self) -> AioEngine:
-        return self.nvme.engine
 
     def close(self) -> None:
         self.host.close()
