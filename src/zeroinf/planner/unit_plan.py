@@ -152,10 +152,13 @@ class OptimizerStaging:
             for key in keys
         }
 
+    @cached_property
+    def _slot_bytes(self) -> int:  # a plan weighs many placements of the same sub-groups: summed once
+        return sum(round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES) for sg in self.sub_groups)
+
     def file_bytes(self, shadow: bool = False) -> int:
         """Bytes of one state kind's swap file (the three are the same size), as tiers/nvme.py lays it out."""
-        one = sum(round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES) for sg in self.sub_groups)
-        return 2 * one if shadow else one
+        return 2 * self._slot_bytes if shadow else self._slot_bytes
 
 
 SHADOW_SUFFIX = "~"
