@@ -568,6 +568,10 @@ class MasterSource:
     def of(cls, masters: list[torch.Tensor]) -> MasterSource:
         return cls([m.numel() for m in masters], masters.__getitem__)
 
+    def subset(self, indices: Sequence[int]) -> MasterSource:
+        """The masters of units `indices`, renumbered 0..len-1 (a split store's part)."""
+        return MasterSource([self.numels[i] for i in indices], lambda j: self.take(indices[j]))
+
 
 class SplitStateStore:
     """States of some units in host RAM and of the others on NVMe (`OptimizerSplit`, chosen by the
@@ -674,17 +678,10 @@ def build_state_store(
     `shadow`: NVMe states get a second slot per sub-group for the speculative step; `split`: the
     units' states over host and NVMe (the unit plan's `optimizer_split()`)."""
     if split is not None:
-        host_units, nvme_units = split.host_units, split.nvme_units
-        # Built unit by unit in order, so each master is taken once and dropped once stored.
-        nvme = NvmeStateStore(
-            MasterSource([masters.numels[i] for i in nvme_units], lambda j: masters.take(nvme_units[j])),
-            cfg, ledger, rank, shadow=shadow,
-        )
+        # Each part takes its units' masters one at a time, each dropped once stored.
+        nvme = NvmeStateStore(masters.subset(split.nvme_units), cfg, ledger, rank, shadow=shadow)
         try:
-            host = ResidentStateStore(
-                MasterSource([masters.numels[i] for i in host_units], lambda j: masters.take(host_units[j])),
-                Tier.HOST, ledger, None,
-            )
+            host = ResidentStateStore(masters.subset(split.host_units), Tier.HOST, ledger, None)
         except BaseException:
             nvme.close()
             raise
