@@ -48,7 +48,8 @@ def child(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     run = build(gpt, cfg, a.batch)
     build_s = time.perf_counter() - t0
-    seconds, losses, host_peaks, device_peaks = [], [], [], []
+    build_peak = peak_rss_bytes()  # the model and the optimizer built: where the high-water mark was set
+    seconds, losses, host_peaks, device_peaks, step_peaks = [], [], [], [], []
     for step in range(a.steps):
         took, loss = train_step(run, step)
         seconds.append(took)
@@ -56,6 +57,7 @@ def child(a: argparse.Namespace) -> dict:
         last = zeroinf.memory_report(run.model)["last_step"] or {}
         host_peaks.append(last.get("host", {}).get("peak_bytes", 0))
         device_peaks.append(last.get("device", {}).get("peak_bytes", 0))
+        step_peaks.append(peak_rss_bytes())
     params = gpt.param_count
     peak = peak_rss_bytes()
     report = zeroinf.memory_report(run.model)
@@ -65,6 +67,8 @@ def child(a: argparse.Namespace) -> dict:
         "median_step_s": median(seconds[1:]), "step_s": seconds, "losses": losses,
         "baseline_rss_bytes": baseline, "peak_rss_bytes": peak,
         "rss_above_baseline_per_param": (peak - baseline) / params,
+        "build_rss_above_baseline_per_param": (build_peak - baseline) / params,
+        "rss_high_water_after_each_step": step_peaks,
         "ledger_host_peak_per_param": max(host_peaks) / params,
         "ledger_device_peak_per_param": max(device_peaks) / params,
         "ledger_host_by_tag": report["host"]["by_tag"],

@@ -1,7 +1,9 @@
-"""Side by side: plain PyTorch, zeroinf, FSDP2 and DeepSpeed train the same Hugging Face Llama.
+"""Side by side: plain PyTorch, zeroinf, FSDP2 and DeepSpeed train the same model on the same data.
 
-The model is built from a config (presets from `tiny` to `7b`; no download) and trained on the same
-random tokens by every engine at every placement it supports:
+The model is a Hugging Face Llama built from a config (`--model llama`, presets from `tiny` to `7b`;
+no download) or zeroinf's demo GPT (`--model gpt`, presets `98m` and `1b`: pre-LayerNorm blocks of causal
+SDPA attention and a GELU MLP, untied head), trained on the same random tokens by every engine at
+every placement it supports:
 
   device    everything on the accelerator
   opt-host  optimizer states and gradients on the host, parameters on the device (ZeRO-Offload)
@@ -18,10 +20,14 @@ installed, or cannot hold a placement, are listed as skipped with the reason.
 
   python benchmarks/vs_peers.py --preset tiny --repeats 3 --out vs_peers.json
   python benchmarks/vs_peers.py --preset 1b --seq 2048 --batch 4 --placements device,opt-host,host
+  python benchmarks/vs_peers.py --model gpt --preset 98m --ranks 2 --threads 1 --seq 128 --batch 1 \
+      --engines zeroinf,deepspeed --placements device,opt-host,nvme
 
-Prints one JSON object: the machine, the arguments, and per (engine, placement) the median s/step,
-TFLOP/s, peak GPU memory, peak RSS, bytes moved per step between host and device and to/from NVMe
-(zeroinf counts them; the others report null), losses, and every repeat.
+Prints one JSON object: the machine (CPU model included), the arguments, per (engine, placement) the
+median s/step, TFLOP/s, peak GPU memory, peak RSS per rank, bytes moved per step between host and
+device and to/from NVMe (zeroinf's own counters; null for the others), the bytes each process read and
+wrote per step (`/proc/self/io`, every engine), losses and every repeat; and per placement the
+ratios of zeroinf's s/step to each peer's.
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ PRESETS = {  # hidden, layers, intermediate, heads, kv heads, vocab
     "3b": (3200, 26, 8640, 32, 32, 32000),
     "7b": (4096, 32, 11008, 32, 32, 32000),
 }
+GPT_PRESETS = {  # d_model, layers, vocab (heads: d_model / 64, MLP 4x, untied head)
+    "98m": (768, 12, 8192),
+    "1b": (2048, 20, 8192),
+}
 ENGINES = ("plain", "zeroinf", "fsdp2", "deepspeed")
 PLACEMENTS = ("device", "opt-host", "host", "nvme")
 ZEROINF_TIERS = {  # placement: (params, optimizer, gradients)
@@ -69,12 +79,14 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def skip_reason(engine: str, placement: str, cuda: bool) -> str | None:
+def skip_reason(engine: str, placement: str, model: str, ranks: int) -> str | None:
     """Why `engine` cannot run `placement` here, or None."""
-    if importlib.util.find_spec("transformers") is None:
+    if model == "llama" and importlib.util.find_spec("transformers") is None:
         return "transformers is not installed (pip install transformers)"
     if engine == "plain" and placement != "device":
         return "plain PyTorch keeps everything on the device"
+    if engine == "plain" and ranks > 1:
+        return "plain PyTorch runs one process"
     if engine == "fsdp2":
         if importlib.util.find_spec("torch.distributed.fsdp") is None:
             return "this PyTorch has no torch.distributed.fsdp"
@@ -82,15 +94,42 @@ def skip_reason(engine: str, placement: str, cuda: bool) -> str | None:
             return "FSDP2 offloads parameters, gradients and optimizer states together (placement host)"
         if placement == "nvme":
             return "FSDP2 has no NVMe tier"
-    if engine == "deepspeed":
-        if importlib.util.find_spec("deepspeed") is None:
-            return "deepspeed is not installed"
-        if not cuda:
-            return "DeepSpeed's ZeRO needs a CUDA device here"
+    if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed (pip install deepspeed; apt-get install libaio-dev for NVMe)"
     return None
 
 
 # -- one run (a worker process) ----------------------------------------------------------------------------
+def build_model(a: argparse.Namespace) -> Any:
+    """The model of the run, on the CPU, the same on every rank (seed 0)."""
+    torch.manual_seed(0)
+    if a.model == "gpt":
+        from zeroinf.models.gpt import GPT, GPTConfig
+
+        d, n, vocab = GPT_PRESETS[a.preset]
+        gpt = GPTConfig(vocab_size=vocab, seq_len=a.seq, n_layer=n, n_head=d // 64, d_model=d, tie_embeddings=False)
+        return GPT(gpt)
+    return llama(a.preset, a.seq)
+
+
+def loss_of(model: Any, x: torch.Tensor, hf: bool) -> torch.Tensor:
+    """Next-token loss on tokens `x` (batch, seq + 1) of the model or the engine wrapping it."""
+    if hf:  # Hugging Face shifts the labels itself
+        return model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+    return model(x[:, :-1], x[:, 1:])
+
+
+def vocab_of(model: Any) -> int:
+    return model.config.vocab_size if hasattr(model, "config") else model.cfg.vocab_size
+
+
+def shape_of(model: Any) -> tuple[int, int]:
+    """(layers, hidden) for the attention FLOPs."""
+    if hasattr(model, "config"):
+        return model.config.num_hidden_layers, model.config.hidden_size
+    return model.cfg.n_layer, model.cfg.d_model
+
+
 def llama(preset: str, seq: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -100,35 +139,54 @@ def llama(preset: str, seq: int) -> Any:
         num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=max(seq, 128),
         tie_word_embeddings=False, attn_implementation="sdpa",
     )
-    torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 
 
-def tokens(vocab: int, batch: int, seq: int, step: int, device: torch.device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+def tokens(vocab: int, batch: int, seq: int, step: int, rank: int, device: torch.device) -> torch.Tensor:
+    """Each rank's own batch of `seq + 1` random tokens for `step` (the same in every engine)."""
+    g = torch.Generator().manual_seed(1000 + 7919 * rank + step)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device)
 
 
-def join_world_of_one(device: torch.device) -> None:
-    import torch.distributed as dist
-
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return s.getsockname()[1]
+
+
+def join_world(device: torch.device) -> None:
+    """The process group of the run: the launcher's environment, or a world of one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" not in os.environ:
+        port = str(free_port())
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def proc_io_bytes() -> int:
+    """Bytes this process read and wrote on storage (/proc/self/io: O_DIRECT and page-cache writeback alike)."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return int(fields["read_bytes"]) + int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0
 
 
 def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model: Any) -> tuple[Any, Any]:
     """(step(x) -> loss, zeroinf-sharded module or None) for engine `a.engine` at `a.placement`."""
     low = dtype != torch.float32
+    hf = a.model == "llama"
     if a.engine == "plain":
         model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
 
         def plain_step(x: torch.Tensor) -> torch.Tensor:
             with torch.autocast(device.type, dtype=dtype, enabled=low):
-                loss = model(input_ids=x, labels=x).loss
+                loss = loss_of(model, x, hf)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -141,25 +199,28 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
         params, optimizer, gradients = ZEROINF_TIERS[a.placement]
         offload = zeroinf.OffloadConfig(params=params, optimizer=optimizer, gradients=gradients, nvme_dir=a.nvme_dir)
         cfg = zeroinf.Config(stage=3, param_dtype="bf16" if low else "fp32", offload=offload)
-        sharded = zeroinf.shard(model, cfg, zeroinf.Topology.single(device))
+        if a.ranks > 1:
+            join_world(device)
+        topo = zeroinf.Topology.current(device=device) if a.ranks > 1 else zeroinf.Topology.single(device)
+        sharded = zeroinf.shard(model, cfg, topo)
         zopt = zeroinf.AdamW(sharded, lr=1e-4, weight_decay=0.0)
 
         def zeroinf_step(x: torch.Tensor) -> torch.Tensor:
-            loss = sharded(input_ids=x, labels=x).loss
+            loss = loss_of(sharded, x, hf)
             zopt.backward(loss)
             zopt.step()
             zopt.zero_grad()
             return loss
 
         return zeroinf_step, sharded
-    join_world_of_one(device)
+    join_world(device)
     if a.engine == "fsdp2":
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         kw: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
         if a.placement == "host":
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        for layer in model.model.layers:
+        for layer in model.model.layers if hasattr(model, "config") else model.blocks:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
         if a.placement == "device":
@@ -167,7 +228,7 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
         fopt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
 
         def fsdp2_step(x: torch.Tensor) -> torch.Tensor:
-            loss = model(input_ids=x, labels=x).loss
+            loss = loss_of(model, x, hf)
             loss.backward()
             fopt.step()
             fopt.zero_grad(set_to_none=True)
@@ -177,13 +238,17 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
     import deepspeed
 
     zo: dict[str, Any] = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9}
+    pin = device.type == "cuda"
     if a.placement in ("opt-host", "host"):
-        zo["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zo["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if a.placement == "host":
-        zo["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zo["offload_param"] = {"device": "cpu", "pin_memory": pin}
     if a.placement == "nvme":
         for kind in ("offload_optimizer", "offload_param"):
-            zo[kind] = {"device": "nvme", "nvme_path": a.nvme_dir, "pin_memory": True}
+            zo[kind] = {"device": "nvme", "nvme_path": a.nvme_dir, "pin_memory": pin}
+        # NVMe parameters need no reuse across the prefetch window, and on small models its prefetch
+        # may swap a twice-used weight in twice (an error) unless the prefetch bucket is 0.
+        zo.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     ds = {
         "train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": low},
         "zero_optimization": zo, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
@@ -192,7 +257,7 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 
     def deepspeed_step(x: torch.Tensor) -> torch.Tensor:
-        loss = engine(input_ids=x, labels=x).loss
+        loss = loss_of(engine, x, hf)
         engine.backward(loss)
         engine.step()
         return loss
@@ -212,15 +277,20 @@ def moved_bytes(sharded: Any) -> dict[str, int]:
 
 def worker(a: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    model = llama(a.preset, a.seq)
+    model = build_model(a)
     n_params = sum(p.numel() for p in model.parameters())
-    vocab, layers, hidden = model.config.vocab_size, model.config.num_hidden_layers, model.config.hidden_size
+    vocab, (layers, hidden) = vocab_of(model), shape_of(model)
     step, sharded = setup(a, device, dtype, model)
-    times, losses, nvme_after_warmup = [], [], 0
+    times, losses, nvme_after_warmup, io_after_warmup = [], [], 0, proc_io_bytes()
     for i in range(a.warmup + a.steps):
-        x = tokens(vocab, a.batch, a.seq, i, device)
+        x = tokens(vocab, a.batch, a.seq, i, rank, device)
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -229,19 +299,23 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
-        elif sharded is not None:
-            nvme_after_warmup = moved_bytes(sharded)["nvme"]
+        else:
+            io_after_warmup = proc_io_bytes()
+            if sharded is not None:
+                nvme_after_warmup = moved_bytes(sharded)["nvme"]
         losses.append(round(loss, 5))
     s_per_step = statistics.median(times)
     flops_per_token = 6 * n_params + 12 * layers * hidden * a.seq
     moved = moved_bytes(sharded) if sharded is not None else None
     return {
+        "rank": rank,
         "s_per_step": s_per_step,
-        "tflops": flops_per_token * a.batch * a.seq / s_per_step / 1e12,
+        "tflops": flops_per_token * a.batch * a.seq * a.ranks / s_per_step / 1e12,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "host_device_bytes_per_step": moved["host_device"] if moved else None,
         "nvme_bytes_per_step": (moved["nvme"] - nvme_after_warmup) / a.steps if moved else None,
+        "proc_io_bytes_per_step": (proc_io_bytes() - io_after_warmup) / a.steps,
         "losses": losses,
         "n_params": n_params,
     }
@@ -249,28 +323,49 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
 
 # -- the side by side (the parent process) ------------------------------------------------------------------
 def launch(a: argparse.Namespace, engine: str, placement: str, dtype: str, nvme_dir: str) -> dict[str, Any]:
+    """One run: `a.ranks` worker processes; rank 0's figures with every rank's peak RSS."""
     argv = [
         sys.executable, os.path.abspath(__file__), "--worker", "--engine", engine, "--placement", placement,
-        "--dtype", dtype, "--preset", a.preset, "--seq", str(a.seq), "--batch", str(a.batch),
-        "--steps", str(a.steps), "--warmup", str(a.warmup), "--nvme-dir", nvme_dir,
+        "--dtype", dtype, "--model", a.model, "--preset", a.preset, "--seq", str(a.seq), "--batch", str(a.batch),
+        "--steps", str(a.steps), "--warmup", str(a.warmup), "--nvme-dir", nvme_dir, "--ranks", str(a.ranks),
+        "--threads", str(a.threads or 0),
     ]
     env = dict(os.environ)
+    if a.threads:
+        env["OMP_NUM_THREADS"] = str(a.threads)
     if engine == "deepspeed" and torch.cuda.is_available():  # its op builder fails on arch strings like "9.0a"
         major, minor = torch.cuda.get_device_capability(0)
         env.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+    elif engine == "deepspeed":
+        env["DS_ACCELERATOR"] = "cpu"
+    if a.ranks > 1:
+        env.update(WORLD_SIZE=str(a.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     shutil.rmtree(nvme_dir, ignore_errors=True)
     os.makedirs(nvme_dir)
+    procs = []
     try:
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.run_timeout_s)
+        for rank in range(a.ranks):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if a.ranks > 1 else env
+            procs.append(subprocess.Popen(
+                argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))
+        outputs = [p.communicate(timeout=a.run_timeout_s) for p in procs]
     except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
         return {"error": f"no result within {a.run_timeout_s} s"}
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit code {done.returncode}: " + " | ".join(tail)}
+    results = []
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        found = [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
+        if not found:
+            tail = (err or out).strip().splitlines()[-3:]
+            return {"error": f"exit code {p.returncode}: " + " | ".join(tail)}
+        results.append(found[0])
+    first = dict(results[0])
+    first["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in results]
+    return first
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -285,8 +380,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tflops": median_run["tflops"],
         "peak_gpu_bytes": max(peaks) if peaks else None,
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
+        "peak_rss_bytes_per_rank": [max(col) for col in zip(*(r["peak_rss_bytes_per_rank"] for r in ok), strict=True)],
         "host_device_bytes_per_step": median_run["host_device_bytes_per_step"],
         "nvme_bytes_per_step": median_run["nvme_bytes_per_step"],
+        "proc_io_bytes_per_step": median_run["proc_io_bytes_per_step"],
+        "n_params": median_run["n_params"],
         "losses": median_run["losses"],
         "repeats_s_per_step": [r["s_per_step"] for r in ok],
         "failed_repeats": [r["error"] for r in runs if "error" in r],
@@ -302,7 +400,7 @@ def side_by_side(a: argparse.Namespace) -> dict[str, Any]:
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for engine in engines:
         for placement in placements:
-            reason = skip_reason(engine, placement, cuda)
+            reason = skip_reason(engine, placement, a.model, a.ranks)
             if reason is not None:
                 results[(engine, placement)] = {"status": "skipped", "reason": reason}
             else:
@@ -319,17 +417,53 @@ def side_by_side(a: argparse.Namespace) -> dict[str, Any]:
     results.update({key: summarize(r) for key, r in runs.items()})
     return {
         "machine": {
-            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "cpus": os.cpu_count(),
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "cpu": cpu_name(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "backend": "nccl" if cuda else "gloo", "dtype": dtype,
+            "deepspeed": installed_version("deepspeed"),
         },
-        "args": {k: v for k, v in vars(a).items() if k not in ("worker", "engine", "placement")},
+        "args": {k: v for k, v in vars(a).items() if k not in ("worker", "engine", "placement", "nvme_dir")},
         "results": [{"engine": e, "placement": p, **results[(e, p)]} for p in placements for e in engines],
+        "ratios": ratios(results, placements),
     }
+
+
+def ratios(results: dict[tuple[str, str], dict[str, Any]], placements: list[str]) -> dict[str, dict[str, float]]:
+    """Per placement: zeroinf's s/step over each peer's (below 1: zeroinf is faster)."""
+    out: dict[str, dict[str, float]] = {}
+    for placement in placements:
+        ours = results.get(("zeroinf", placement), {})
+        if ours.get("status") != "ok":
+            continue
+        for peer in ENGINES:
+            theirs = results.get((peer, placement), {})
+            if peer != "zeroinf" and theirs.get("status") == "ok":
+                out.setdefault(placement, {})[f"zeroinf/{peer}"] = ours["s_per_step"] / theirs["s_per_step"]
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def installed_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--model", default="llama", choices=("llama", "gpt"))
+    p.add_argument("--preset", default="tiny", help=f"llama: {sorted(PRESETS)}; gpt: {sorted(GPT_PRESETS)}")
+    p.add_argument("--ranks", type=int, default=1, help="processes per run (data parallel)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="timed steps per run")
@@ -346,6 +480,9 @@ def main() -> None:
     p.add_argument("--placement", choices=PLACEMENTS, help=argparse.SUPPRESS)
     p.add_argument("--nvme-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
+    presets = GPT_PRESETS if a.model == "gpt" else PRESETS
+    if a.preset not in presets:
+        p.error(f"--preset {a.preset!r} is not a {a.model} preset; choose from {sorted(presets)}")
     if a.worker:
         print("RESULT " + json.dumps(worker(a)), flush=True)
         os._exit(0)  # a slow or failing teardown must not hide the figure

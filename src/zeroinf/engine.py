@@ -36,7 +36,6 @@ from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.init import InitFn, map_large_buffers, materialize_and_build, needs_materializing
-from zeroinf.partition.offload import open_grad_files, open_param_files
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
@@ -45,6 +44,7 @@ from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.runtime.streams import Transfers
 from zeroinf.telemetry import CollectiveCounter, get_logger
+from zeroinf.tiers.nvme_tier import NvmeTier, open_grad_files, open_param_files
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
 
@@ -82,11 +82,14 @@ class Engine:
         if "device" != offload.params or "device" != offload.optimizer or "device" != offload.gradients:
             map_large_buffers()
         self._resident_names = {spec.key for spec in self.all_specs if self._is_resident(spec)}
+        # Every NVMe engine and swap file of this rank (shards, optimizer states, checkpoints) comes from here.
+        self.nvme_tier = NvmeTier(cfg.offload, topo.rank, self.ledger)
+        weakref.finalize(self, self.nvme_tier.close)
         self.param_files: NvmeParamFiles | None = None
         self._home_factory = self._make_home_factory(self.all_specs) if self.policy.shard_params else None
         self.grad_files: NvmeGradFiles | None = None
         if cfg.offload.gradients == "nvme":
-            self.grad_files = open_grad_files(self.unit_plan, cfg, topo, self.ledger)
+            self.grad_files = open_grad_files(self.unit_plan, self.nvme_tier)
             weakref.finalize(self, self.grad_files.close)
         # Built under zeroinf.init (parked parameters) or on the meta device: unit by unit.
         self._built_from_meta = needs_materializing(module)
@@ -162,7 +165,7 @@ class Engine:
         plan, device, ledger, transfers = self.unit_plan, self.topo.device, self.ledger, self.transfers
         files = None
         if Tier(self.cfg.offload.params) is Tier.NVME or plan.nvme_param_units:
-            self.param_files = files = open_param_files(plan, self.cfg, self.topo, ledger)
+            self.param_files = files = open_param_files(plan, self.nvme_tier)
             if files is not None:  # None: every unit is resident, nothing goes to NVMe
                 files.max_pending_writes = 1  # while building (see NvmeParamFiles); lifted once built
                 weakref.finalize(self, files.close)  # removes the swap files on clean shutdown
@@ -415,6 +418,7 @@ class Engine:
             self.param_files.close()
         if self.grad_files is not None:
             self.grad_files.close()
+        self.nvme_tier.close()
 
     def _io_totals(self) -> dict[str, float]:
         """Cumulative NVMe traffic of this rank per kind ("<kind>_read_bytes", "<kind>_written_bytes"

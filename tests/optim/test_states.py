@@ -16,9 +16,8 @@ import zeroinf
 from zeroinf.config import ConfigError, OffloadConfig
 from zeroinf.memory import Tier
 from zeroinf.optim.pipeline import plan_sub_groups
-from zeroinf.optim.states import SwapFolderError
 from zeroinf.tiers.host import HostCapError
-from zeroinf.tiers.nvme import SwapLeftoverError
+from zeroinf.tiers.nvme import SwapFolderError, SwapLeftoverError
 from zeroinf.topology import Topology
 
 CPU = Topology.single(torch.device("cpu"))

@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from zeroinf.aio import AioEngine, BufferPool
+from zeroinf.aio import BufferPool
 from zeroinf.checkpoint.common import broadcast_error, gather, module_state_tensors, rng_state
 from zeroinf.checkpoint.format import (
     CHUNK_NUMEL,
@@ -227,9 +227,11 @@ class _SaveJob:
 
 @contextlib.contextmanager
 def _stream_writers(engine: Engine) -> Iterator[Callable[..., StreamWriter]]:
-    """Opens StreamWriters sharing one aio engine and staging pool, all closed (or aborted) on exit."""
+    """Opens StreamWriters sharing the checkpoint lane's aio engine and one staging pool, all closed
+    (or aborted) on exit."""
     writers: list[StreamWriter] = []
-    with AioEngine(engine.cfg.offload.aio, ledger=engine.ledger) as aio, BufferPool(
+    aio = engine.nvme_tier.engine("checkpoint")
+    with BufferPool(
         STAGING_COUNT, STAGING_BYTES, ledger=engine.ledger, tag="checkpoint_staging"
     ) as pool, ThreadPoolExecutor(1, thread_name_prefix="zeroinf-ckpt-hash") as hasher:
 

@@ -209,7 +209,7 @@ class AdamW(torch.optim.Optimizer):
         shadow = self.step_mode == "speculative"
         self.states = build_state_store(
             masters, offload, self.engine.ledger, self.engine.topo.rank, shadow=shadow,
-            split=self.engine.unit_plan.optimizer_split(),
+            split=self.engine.unit_plan.optimizer_split(), tier=self.engine.nvme_tier,
         )
         self._pipeline = SubGroupPipeline(self.states, offload.io_timeout_s)
         self._unit_sub_groups: list[list[int]] = [[] for _ in units]

@@ -29,8 +29,8 @@ return zeros, so only the master weights are written at start; the moments start
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-import shutil
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -39,15 +39,16 @@ from typing import Protocol
 
 import torch
 
-from zeroinf.aio import AioConfig, AioEngine, AioHandle, BufferPool, PoolBuffer
+from zeroinf.aio import AioConfig, AioHandle, BufferPool, PoolBuffer
 from zeroinf.aio.errors import AioError
 from zeroinf.config import OffloadConfig
-from zeroinf.memory import Ledger, Tier, format_bytes
+from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.pipeline import Pending, Staged, StateViews, SubGroup, plan_sub_groups
 from zeroinf.planner.unit_plan import OPTIMIZER_SWAP_KINDS, OptimizerSplit, plan_optimizer_staging, shadow_key
 from zeroinf.telemetry import get_logger, phase
 from zeroinf.tiers.host import check_host_cap, host_zeros, release_host
-from zeroinf.tiers.nvme import NvmeSwap, SwapFolderError, ensure_swap_folder, plan_swap_layout
+from zeroinf.tiers.nvme import NvmeSwap
+from zeroinf.tiers.nvme_tier import NvmeTier
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 SWAP_KINDS = OPTIMIZER_SWAP_KINDS  # swap file kinds and NVME ledger tags: optimizer_<state kind>
@@ -249,25 +250,6 @@ class ResidentStateStore:
         self.states = []
 
 
-def preflight_swap_folder(folder: str, needed_bytes: int, rank: int) -> None:
-    """Check before training that `folder` exists (or create it), is writable and has room for `needed_bytes`."""
-    what = f"the optimizer swap files of rank {rank} need {needed_bytes} bytes ({format_bytes(needed_bytes)})"
-    try:
-        ensure_swap_folder(folder)
-    except SwapFolderError as exc:
-        raise SwapFolderError(f"{exc}; {what}") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise SwapFolderError(
-            f"offload.nvme_dir {folder!r} is not writable: choose a writable folder; {what}"
-        )
-    free = shutil.disk_usage(folder).free
-    if free < needed_bytes:
-        raise SwapFolderError(
-            f"offload.nvme_dir {folder!r} has {free} bytes ({format_bytes(free)}) free but {what}: "
-            "free space, choose a bigger disk, or shard over more ranks"
-        )
-
-
 class NvmeStateStore:
     """States in per-rank swap files, staged through a fixed pool of host buffers (module docstring)."""
 
@@ -281,6 +263,7 @@ class NvmeStateStore:
         rank: int,
         aio: AioConfig | None = None,
         shadow: bool = False,
+        tier: NvmeTier | None = None,
     ) -> None:
         assert cfg.nvme_dir is not None  # OffloadConfig requires it for nvme
         source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
@@ -303,14 +286,6 @@ class NvmeStateStore:
         self._slot = [0] * len(self.sub_groups)
         self._shadow = shadow
         self._written_aside: set[int] | None = None
-        layout = plan_swap_layout(
-            plan.swap_bytes(shadow),
-            cfg.nvme_dir,
-            rank,
-            aio.alignment_bytes,
-        )
-        preflight_swap_folder(layout.folder, sum(layout.file_bytes.values()), rank)
-        self._paths = [layout.path(kind) for kind in SWAP_KINDS]
         self.failure: BaseException | None = None
         self._unit_groups: dict[int, list[SubGroup]] = {}
         for sg in self.sub_groups:
@@ -318,10 +293,15 @@ class NvmeStateStore:
         self._swap: NvmeSwap | None = None
         self._pool: BufferPool | None = None
         self._assembly: torch.Tensor | None = None
-        self.engine = AioEngine(aio, ledger=ledger)
+        # Its own tier (with its own engine) when built alone, as tests and benchmarks do.
+        tier = tier or NvmeTier(dataclasses.replace(cfg, aio=aio), rank, ledger)
+        self.engine = tier.engine("optimizer")
         self._finalizer = weakref.finalize(self, _close_nvme, self.__dict__)
         try:
-            self._swap = NvmeSwap(layout, self.engine, ledger=ledger)
+            self._swap = tier.open_swap(
+                "optimizer", plan.swap_bytes(shadow), aio.alignment_bytes, preflight="the optimizer swap files"
+            )
+            self._paths = [self._swap.layout.path(kind) for kind in SWAP_KINDS]
             self._pool = BufferPool(
                 plan.pool.count,
                 plan.pool.buffer_bytes,
@@ -672,14 +652,15 @@ class SplitStateStore:
 
 def build_state_store(
     masters: MasterSource, cfg: OffloadConfig, ledger: Ledger, rank: int, shadow: bool = False,
-    split: OptimizerSplit | None = None,
+    split: OptimizerSplit | None = None, tier: NvmeTier | None = None,
 ) -> ResidentStateStore | NvmeStateStore | SplitStateStore:
     """The store for `cfg.optimizer`, taking ownership of the initial fp32 masters (one per unit);
     `shadow`: NVMe states get a second slot per sub-group for the speculative step; `split`: the
-    units' states over host and NVMe (the unit plan's `optimizer_split()`)."""
+    units' states over host and NVMe (the unit plan's `optimizer_split()`); `tier`: the engine's
+    NVMe tier, whose optimizer lane the swap files use (a tier of its own when None)."""
     if split is not None:
         # Each part takes its units' masters one at a time, each dropped once stored.
-        nvme = NvmeStateStore(masters.subset(split.nvme_units), cfg, ledger, rank, shadow=shadow)
+        nvme = NvmeStateStore(masters.subset(split.nvme_units), cfg, ledger, rank, shadow=shadow, tier=tier)
         try:
             host = ResidentStateStore(masters.subset(split.host_units), Tier.HOST, ledger, None)
         except BaseException:
@@ -688,5 +669,5 @@ def build_state_store(
         get_logger().info("%s", split.describe())
         return SplitStateStore(host, nvme, split)
     if cfg.optimizer == "nvme":
-        return NvmeStateStore(masters, cfg, ledger, rank, shadow=shadow)
+        return NvmeStateStore(masters, cfg, ledger, rank, shadow=shadow, tier=tier)
     return ResidentStateStore(masters, Tier(cfg.optimizer), ledger, cfg.max_host_bytes)

@@ -32,7 +32,10 @@ from zeroinf.partition.shard_home import GRAD_KIND as GRAD_SWAP_KIND
 from zeroinf.partition.shard_home import PARAM_KIND as PARAM_SWAP_KIND
 
 SWAP_ALIGN_BYTES = 4096  # offsets of shards in the swap files, and staging buffer sizes
-PARAM_STAGING_EXTRA = 3  # staging buffers beyond read-ahead: the unit running now, one being gathered, one write
+# Staging buffers beyond read-ahead: a unit gathered on demand (its buffer returns once gathered, so the
+# unit running holds none) and the updated shard being written behind (a unit's step takes longer than
+# writing its shard, so a second write buffer would sit idle; `NvmeParamFiles.reserve` waits the oldest).
+PARAM_STAGING_EXTRA = 2
 OPTIMIZER_SWAP_KINDS = ("optimizer_master", "optimizer_exp_avg", "optimizer_exp_avg_sq")  # swap kinds = NVME tags
 FP32_BYTES = 4
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient collectives in flight in backward before the oldest is finished
@@ -337,13 +340,14 @@ class ModelPlan:
 
     def param_staging(self) -> StagingPlan:
         """Host buffers for NVMe parameter shards in flight: the units the prefetcher may read ahead
-        (bounded by `prefetch_bytes` and the smallest unit) and `PARAM_STAGING_EXTRA`."""
+        and `PARAM_STAGING_EXTRA`. The prefetch plan keeps the units ahead within `prefetch_bytes`
+        (runtime/prefetch.py), so at most floor(prefetch_bytes / smallest unit) of them are read at once."""
         sharded = self.nvme_param_units
         if not sharded:
             raise ValueError("offload.params = 'nvme' but every unit is resident; lower persist_threshold_bytes")
         smallest = min(u.unsharded_bytes for u in sharded)
         prefetch = self.cfg.prefetch_bytes
-        ahead = min(len(sharded), math.ceil(prefetch / smallest) if prefetch else 0)
+        ahead = min(len(sharded), prefetch // smallest)
         buffer_bytes = round_up(max(u.shard_bytes for u in sharded), SWAP_ALIGN_BYTES)
         return StagingPlan(ahead + PARAM_STAGING_EXTRA, buffer_bytes)
 

@@ -26,12 +26,19 @@ from dataclasses import dataclass
 import torch
 
 from zeroinf.aio.buffers import as_bytes, round_up
+from zeroinf.aio.config import AioConfig
 from zeroinf.aio.engine import AioEngine, AioHandle
 from zeroinf.aio.errors import AioError
 from zeroinf.memory import Ledger, Tier, format_bytes
 from zeroinf.telemetry import get_logger
 
 _KIND_PATTERN = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def open_engine(aio: AioConfig | None = None, ledger: Ledger | None = None) -> AioEngine:
+    """An I/O engine outside a training engine's tier (tiers/nvme_tier.py): the park while
+    `zeroinf.init` builds, reads of pretrained weights."""
+    return AioEngine(aio or AioConfig(), ledger=ledger)
 
 
 def swap_file_name(rank: int, kind: str) -> str:

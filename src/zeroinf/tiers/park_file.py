@@ -16,8 +16,8 @@ from collections import deque
 
 import torch
 
-from zeroinf.aio import AioConfig, AioEngine, AioHandle, aligned_empty
-from zeroinf.tiers.nvme import NvmeSwap, plan_swap_layout
+from zeroinf.aio import AioConfig, AioHandle, aligned_empty
+from zeroinf.tiers.nvme import NvmeSwap, open_engine, plan_swap_layout
 
 PARK_KIND = "park"
 CHUNK_BYTES = 16 * 2**20
@@ -27,7 +27,7 @@ STAGING_BUFFERS = 4  # writes in flight, each from its own chunk buffer: constru
 class NvmeParkStore:
     def __init__(self, folder: str, rank: int, timeout_s: float, aio: AioConfig | None = None) -> None:
         self.timeout_s = timeout_s
-        self.engine = AioEngine(aio or AioConfig())
+        self.engine = open_engine(aio)
         try:
             self.swap = NvmeSwap(plan_swap_layout({}, folder, rank), self.engine)
         except BaseException:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroinf.aio import AioConfig, AioEngine, AioHandle
+from zeroinf.aio import AioEngine, AioHandle
+from zeroinf.tiers.nvme import open_engine
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -150,7 +151,7 @@ class SafetensorsFolder:
     @property
     def engine(self) -> AioEngine:
         if self._engine is None:
-            self._engine = AioEngine(AioConfig())
+            self._engine = open_engine()
         return self._engine
 
     def start_read(self, stored: StoredTensor, start: int, out: torch.Tensor) -> AioHandle:
