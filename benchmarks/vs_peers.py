@@ -8,7 +8,8 @@ every placement it supports:
   device    everything on the accelerator
   opt-host  optimizer states and gradients on the host, parameters on the device (ZeRO-Offload)
   host      parameters, gradients and optimizer states on the host
-  nvme      parameters and optimizer states on NVMe (gradients too)
+  nvme      parameters and optimizer states on NVMe (gradients too); engine `zeroinf-cache` adds a
+            host cache of `--param-cache` bytes per rank for the parameter shards
 
 On CUDA the compute dtype is bf16 (fp32 master weights); on a machine without a GPU every engine
 runs on the CPU, with gloo where it needs a process group, in fp32 unless the CPU computes bf16
@@ -59,7 +60,7 @@ GPT_PRESETS = {  # d_model, layers, vocab (heads: d_model / 64, MLP 4x, untied h
     "98m": (768, 12, 8192),
     "1b": (2048, 20, 8192),
 }
-ENGINES = ("plain", "zeroinf", "fsdp2", "deepspeed")
+ENGINES = ("plain", "zeroinf", "zeroinf-cache", "fsdp2", "deepspeed")
 PLACEMENTS = ("device", "opt-host", "host", "nvme")
 ZEROINF_TIERS = {  # placement: (params, optimizer, gradients)
     "device": ("device", "device", "device"),
@@ -87,6 +88,8 @@ def skip_reason(engine: str, placement: str, model: str, ranks: int) -> str | No
         return "plain PyTorch keeps everything on the device"
     if engine == "plain" and ranks > 1:
         return "plain PyTorch runs one process"
+    if engine == "zeroinf-cache" and placement != "nvme":
+        return "the parameter cache keeps NVMe shards on the host (placement nvme only)"
     if engine == "fsdp2":
         if importlib.util.find_spec("torch.distributed.fsdp") is None:
             return "this PyTorch has no torch.distributed.fsdp"
@@ -193,11 +196,14 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
             return loss
 
         return plain_step, None
-    if a.engine == "zeroinf":
+    if a.engine in ("zeroinf", "zeroinf-cache"):
         import zeroinf
 
         params, optimizer, gradients = ZEROINF_TIERS[a.placement]
-        offload = zeroinf.OffloadConfig(params=params, optimizer=optimizer, gradients=gradients, nvme_dir=a.nvme_dir)
+        cache = a.param_cache if a.engine == "zeroinf-cache" else 0
+        offload = zeroinf.OffloadConfig(
+            params=params, optimizer=optimizer, gradients=gradients, nvme_dir=a.nvme_dir, param_cache_bytes=cache
+        )
         cfg = zeroinf.Config(stage=3, param_dtype="bf16" if low else "fp32", offload=offload)
         if a.ranks > 1:
             join_world(device)
@@ -328,7 +334,7 @@ def launch(a: argparse.Namespace, engine: str, placement: str, dtype: str, nvme_
         sys.executable, os.path.abspath(__file__), "--worker", "--engine", engine, "--placement", placement,
         "--dtype", dtype, "--model", a.model, "--preset", a.preset, "--seq", str(a.seq), "--batch", str(a.batch),
         "--steps", str(a.steps), "--warmup", str(a.warmup), "--nvme-dir", nvme_dir, "--ranks", str(a.ranks),
-        "--threads", str(a.threads or 0),
+        "--threads", str(a.threads or 0), "--param-cache", str(a.param_cache),
     ]
     env = dict(os.environ)
     if a.threads:
@@ -428,16 +434,17 @@ def side_by_side(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def ratios(results: dict[tuple[str, str], dict[str, Any]], placements: list[str]) -> dict[str, dict[str, float]]:
-    """Per placement: zeroinf's s/step over each peer's (below 1: zeroinf is faster)."""
+    """Per placement: zeroinf's s/step (and zeroinf-cache's) over each peer's (below 1: zeroinf is faster)."""
     out: dict[str, dict[str, float]] = {}
     for placement in placements:
-        ours = results.get(("zeroinf", placement), {})
-        if ours.get("status") != "ok":
-            continue
-        for peer in ENGINES:
-            theirs = results.get((peer, placement), {})
-            if peer != "zeroinf" and theirs.get("status") == "ok":
-                out.setdefault(placement, {})[f"zeroinf/{peer}"] = ours["s_per_step"] / theirs["s_per_step"]
+        for us in ("zeroinf", "zeroinf-cache"):
+            ours = results.get((us, placement), {})
+            if ours.get("status") != "ok":
+                continue
+            for peer in ("plain", "fsdp2", "deepspeed"):
+                theirs = results.get((peer, placement), {})
+                if theirs.get("status") == "ok":
+                    out.setdefault(placement, {})[f"{us}/{peer}"] = ours["s_per_step"] / theirs["s_per_step"]
     return out
 
 
@@ -464,6 +471,10 @@ def main() -> None:
     p.add_argument("--preset", default="tiny", help=f"llama: {sorted(PRESETS)}; gpt: {sorted(GPT_PRESETS)}")
     p.add_argument("--ranks", type=int, default=1, help="processes per run (data parallel)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    p.add_argument(
+        "--param-cache", default="2GiB",
+        help="engine zeroinf-cache: offload.param_cache_bytes per rank (host memory for NVMe parameter shards)",
+    )
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="timed steps per run")

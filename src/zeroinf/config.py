@@ -166,6 +166,11 @@ class OffloadConfig:
     an `nvme_dir`, what exceeds it goes to NVMe, split by unit and spread along the step order:
     parameter shards on `host` first, then optimizer states on `host` in what the shards and buffers
     leave; without a folder, optimizer states over the cap are an error."""
+    param_cache_bytes: int = 0
+    """Host bytes that keep parameter shards on `nvme` between uses, e.g. "4GiB" (0: none). A shard
+    read for forward stays for backward and the next step while it fits; when full, the shard whose
+    next use along the traced order is farthest away makes room. Updated shards are written to the
+    cache and the file together. Whole shards only: it holds `param_cache_bytes // shard` of them."""
     io_timeout_s: float = 600.0
     """Seconds one swap may take before the step fails with an error naming the file."""
     aio: AioConfig = field(default_factory=AioConfig)
@@ -202,17 +207,25 @@ class OffloadConfig:
         count = self.buffer_count
         if isinstance(count, bool) or not isinstance(count, int) or count < 2:
             raise ConfigError("offload.buffer_count", count, "use an integer >= 2 (3 overlaps reads, writes)")
-        if isinstance(self.max_host_bytes, str):
-            from zeroinf.memory import parse_bytes
+        for name in ("max_host_bytes", "param_cache_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                from zeroinf.memory import parse_bytes
 
-            try:
-                object.__setattr__(self, "max_host_bytes", parse_bytes(self.max_host_bytes))
-            except ValueError:
-                raise ConfigError(
-                    "offload.max_host_bytes", self.max_host_bytes, 'use a byte count or a size like "16GiB"'
-                ) from None
+                try:
+                    object.__setattr__(self, name, parse_bytes(value))
+                except ValueError:
+                    raise ConfigError(f"offload.{name}", value, 'use a byte count or a size like "16GiB"') from None
         if self.max_host_bytes is not None:
             _positive_int("offload.max_host_bytes", self.max_host_bytes)
+        cache = self.param_cache_bytes
+        if isinstance(cache, bool) or not isinstance(cache, int) or cache < 0:
+            raise ConfigError("offload.param_cache_bytes", cache, 'use a byte count >= 0 or a size like "4GiB"')
+        if cache and self.params not in ("nvme", AUTO):
+            raise ConfigError(
+                "offload.param_cache_bytes", cache,
+                f"it caches parameter shards on nvme, but offload.params is {self.params!r}: set params = 'nvme' or 0",
+            )
         _number("offload.io_timeout_s", self.io_timeout_s, "use a positive number of seconds")
         if not self.io_timeout_s > 0:
             raise ConfigError("offload.io_timeout_s", self.io_timeout_s, "use a positive number of seconds")

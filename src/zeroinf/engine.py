@@ -212,6 +212,10 @@ class Engine:
             max_live_bytes=self.cfg.max_live_bytes if self.cfg.max_live_bytes is not None else 2**62,
         )
         self.scheduler = UnshardScheduler(self.all_units, budget)
+        cache = self.param_files.cache if self.param_files is not None else None
+        if cache is not None:  # the parameter cache evicts along the traced order of units
+            names = [u.name for u in self.all_units]
+            self.scheduler.on_traced = lambda order: cache.policy.set_order([names[i] for i in order])
         self._external: dict[int, list[int]] = {}  # id(module) -> units fetched for it on demand
         handles = hooks.register_forward_hooks(self.module, self._root_pre_forward, self._root_post_forward)
         handles.append(
@@ -468,7 +472,8 @@ class Engine:
         kind, seconds blocked on I/O and seconds I/O was in flight (overlap: the share of I/O time
         hidden behind other work); `last_step`: the same over the last optimizer step's window
         (end of one step to the end of the next), with bytes per parameter this rank holds and the
-        disk-busy share (seconds any request of the process was in flight / the step's seconds)."""
+        disk-busy share (seconds any request of the process was in flight / the step's seconds);
+        `param_cache`: the NVMe parameter cache's slots, hits and misses (None without one)."""
         totals = self._io_totals()
         traffic = _traffic(totals)
         wait, busy = totals["io_wait_s"], totals["io_busy_s"]
@@ -479,7 +484,15 @@ class Engine:
             "by_kind": traffic["by_kind"],
             "disk_busy_s": totals["disk_busy_s"],
             "last_step": self.io_last_step,
+            "param_cache": self._param_cache_report(),
         }
+
+    def _param_cache_report(self) -> dict[str, int] | None:
+        """Slots and cumulative hits / misses (loads served from host / read from NVMe) of the parameter cache."""
+        cache = self.param_files.cache if self.param_files is not None else None
+        if cache is None:
+            return None
+        return {"slots": cache.slots, "held": cache.held, "hits": cache.hits, "misses": cache.misses}
 
     def memory_report(self) -> dict[str, Any]:
         report: dict[str, Any] = self.ledger.snapshot()

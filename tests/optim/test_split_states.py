@@ -232,11 +232,13 @@ class Stack(torch.nn.Module):
 
 
 def _stack_config(kind: str, folder: str, world: int, optimizer: str = "device") -> zeroinf.Config:
-    """Parameters on the host, on NVMe, or split with room for about half the host shards."""
+    """Parameters on the host, on NVMe (`cached`: with a host cache holding every shard), or split with
+    room for about half the host shards."""
     base = dict(stage=3, persist_threshold_bytes=0, prefetch_bytes=0)
     common = dict(nvme_dir=folder, optimizer=optimizer, **SMALL_IO)
-    if kind == "nvme":
-        return zeroinf.Config(**base, offload=OffloadConfig(params="nvme", **common))  # type: ignore[arg-type]
+    if kind in ("nvme", "cached"):
+        cache = "1GiB" if kind == "cached" else 0
+        return zeroinf.Config(**base, offload=OffloadConfig(params="nvme", param_cache_bytes=cache, **common))  # type: ignore[arg-type]
     budget = None
     if kind == "split":
         shapes = [UnitShape.of(spec) for spec in discover_units(Stack(), ())]
@@ -250,7 +252,7 @@ def _train_stack(rank: int, world: int, root: str, optimizer: str) -> dict:
 
     out: dict[str, object] = {}
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))[rank::world]
-    for kind in ("host", "split", "nvme"):
+    for kind in ("host", "split", "nvme", "cached"):
         cfg = _stack_config(kind, f"{root}/{kind}", world, optimizer)
         with zeroinf.init(cfg):
             model = Stack()
@@ -273,7 +275,7 @@ def _train_stack(rank: int, world: int, root: str, optimizer: str) -> dict:
                      "optimizer_host_units": len(split.host_units) if split is not None else None}
         opt.close()
         engine.close()
-    for saved, loaded in (("split", "host"), ("split", "nvme"), ("nvme", "split")):
+    for saved, loaded in (("split", "host"), ("split", "nvme"), ("nvme", "split"), ("split", "cached")):
         cfg = _stack_config(loaded, f"{root}/{saved}-{loaded}", world, optimizer)
         model = zeroinf.shard(Stack(), cfg)
         opt = zeroinf.AdamW(model, lr=1e-2)
@@ -295,13 +297,14 @@ def _check_param_split(got: dict, optimizer: str) -> None:
     tiers = got["split"]["tiers"]
     assert "host" in tiers and "nvme" in tiers, tiers
     assert tiers[::2] != tiers[1::2]  # spread along the order, not packed at one end
-    assert set(got["host"]["tiers"]) == {"host"} and set(got["nvme"]["tiers"]) == {"nvme"}
+    assert set(got["host"]["tiers"]) == {"host"}
+    assert set(got["nvme"]["tiers"]) == set(got["cached"]["tiers"]) == {"nvme"}
     assert 0 < got["split"]["host_shard_bytes"] < got["host"]["host_shard_bytes"]
-    for other in ("host", "nvme"):
+    for other in ("host", "nvme", "cached"):
         assert got["split"]["losses"] == got[other]["losses"], other
         for key, value in got[other]["weights"].items():
             assert torch.equal(got["split"]["weights"][key], value), (other, key)
-    for key in ("split->host", "split->nvme", "nvme->split"):
+    for key in ("split->host", "split->nvme", "nvme->split", "split->cached"):
         assert got[key] == got["host"]["losses"][2:], key
     # Parameter shards come first in the host budget: the optimizer states (on "host") get what they
     # leave, here nothing, so they all went to NVMe rather than over the cap.

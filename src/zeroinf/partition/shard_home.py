@@ -28,6 +28,7 @@ from zeroinf.runtime.streams import DeviceCopy, Landing, Transfers
 from zeroinf.telemetry import phase
 from zeroinf.tiers.host import host_zeros
 from zeroinf.tiers.nvme import NvmeSwap
+from zeroinf.tiers.shard_cache import ShardCache
 
 PARAM_KIND = "param_shard"
 
@@ -99,8 +100,13 @@ class MemoryHome:
 class NvmeParamFiles:
     """What every unit's NVMe home shares: the swap file, the aio engine, the staging pool, telemetry."""
 
-    def __init__(self, swap: NvmeSwap, engine: AioEngine, pool: BufferPool, timeout_s: float) -> None:
+    def __init__(
+        self, swap: NvmeSwap, engine: AioEngine, pool: BufferPool, timeout_s: float, cache: ShardCache | None = None,
+    ) -> None:
         self.swap, self.engine, self.pool, self.timeout_s = swap, engine, pool, timeout_s
+        self.cache = cache  # host slots keeping shards between uses (offload.param_cache_bytes)
+        if cache is not None:
+            cache.timeout_s, cache.waiter = timeout_s, self.wait
         self.pending_writes: deque[tuple[AioHandle, PoolBuffer]] = deque()
         # While the model is built, each unit is written once, unit after unit: one write in flight
         # overlaps reading the next unit, and the build touches two staging buffers, not the whole
@@ -143,6 +149,8 @@ class NvmeParamFiles:
         try:
             self.drain()
         finally:
+            if self.cache is not None:
+                self.cache.close()
             self.swap.close()
             self.engine.close()
             if self.pool.free_count == self.pool.count:  # a unit still holding its shard keeps the pool
@@ -165,6 +173,8 @@ class NvmeHome:
         self._loaded: PoolBuffer | None = None
         self._copy: DeviceCopy | None = None
         self._write: AioHandle | None = None
+        self._from_cache = False  # the loaded buffer is a cache slot, not a staging buffer
+        self._write_from_slot = False
         self.store(initial)
 
     def _view(self, buf: PoolBuffer) -> torch.Tensor:
@@ -174,10 +184,22 @@ class NvmeHome:
     def start_load(self) -> None:
         if self._loading is not None or self._loaded is not None:
             return
+        cache = self.files.cache
+        if cache is not None:
+            slot = cache.get(self.unit_name)
+            if slot is not None:  # a hit: the slot holds the current values (writes update it too)
+                self._loaded, self._from_cache = slot, True
+                return
+            slot = cache.admit(self.unit_name)
+            if slot is not None:  # read straight into the slot it will stay in
+                self._finish_own_write()
+                handle = self.files.swap.swap_in(self.unit_name, PARAM_KIND, self._view(slot))
+                self._loading, self._from_cache = (handle, slot), True
+                return
         self._finish_own_write()
         buf = self.files.reserve()
         handle = self.files.swap.swap_in(self.unit_name, PARAM_KIND, self._view(buf))
-        self._loading = (handle, buf)
+        self._loading, self._from_cache = (handle, buf), False
 
     def finish_load(self) -> torch.Tensor:
         self.start_load()
@@ -192,29 +214,51 @@ class NvmeHome:
 
     def end_load(self) -> None:
         if self._loaded is not None:
-            if self._copy is not None:  # the staging buffer goes back to the pool: the DMA must be done
+            if self._copy is not None:  # the host buffer is reused or evicted later: the DMA must be done
                 self._copy.release()
                 self._copy.wait_source_free()
                 self._copy = None
-            self.files.pool.release(self._loaded)
+            if self._from_cache:
+                assert self.files.cache is not None
+                self.files.cache.done(self.unit_name)
+            else:
+                self.files.pool.release(self._loaded)
             self._loaded = None
 
     @phase("zeroinf::swap_out")
     def store(self, values: torch.Tensor) -> None:
         self._finish_own_write()
+        cache = self.files.cache
+        slot = cache.slot(self.unit_name) if cache is not None else None
+        if slot is not None:  # to the cache and the file together
+            assert cache is not None
+            if self._loading is not None:  # a read into the slot is under way: it lands first
+                self.files.wait(self._loading[0])
+                self._loading, self._loaded = None, slot
+            self._fill(slot, values)
+            self._write = self.files.swap.swap_out(self.unit_name, PARAM_KIND, self._view(slot))
+            self._write_from_slot = True
+            cache.writing(self.unit_name, self._write)
+            return
         buf = self.files.reserve()
+        self._fill(buf, values)
+        handle = self.files.swap.swap_out(self.unit_name, PARAM_KIND, self._view(buf))
+        self.files.pending_writes.append((handle, buf))
+        self._write, self._write_from_slot = handle, False
+
+    def _fill(self, buf: PoolBuffer, values: torch.Tensor) -> None:
         if values.device.type == "cpu":
             self._view(buf).copy_(values)
         else:  # a device optimizer: the write needs the values on the host now
             self.transfers.retire(self.transfers.to_host(values.to(self.dtype), self._view(buf)))
-        handle = self.files.swap.swap_out(self.unit_name, PARAM_KIND, self._view(buf))
-        self.files.pending_writes.append((handle, buf))
-        self._write = handle
 
     def _finish_own_write(self) -> None:
         """A read of the shard must see the last write: retire writes up to and including ours."""
         if self._write is None:
             return
+        if self._write_from_slot:
+            assert self.files.cache is not None
+            self.files.cache.wait_write(self.unit_name)
         while self.files.pending_writes and not self._write_retired():
             self.files.retire_oldest_write()
         self._write = None

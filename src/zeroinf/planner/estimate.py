@@ -58,6 +58,7 @@ from zeroinf.planner.unit_plan import (
 )
 from zeroinf.runtime.prefetch import plan_prefetch
 from zeroinf.runtime.streams import STAGING_TAG
+from zeroinf.tiers.shard_cache import simulate_reads
 
 RAM_HEADROOM = 0.9  # plan to use at most this share of the available RAM
 DEVICE_HEADROOM = 0.9
@@ -415,6 +416,8 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("nvme", "param_shard", _swap_file_bytes(plan.param_swap_bytes()))
             add("host", "param_staging", plan.param_staging().total_bytes)
             add("host", "aio_buffers", engine_bytes)
+            if plan.param_cache_slots():
+                add("host", "param_cache", plan.param_cache_slots() * plan.param_staging().buffer_bytes)
         for u in plan.sharded_units:  # in memory (a split's host part included)
             if u.param_tier is not Tier.NVME:
                 add(u.param_tier.value, "param_shard", u.shard_bytes)
@@ -474,6 +477,16 @@ def pass_seconds(facts: PassFacts | None, dtype: str, profile: MachineProfile, u
     return seconds + other / profile.memory_bps
 
 
+def _param_read_share(plan: ModelPlan) -> float:
+    """The share of NVMe parameter shard loads (forward and backward) that read the disk in a steady
+    step: 1 without a cache; with `param_cache_bytes`, what tiers/shard_cache.py's policy misses."""
+    slots, names = plan.param_cache_slots(), [u.key for u in plan.nvme_param_units]
+    if not slots:
+        return 1.0
+    order = names + names[::-1]
+    return simulate_reads(order, slots, steps=2)[-1] / len(order)
+
+
 def step_time(
     plan: ModelPlan, facts: PassFacts | None, work: Workload, profile: MachineProfile, param_count: int
 ) -> StepTime:
@@ -512,7 +525,7 @@ def step_time(
     owned = plan.owned_numel
     fb_read = fb_write = opt_read = opt_write = 0
     if cfg.stage == 3 and shard_b:
-        fb_read += 2 * accum * shard_b
+        fb_read += 2 * accum * shard_b * _param_read_share(plan)
         opt_write += shard_b
     mode = step_in_backward_mode(cfg)
     if cfg.stage >= 2 and o.gradients == "nvme":

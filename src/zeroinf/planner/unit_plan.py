@@ -351,6 +351,19 @@ class ModelPlan:
         buffer_bytes = round_up(max(u.shard_bytes for u in sharded), SWAP_ALIGN_BYTES)
         return StagingPlan(ahead + PARAM_STAGING_EXTRA, buffer_bytes)
 
+    def param_cache_slots(self) -> int:
+        """Whole shards `offload.param_cache_bytes` holds (tiers/shard_cache.py), at most one per NVMe unit."""
+        budget, units = self.cfg.offload.param_cache_bytes, self.nvme_param_units
+        if not budget or not units:
+            return 0
+        slot = self.param_staging().buffer_bytes
+        if budget < slot:
+            raise ValueError(
+                f"offload.param_cache_bytes = {budget} holds no parameter shard of {slot} bytes: "
+                f"raise it to at least {slot} or set it to 0"
+            )
+        return min(len(units), budget // slot)
+
     # -- gradients on NVMe --------------------------------------------------------------------------------
     def grad_swap_bytes(self) -> dict[tuple[str, str], int]:
         """Slots of the gradient swap file: every trainable unit's fp32 gradient shard."""
@@ -375,6 +388,7 @@ class ModelPlan:
         nbytes = sum(u.shard_bytes for u in self.sharded_units if u.param_tier is Tier.HOST)
         if self.nvme_param_units:
             nbytes += self.param_staging().total_bytes + engine_bytes
+            nbytes += self.param_cache_slots() * self.param_staging().buffer_bytes
         if cfg.stage >= 2 and o.gradients == "host":
             nbytes += sum(u.grad_shard_bytes for u in self.trainable_units)
         if cfg.stage >= 2 and o.gradients == "nvme":

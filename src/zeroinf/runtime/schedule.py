@@ -16,6 +16,7 @@ the next units as training does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from zeroinf.partition.unit import ParamState, ShardedUnit
@@ -46,6 +47,9 @@ class UnshardScheduler:
         self._forward_step_of: dict[int, int | None] = {}
         self._training_pass = False
         self._to_gather: list[int] = []  # read from NVMe at the previous event, gathered at the next
+        # Told the traced order of a training step (forward, then backward) once both passes are traced:
+        # the NVMe parameter cache evicts along it (tiers/shard_cache.py).
+        self.on_traced: Callable[[list[int]], None] | None = None
 
     # -- plans ----------------------------------------------------------------------------------------
     def _plan_args(self) -> dict[str, object]:
@@ -65,6 +69,8 @@ class UnshardScheduler:
         args = self._plan_args()
         self.forward_plan = plan_prefetch(self.forward_trace.order, release_lag=0, **args)  # type: ignore[arg-type]
         self.backward_plan = plan_prefetch(self.backward_trace.order, release_lag=1, **args)  # type: ignore[arg-type]
+        if self.on_traced is not None:
+            self.on_traced(list(self.forward_trace.order) + list(self.backward_trace.order))
 
     def _prefetch(self, plan: PrefetchPlan | None, position: int | None) -> None:
         """Start the plan's prefetches. A shard on NVMe is read now and gathered at the next event:

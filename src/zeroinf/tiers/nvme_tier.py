@@ -30,6 +30,7 @@ from zeroinf.planner.unit_plan import SWAP_ALIGN_BYTES, ModelPlan
 from zeroinf.telemetry import get_logger
 from zeroinf.tiers.host import check_host_cap
 from zeroinf.tiers.nvme import NvmeSwap, SwapFolderError, ensure_swap_folder, plan_swap_layout
+from zeroinf.tiers.shard_cache import ShardCache
 
 LANES = ("params", "grads", "optimizer", "checkpoint")
 
@@ -120,11 +121,19 @@ def open_param_files(plan: ModelPlan, tier: NvmeTier) -> NvmeParamFiles | None:
         staging.total_bytes, tier.offload.max_host_bytes, f"parameter staging ({staging.count} buffers)",
         "raise offload.max_host_bytes or lower prefetch_bytes",
     )
+    slots = plan.param_cache_slots()
+    if slots:
+        check_host_cap(
+            staging.total_bytes + slots * staging.buffer_bytes, tier.offload.max_host_bytes,
+            f"parameter staging and cache ({staging.count} + {slots} buffers)",
+            "raise offload.max_host_bytes or lower offload.param_cache_bytes",
+        )
     swap = tier.open_swap("params", plan.param_swap_bytes())
     pool = BufferPool(
         staging.count, staging.buffer_bytes, alignment_bytes=SWAP_ALIGN_BYTES, ledger=tier.ledger, tag="param_staging"
     )
-    return NvmeParamFiles(swap, swap.engine, pool, tier.timeout_s)
+    cache = ShardCache(slots, staging.buffer_bytes, SWAP_ALIGN_BYTES, tier.ledger) if slots else None
+    return NvmeParamFiles(swap, swap.engine, pool, tier.timeout_s, cache)
 
 
 def open_grad_files(plan: ModelPlan, tier: NvmeTier) -> NvmeGradFiles:
