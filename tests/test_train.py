@@ -115,6 +115,13 @@ def test_cli_max_host_bytes_sets_the_cap_for_the_split(tmp_path: Path) -> None:
     assert (cfg.offload.optimizer, cfg.offload.max_host_bytes, cfg.offload.nvme_dir) == ("host", 2**31, str(tmp_path))
 
 
+def test_cli_param_cache_sets_the_nvme_parameter_cache(tmp_path: Path) -> None:
+    ns = cli.build_parser().parse_args(["train", "--stage", "3", "--offload-params", "nvme",
+                                        "--nvme-dir", str(tmp_path), "--param-cache", "1GiB"])
+    cfg = cli.engine_config(ns)
+    assert (cfg.offload.params, cfg.offload.param_cache_bytes) == ("nvme", 2**30)
+
+
 def test_nproc_relaunches_through_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[list[str]] = []
 

@@ -113,6 +113,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help='cap on host memory for offload, e.g. 16GiB; with --nvme-dir, host parameter shards and optimizer '
         "states beyond it go to NVMe (split by unit)",
     )
+    engine.add_argument(
+        "--param-cache", metavar="SIZE",
+        help="host memory that keeps parameter shards on NVMe between uses, e.g. 4GiB (offload.param_cache_bytes)",
+    )
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,11 +195,13 @@ def engine_config(ns: argparse.Namespace, default: Config = DEFAULT_CONFIG) -> C
         if ns.stage is None:
             cfg = dataclasses.replace(cfg, stage=AUTO)
     tiers = {k: v for k, v in tiers.items() if v is not None}
-    cap = getattr(ns, "max_host_bytes", None)
-    if tiers or ns.nvme_dir or cap:
+    cap, cache = getattr(ns, "max_host_bytes", None), getattr(ns, "param_cache", None)
+    if tiers or ns.nvme_dir or cap or cache:
         merged = {**dataclasses.asdict(cfg.offload), **tiers}
         if cap:
             merged["max_host_bytes"] = cap
+        if cache:
+            merged["param_cache_bytes"] = cache
         if ns.nvme_dir:
             merged["nvme_dir"] = ns.nvme_dir
         elif {"nvme", AUTO} & {merged["params"], merged["optimizer"], merged["gradients"]} and not merged["nvme_dir"]:

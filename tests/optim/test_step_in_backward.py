@@ -30,6 +30,8 @@ VARIANTS = {
 SETUPS = {  # stage, offload
     "s3-onvme-gnvme": (3, {"params": "nvme", "optimizer": "nvme", "gradients": "nvme"}),
     "s3-ohost-ghost": (3, {"params": "host", "optimizer": "host", "gradients": "host"}),
+    # fp32 shards written straight from the host masters (partition/shard_home.py), undone and redone
+    "s3-pnvme-ohost": (3, {"params": "nvme", "optimizer": "host", "gradients": "host"}),
     "s3-onvme-gdevice": (3, {"optimizer": "nvme"}),
     "s2-ohost-gnvme": (2, {"optimizer": "host", "gradients": "nvme"}),
 }

@@ -146,3 +146,25 @@ def test_max_host_bytes_shows_the_host_nvme_split(capsys: pytest.CaptureFixture[
     assert best["peak_bytes_by_tag"]["host"]["optimizer_state"] == 12 * split["host_numel"]
     code, out, _ = _main(argv, capsys)
     assert code == 0 and "split" in out and "optimizer states split" in out
+
+
+def test_param_cache_is_planned_as_host_bytes_and_saves_reads(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    """A cache holding every parameter shard: its bytes on the host, and no shard read from NVMe in a steady step."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 1024,
+                                                    "num_hidden_layers": 8}))
+    argv = ["plan", "--hf", str(folder), "--seq-len", "64", "--stage", "3", "--offload-params", "nvme",
+            "--offload-optimizer", "host", "--offload-gradients", "device", "--checkpointing", "off", "--dtype", "fp32",
+            "--nvme-dir", str(tmp_path / "swap"), "--json"]
+    results = {}
+    for cache in (None, "1GiB"):
+        code, out, _ = _main([*argv, *(["--param-cache", cache] if cache else [])], capsys)
+        assert code == 0
+        results[cache] = json.loads(out)["candidates"][0]
+    plain, cached = results[None], results["1GiB"]
+    assert "param_cache" not in plain["peak_bytes_by_tag"]["host"]
+    assert cached["peak_bytes_by_tag"]["host"]["param_cache"] > 0
+    # Without a cache, each shard is read for forward and again for backward; with it, never (steady step).
+    assert cached["time"]["nvme_read_bytes"] == 0 < plain["time"]["nvme_read_bytes"]

@@ -387,8 +387,8 @@ class AdamW(torch.optim.Optimizer):
             self._adamw(sg, staged.views, grad_of(sg), hyper)
             done(sg)
             master = store.collect_master(staged)
-            if master is not None:
-                handles.append(units[sg.unit_index].start_update_params(master))
+            if master is not None:  # a resident master (no staging buffer) stays as it is until wait_uploads
+                handles.append(units[sg.unit_index].start_update_params(master, stable=staged.buffer is None))
                 if staged.buffer is not None:  # a staging buffer, reused soon: uploads must have read it
                     transfers.wait_uploads()
 
@@ -505,6 +505,7 @@ class AdamW(torch.optim.Optimizer):
         session.stream.finish()
         for handle in session.handles:
             handle.wait()
+        self.engine.transfers.wait_uploads()  # writes of the stepped shards still read the masters
         self.states.rollback()
         self.rollbacks += 1
         if restore_params:

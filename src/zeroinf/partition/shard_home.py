@@ -10,6 +10,17 @@ On an accelerator the host and NVMe homes copy the shard to the device on the ow
 before the all-gather (runtime/streams.py), and wait for that copy before the host buffer is reused;
 a device home receives updated values from a CPU optimizer the same way (`Transfers.upload`). On a
 CPU device the host buffer is the all-gather input itself (host and device are the same memory).
+
+[Note: writes from the master]
+An updated fp32 shard equals the optimizer's fp32 master bit for bit, and a host optimizer keeps its
+masters in place (ResidentStateStore). So `store(values, stable=True)` writes the file straight from
+the master: no staging buffer, no copy. The master must not change while that write reads it; every
+place that changes masters (the next step, the undo of a speculative step, loading a checkpoint or
+weights, `zeroinf.gathered` writes) first calls `Transfers.wait_uploads()`, which the write joins
+through `Transfers.reads_source`, as a CUDA upload from the same master does. The next load of the
+shard waits for the write too, as for any write. The staging pool then needs no write buffer
+(planner/unit_plan.py `param_writes_from_master`): one 4-byte-per-parameter buffer less of a
+unit's size, and one copy of every shard less per step.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ class ShardHome(Protocol):
     def start_load(self) -> None: ...
     def finish_load(self) -> torch.Tensor: ...
     def end_load(self) -> None: ...
-    def store(self, values: torch.Tensor) -> None: ...
+    def store(self, values: torch.Tensor, stable: bool = False) -> None: ...
 
 
 class MemoryHome:
@@ -80,7 +91,7 @@ class MemoryHome:
         if self._copy is not None:
             self._copy.release()
 
-    def store(self, values: torch.Tensor) -> None:
+    def store(self, values: torch.Tensor, stable: bool = False) -> None:
         if self.tier is not Tier.HOST:  # a device shard: from a CPU optimizer, asynchronously
             self.transfers.upload(values, self.shard)
             return
@@ -175,6 +186,7 @@ class NvmeHome:
         self._write: AioHandle | None = None
         self._from_cache = False  # the loaded buffer is a cache slot, not a staging buffer
         self._write_from_slot = False
+        self._write_direct = False  # the last write reads the optimizer's master itself
         self.store(initial)
 
     def _view(self, buf: PoolBuffer) -> torch.Tensor:
@@ -226,7 +238,10 @@ class NvmeHome:
             self._loaded = None
 
     @phase("zeroinf::swap_out")
-    def store(self, values: torch.Tensor) -> None:
+    def store(self, values: torch.Tensor, stable: bool = False) -> None:
+        """Write the shard's new values. `stable`: `values` is an optimizer's host master, unchanged
+        until `Transfers.wait_uploads()` (every site that changes masters waits there first), so an
+        fp32 shard is written straight from it, without a staging copy ([Note: writes from the master])."""
         self._finish_own_write()
         cache = self.files.cache
         slot = cache.slot(self.unit_name) if cache is not None else None
@@ -237,14 +252,19 @@ class NvmeHome:
                 self._loading, self._loaded = None, slot
             self._fill(slot, values)
             self._write = self.files.swap.swap_out(self.unit_name, PARAM_KIND, self._view(slot))
-            self._write_from_slot = True
+            self._write_from_slot, self._write_direct = True, False
             cache.writing(self.unit_name, self._write)
+            return
+        if stable and values.device.type == "cpu" and values.dtype == self.dtype and values.is_contiguous():
+            handle = self.files.swap.swap_out(self.unit_name, PARAM_KIND, values)
+            self.transfers.reads_source(lambda: handle.wait(self.files.timeout_s))
+            self._write, self._write_from_slot, self._write_direct = handle, False, True
             return
         buf = self.files.reserve()
         self._fill(buf, values)
         handle = self.files.swap.swap_out(self.unit_name, PARAM_KIND, self._view(buf))
         self.files.pending_writes.append((handle, buf))
-        self._write, self._write_from_slot = handle, False
+        self._write, self._write_from_slot, self._write_direct = handle, False, False
 
     def _fill(self, buf: PoolBuffer, values: torch.Tensor) -> None:
         if values.device.type == "cpu":
@@ -259,6 +279,8 @@ class NvmeHome:
         if self._write_from_slot:
             assert self.files.cache is not None
             self.files.cache.wait_write(self.unit_name)
+        if self._write_direct:
+            self.files.wait(self._write)
         while self.files.pending_writes and not self._write_retired():
             self.files.retire_oldest_write()
         self._write = None

@@ -627,10 +627,11 @@ class ShardedUnit:
             self.initial_master, self._master_source = None, None
             self._master_source = lambda: source.read(self.layout, *owned, torch.float32).to(self.topo.device)
 
-    def start_update_params(self, master_owned: torch.Tensor) -> Handle:
-        """Write the new master weights (owned range) into the compute params; all-gather where needed."""
+    def start_update_params(self, master_owned: torch.Tensor, stable: bool = False) -> Handle:
+        """Write the new master weights (owned range) into the compute params; all-gather where needed.
+        `stable`: `master_owned` is the optimizer's own host master (see `ShardHome.store`)."""
         if self.home is not None:
-            self.home.store(master_owned)
+            self.home.store(master_owned, stable)
             if self.state is not ParamState.UNSHARDED:
                 return DoneHandle()  # the next unshard gathers the new values
             source = self.home.finish_load()  # a resident unit: refresh its unsharded copy now

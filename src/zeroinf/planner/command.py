@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cap on host memory for offload, e.g. 16GiB: host parameter shards and optimizer states beyond it are "
         "planned on NVMe (the split is shown)",
     )
+    engine.add_argument(
+        "--param-cache", metavar="SIZE",
+        help="host memory that keeps parameter shards on NVMe between uses, e.g. 4GiB (offload.param_cache_bytes)",
+    )
     machine = parser.add_argument_group("machine and output")
     machine.add_argument(
         "--measure", action="store_true",
@@ -86,6 +90,8 @@ def plan_config(ns: argparse.Namespace) -> Config:
         offload["nvme_dir"] = ns.nvme_dir
     if ns.max_host_bytes:
         offload["max_host_bytes"] = ns.max_host_bytes
+    if ns.param_cache:
+        offload["param_cache_bytes"] = ns.param_cache
     return dataclasses.replace(base, **changes, offload=OffloadConfig(**offload))  # type: ignore[arg-type]
 
 

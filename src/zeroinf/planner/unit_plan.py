@@ -35,6 +35,8 @@ SWAP_ALIGN_BYTES = 4096  # offsets of shards in the swap files, and staging buff
 # Staging buffers beyond read-ahead: a unit gathered on demand (its buffer returns once gathered, so the
 # unit running holds none) and the updated shard being written behind (a unit's step takes longer than
 # writing its shard, so a second write buffer would sit idle; `NvmeParamFiles.reserve` waits the oldest).
+# Without the write buffer where every update is written straight from a resident fp32 master
+# (`ModelPlan.param_writes_from_master`).
 PARAM_STAGING_EXTRA = 2
 OPTIMIZER_SWAP_KINDS = ("optimizer_master", "optimizer_exp_avg", "optimizer_exp_avg_sq")  # swap kinds = NVME tags
 FP32_BYTES = 4
@@ -349,7 +351,17 @@ class ModelPlan:
         prefetch = self.cfg.prefetch_bytes
         ahead = min(len(sharded), prefetch // smallest)
         buffer_bytes = round_up(max(u.shard_bytes for u in sharded), SWAP_ALIGN_BYTES)
-        return StagingPlan(ahead + PARAM_STAGING_EXTRA, buffer_bytes)
+        return StagingPlan(ahead + PARAM_STAGING_EXTRA - self.param_writes_from_master, buffer_bytes)
+
+    @property
+    def param_writes_from_master(self) -> bool:
+        """Updated NVMe parameter shards are written straight from the optimizer's fp32 masters, which
+        stay in place on the host (partition/shard_home.py [Note: writes from the master]): fp32
+        parameters, every unit's states resident in host memory (no NVMe part, no split possible)."""
+        o = self.cfg.offload
+        resident = o.optimizer == "host" or (o.optimizer == "device" and self.device_type == "cpu")
+        split_possible = o.max_host_bytes is not None and o.nvme_dir is not None
+        return self.cfg.param_dtype == "fp32" and resident and not split_possible
 
     def param_cache_slots(self) -> int:
         """Whole shards `offload.param_cache_bytes` holds (tiers/shard_cache.py), at most one per NVMe unit."""

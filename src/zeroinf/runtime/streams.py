@@ -211,6 +211,7 @@ class Transfers:
         self.pool = HostPool(self, pin=self.accelerated and torch.cuda.is_available())
         self._landings: deque[Landing] = deque()  # issued, not yet retired, oldest first
         self._upload_sources: list[torch.Event] = []  # uploads whose host source may still be read
+        self._source_readers: list[Callable[[], None]] = []  # other readers of masters (NVMe writes): waits
 
     # -- events -----------------------------------------------------------------------------------
     def _compute_stream(self) -> torch.Stream:
@@ -282,11 +283,21 @@ class Transfers:
         compute.wait_event(done)
         self._upload_sources.append(done)
 
+    def reads_source(self, wait: Callable[[], None]) -> None:
+        """Something else reads an optimizer's master in the background (the NVMe write of an updated
+        shard, straight from the master): `wait_uploads()` calls `wait` too, so every place that
+        changes masters after waiting for uploads also waits for it."""
+        self._source_readers.append(wait)
+
     def wait_uploads(self) -> None:
-        """Block until every `upload` has read its host source (before those values change)."""
+        """Block until every `upload` (and every `reads_source` reader) has read its host source
+        (before those values change)."""
         for event in self._upload_sources:
             self.wait_event(event)
         self._upload_sources.clear()
+        readers, self._source_readers = self._source_readers, []
+        for wait in readers:
+            wait()
 
     # -- device to host ---------------------------------------------------------------------------
     def to_host(self, source: torch.Tensor, out: torch.Tensor) -> Landing:
