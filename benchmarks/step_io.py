@@ -1,7 +1,7 @@
 """Bytes moved per parameter per step, fully NVMe-offloaded, from the engine's own counters, checked
 against the kernel's (`/proc/self/io`), with the disk-busy share of each step.
 
-    python benchmarks/step_io.py --nvme-dir /tmp/zi-io [--preset 125m] [--seq-len 64] [--steps 3]
+    python benchmarks/step_io.py --nvme-dir /tmp/zi-io [--preset 125m] [--seq-len 64] [--steps 3] [--param-cache 2GiB]
 
 Stage 3, world 1, fp32 (the issue's setting), parameters, gradients and optimizer states on NVMe.
 Prints one JSON object: per step `memory_report()["io"]["last_step"]` (bytes per kind, bytes per
@@ -33,11 +33,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_offload_args(parser, preset="125m", seq_len=64)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--param-cache", default="0", help="offload.param_cache_bytes, e.g. 2GiB (0: none)")
     a = parser.parse_args()
     os.makedirs(a.nvme_dir, exist_ok=True)
     gpt = GPTConfig.preset(a.preset, seq_len=a.seq_len)
     cfg = zeroinf.Config(stage=3, param_dtype="fp32", offload=zeroinf.OffloadConfig(
-        params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=a.nvme_dir))
+        params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=a.nvme_dir, param_cache_bytes=a.param_cache))
     run = build(gpt, cfg, a.batch)
     steps = []
     for step in range(a.steps):

@@ -129,15 +129,20 @@ def torch_stack() -> object:
     return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
 
 
-def test_max_host_bytes_shows_the_host_nvme_split(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """A Llama whose optimizer states (12 B/param) exceed the cap: the plan keeps part on the host."""
+def _nvme_params_host_states_argv(tmp_path: Path) -> list[str]:
+    """`zeroinf plan` of an 8-layer Llama, parameters on NVMe, optimizer states on the host, fp32."""
     folder = tmp_path / "llama"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 1024,
                                                     "num_hidden_layers": 8}))
-    argv = ["plan", "--hf", str(folder), "--seq-len", "64", "--stage", "3", "--offload-params", "nvme",
+    return ["plan", "--hf", str(folder), "--seq-len", "64", "--stage", "3", "--offload-params", "nvme",
             "--offload-optimizer", "host", "--offload-gradients", "device", "--checkpointing", "off", "--dtype", "fp32",
-            "--nvme-dir", str(tmp_path / "swap"), "--max-host-bytes", "100MiB"]
+            "--nvme-dir", str(tmp_path / "swap")]
+
+
+def test_max_host_bytes_shows_the_host_nvme_split(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A Llama whose optimizer states (12 B/param) exceed the cap: the plan keeps part on the host."""
+    argv = [*_nvme_params_host_states_argv(tmp_path), "--max-host-bytes", "100MiB"]
     code, out, _ = _main([*argv, "--json"], capsys)
     assert code == 0
     best = json.loads(out)["candidates"][0]
@@ -151,13 +156,7 @@ def test_max_host_bytes_shows_the_host_nvme_split(capsys: pytest.CaptureFixture[
 def test_param_cache_is_planned_as_host_bytes_and_saves_reads(capsys: pytest.CaptureFixture[str],
                                                                tmp_path: Path) -> None:
     """A cache holding every parameter shard: its bytes on the host, and no shard read from NVMe in a steady step."""
-    folder = tmp_path / "llama"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 1024,
-                                                    "num_hidden_layers": 8}))
-    argv = ["plan", "--hf", str(folder), "--seq-len", "64", "--stage", "3", "--offload-params", "nvme",
-            "--offload-optimizer", "host", "--offload-gradients", "device", "--checkpointing", "off", "--dtype", "fp32",
-            "--nvme-dir", str(tmp_path / "swap"), "--json"]
+    argv = [*_nvme_params_host_states_argv(tmp_path), "--json"]
     results = {}
     for cache in (None, "1GiB"):
         code, out, _ = _main([*argv, *(["--param-cache", cache] if cache else [])], capsys)
