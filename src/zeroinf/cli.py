@@ -108,12 +108,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--nvme-dir", metavar="DIR", help="folder for the swap files (default: a temporary folder, removed at exit)"
     )
-    engine.add_argument(
+    add_host_memory_arguments(engine)
+
+
+def add_host_memory_arguments(group: argparse._ArgumentGroup) -> None:
+    """`--max-host-bytes` and `--param-cache`, shared by train, finetune and plan."""
+    group.add_argument(
         "--max-host-bytes", metavar="SIZE",
-        help='cap on host memory for offload, e.g. 16GiB; with --nvme-dir, host parameter shards and optimizer '
+        help="cap on host memory for offload, e.g. 16GiB; with --nvme-dir, host parameter shards and optimizer "
         "states beyond it go to NVMe (split by unit)",
     )
-    engine.add_argument(
+    group.add_argument(
         "--param-cache", metavar="SIZE",
         help="host memory that keeps parameter shards on NVMe between uses, e.g. 4GiB (offload.param_cache_bytes)",
     )

@@ -52,15 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--offload-gradients", choices=tiers)
     engine.add_argument("--checkpointing", choices=("on", "off", AUTO), help="activation checkpointing")
     engine.add_argument("--nvme-dir", metavar="DIR", help="folder of the swap files (default: the temp folder)")
-    engine.add_argument(
-        "--max-host-bytes", metavar="SIZE",
-        help="cap on host memory for offload, e.g. 16GiB: host parameter shards and optimizer states beyond it are "
-        "planned on NVMe (the split is shown)",
-    )
-    engine.add_argument(
-        "--param-cache", metavar="SIZE",
-        help="host memory that keeps parameter shards on NVMe between uses, e.g. 4GiB (offload.param_cache_bytes)",
-    )
+    from zeroinf.cli import add_host_memory_arguments
+
+    add_host_memory_arguments(engine)
     machine = parser.add_argument_group("machine and output")
     machine.add_argument(
         "--measure", action="store_true",
