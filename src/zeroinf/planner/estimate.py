@@ -416,8 +416,8 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("nvme", "param_shard", _swap_file_bytes(plan.param_swap_bytes()))
             add("host", "param_staging", plan.param_staging().total_bytes)
             add("host", "aio_buffers", engine_bytes)
-            if plan.param_cache_slots():
-                add("host", "param_cache", plan.param_cache_slots() * plan.param_staging().buffer_bytes)
+            if slots := plan.param_cache_slots():
+                add("host", "param_cache", slots * plan.param_staging().buffer_bytes)
         for u in plan.sharded_units:  # in memory (a split's host part included)
             if u.param_tier is not Tier.NVME:
                 add(u.param_tier.value, "param_shard", u.shard_bytes)

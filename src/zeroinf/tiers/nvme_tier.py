@@ -104,10 +104,11 @@ class NvmeTier:
 
 # -- unit shards on NVMe ---------------------------------------------------------------------------------------
 def open_param_files(plan: ModelPlan, tier: NvmeTier) -> NvmeParamFiles | None:
-    """The parameter swap file and staging pool, sized by the unit plan; None (with a notice) when
-    every unit is resident. The pool holds the shards in flight: one per unit the prefetcher may read
-    ahead (bounded by `prefetch_bytes`), one gathered on demand, and writes after the optimizer step.
-    Host memory for parameters on NVMe is therefore that pool, whatever the model size."""
+    """The parameter swap file, staging pool and cache, sized by the unit plan; None (with a notice)
+    when every unit is resident. The pool holds the shards in flight: one per unit the prefetcher may
+    read ahead (bounded by `prefetch_bytes`), one gathered on demand, and one write behind unless
+    updates are written straight from the masters. Host memory for parameters on NVMe is therefore
+    that pool and `param_cache_bytes`' slots, whatever the model size."""
     cfg = plan.cfg
     if not plan.nvme_param_units:  # small models: keep them resident and run, as DeepSpeed does
         get_logger().info(
