@@ -52,7 +52,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ from zeroinf.engine import Engine, engine_of
 from zeroinf.memory import Tier
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
 from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline, SubGroupStream
-from zeroinf.optim.states import MasterSource, build_state_store
+from zeroinf.optim.states import MasterHome, MasterSource, build_state_store
 from zeroinf.partition.unit import GradState, ShardedUnit
 from zeroinf.planner.unit_plan import step_in_backward_mode
 from zeroinf.precision import DynamicLossScaler
@@ -207,9 +207,13 @@ class AdamW(torch.optim.Optimizer):
         # None, "final" or "speculative": see [Note: the step inside backward].
         self.step_mode = step_in_backward_mode(self.engine.cfg)
         shadow = self.step_mode == "speculative"
+        in_param_file = self.engine.unit_plan.masters_in_param_file
         self.states = build_state_store(
             masters, offload, self.engine.ledger, self.engine.topo.rank, shadow=shadow,
             split=self.engine.unit_plan.optimizer_split(), tier=self.engine.nvme_tier,
+            master_homes=[
+                cast(MasterHome, unit.home) if held else None for unit, held in zip(units, in_param_file, strict=True)
+            ],
         )
         self._pipeline = SubGroupPipeline(self.states, offload.io_timeout_s)
         self._unit_sub_groups: list[list[int]] = [[] for _ in units]

@@ -21,6 +21,20 @@ unit, tag "optimizer_assembly") and the unit's parameters are written once its l
 updated. That adds 4 bytes per element of the largest split unit to the host bound; a slice API
 on the unit would remove it.
 
+[Note: masters in the parameter file]
+With fp32 parameters on NVMe, a unit's parameter shard and its fp32 master are the same numbers:
+every update writes the new master into the parameter file (`start_update_params`). Keeping a
+second copy in an optimizer master file costs 4 bytes per parameter of disk and, every step, 4
+bytes written and 4 read. So where the plan says so (`ModelPlan.masters_in_param_file`: fp32, the
+states on NVMe, the unit's shard on NVMe, no speculative step), the store has no master slot for
+the unit; `_swap_all` reads the master range from the unit's `NvmeHome` (a copy from memory when a
+cache slot holds the shard, else a read of the parameter file) and writes it there. The step's
+update writes it once, with the parameters. A fully offloaded fp32 step then moves 32 bytes per
+parameter instead of 36: the shard read for forward and for backward (8), the master read (4), the
+moments in and out (16), the new shard (4); with a cache holding every shard, 20. A speculative
+step (clipping, fp16) keeps the masters before the step in a second slot, which the parameter file
+does not have: those runs keep the master file.
+
 [Note: fresh swap files read as zeros]
 The swap files are preallocated with posix_fallocate, after which reads of the allocated range
 return zeros, so only the master weights are written at start; the moments start at zero for free.
@@ -250,6 +264,15 @@ class ResidentStateStore:
         self.states = []
 
 
+class MasterHome(Protocol):
+    """Where a unit's fp32 masters live when its parameter file holds them (partition/shard_home.py
+    `NvmeHome`): element ranges of the owned shard, read (None: copied from memory, done) and written."""
+
+    def read_range(self, start: int, end: int, out: torch.Tensor) -> AioHandle | None: ...
+
+    def write_range(self, start: int, end: int, values: torch.Tensor) -> None: ...
+
+
 class NvmeStateStore:
     """States in per-rank swap files, staged through a fixed pool of host buffers (module docstring)."""
 
@@ -264,9 +287,15 @@ class NvmeStateStore:
         aio: AioConfig | None = None,
         shadow: bool = False,
         tier: NvmeTier | None = None,
+        master_homes: Sequence[MasterHome | None] = (),
     ) -> None:
         assert cfg.nvme_dir is not None  # OffloadConfig requires it for nvme
         source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
+        # Per unit: the parameter file that holds its masters ([Note: masters in the parameter file]).
+        self._master_homes = list(master_homes) + [None] * (len(source.numels) - len(master_homes))
+        if shadow and any(h is not None for h in self._master_homes):
+            raise ValueError("a speculative step keeps the masters before it: they cannot live in the parameter file")
+        masters_elsewhere = [h is not None for h in self._master_homes]
         self.ledger, self.traffic = ledger, StepTraffic()
         aio = aio or cfg.aio
         plan = plan_optimizer_staging(source.numels, cfg, aio)  # the sizes zeroinf.plan predicts
@@ -299,9 +328,10 @@ class NvmeStateStore:
         self._finalizer = weakref.finalize(self, _close_nvme, self.__dict__)
         try:
             self._swap = tier.open_swap(
-                "optimizer", plan.swap_bytes(shadow), aio.alignment_bytes, preflight="the optimizer swap files"
+                "optimizer", plan.swap_bytes(shadow, masters_elsewhere), aio.alignment_bytes,
+                preflight="the optimizer swap files",
             )
-            self._paths = [self._swap.layout.path(kind) for kind in SWAP_KINDS]
+            self._paths = [self._swap.layout.path(kind) for kind in SWAP_KINDS if kind in self._swap.layout.file_bytes]
             self._pool = BufferPool(
                 plan.pool.count,
                 plan.pool.buffer_bytes,
@@ -338,12 +368,22 @@ class NvmeStateStore:
         slot: int | None = None,
     ) -> list[AioHandle]:
         """Start one transfer ("swap_in" or "swap_out") per state kind of sub-group `sg`, at its
-        current slot unless told otherwise."""
+        current slot unless told otherwise. A master held by the parameter file is read from there
+        (or copied from memory), or written there before this returns."""
         assert self._swap is not None
         transfer = self._swap.swap_in if op == "swap_in" else self._swap.swap_out
         slot = self._slot[sg.index] if slot is None else slot
         key = shadow_key(sg.key) if slot else sg.key
-        return [transfer(key, kind, t) for kind, t in zip(kinds, views, strict=False)]
+        home = self._master_homes[sg.unit_index]
+        handles = []
+        for kind, t in zip(kinds, views, strict=False):
+            if home is None or kind != SWAP_KINDS[0]:
+                handles.append(transfer(key, kind, t))
+            elif op == "swap_out":
+                home.write_range(sg.start, sg.end, t)
+            elif (handle := home.read_range(sg.start, sg.end, t)) is not None:
+                handles.append(handle)
+        return handles
 
     def swaps(self, index: int) -> bool:
         return True  # through a staging buffer
@@ -361,7 +401,9 @@ class NvmeStateStore:
         except BaseException:
             staged.release()
             raise
-        self.traffic.add(Tier.NVME, "read", 3 * _FP32_BYTES * sg.numel)
+        # This store's files only: a master read from the parameter file counts as parameter traffic.
+        own_kinds = len(SWAP_KINDS) - (self._master_homes[sg.unit_index] is not None)
+        self.traffic.add(Tier.NVME, "read", own_kinds * _FP32_BYTES * sg.numel)
         return Pending("swap_in", staged, handles)
 
     @phase("zeroinf::swap_out")
@@ -370,14 +412,17 @@ class NvmeStateStore:
         assert self._swap is not None
         sg = staged.sub_group
         aside = self._written_aside is not None
+        # A master in the parameter file goes there with the unit's new parameters (collect_master).
+        moments_only = self._master_homes[sg.unit_index] is not None
+        views, kinds = (staged.views[1:], SWAP_KINDS[1:]) if moments_only else (staged.views, SWAP_KINDS)
         try:  # speculating: into the other slot, so the current one keeps the states before the update
-            handles = self._swap_all("swap_out", sg, staged.views, slot=1 - self._slot[sg.index] if aside else None)
+            handles = self._swap_all("swap_out", sg, views, kinds, slot=1 - self._slot[sg.index] if aside else None)
         except BaseException:
             staged.release()
             raise
         if self._written_aside is not None:
             self._written_aside.add(sg.index)
-        self.traffic.add(Tier.NVME, "written", 3 * _FP32_BYTES * sg.numel)
+        self.traffic.add(Tier.NVME, "written", len(handles) * _FP32_BYTES * sg.numel)
         return Pending("swap_out", staged, handles, release_when_done=True)
 
     # -- the speculative step: updates go to each sub-group's other slot until commit or rollback --------
@@ -652,12 +697,13 @@ class SplitStateStore:
 
 def build_state_store(
     masters: MasterSource, cfg: OffloadConfig, ledger: Ledger, rank: int, shadow: bool = False,
-    split: OptimizerSplit | None = None, tier: NvmeTier | None = None,
+    split: OptimizerSplit | None = None, tier: NvmeTier | None = None, master_homes: Sequence[MasterHome | None] = (),
 ) -> ResidentStateStore | NvmeStateStore | SplitStateStore:
     """The store for `cfg.optimizer`, taking ownership of the initial fp32 masters (one per unit);
     `shadow`: NVMe states get a second slot per sub-group for the speculative step; `split`: the
     units' states over host and NVMe (the unit plan's `optimizer_split()`); `tier`: the engine's
-    NVMe tier, whose optimizer lane the swap files use (a tier of its own when None)."""
+    NVMe tier, whose optimizer lane the swap files use (a tier of its own when None); `master_homes`:
+    per unit, the parameter file holding its masters, or None ([Note: masters in the parameter file])."""
     if split is not None:
         # Each part takes its units' masters one at a time, each dropped once stored.
         nvme = NvmeStateStore(masters.subset(split.nvme_units), cfg, ledger, rank, shadow=shadow, tier=tier)
@@ -669,5 +715,5 @@ def build_state_store(
         get_logger().info("%s", split.describe())
         return SplitStateStore(host, nvme, split)
     if cfg.optimizer == "nvme":
-        return NvmeStateStore(masters, cfg, ledger, rank, shadow=shadow, tier=tier)
+        return NvmeStateStore(masters, cfg, ledger, rank, shadow=shadow, tier=tier, master_homes=master_homes)
     return ResidentStateStore(masters, Tier(cfg.optimizer), ledger, cfg.max_host_bytes)

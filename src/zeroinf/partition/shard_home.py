@@ -266,6 +266,42 @@ class NvmeHome:
         self.files.pending_writes.append((handle, buf))
         self._write, self._write_from_slot, self._write_direct = handle, False, False
 
+    # -- a range of the shard, for an optimizer whose masters are this file (optim/states.py) ----------
+    def _land_loading(self) -> None:
+        """A read of the shard under way lands now (its buffer then holds the current values)."""
+        if self._loading is not None:
+            handle, buf = self._loading
+            self.files.wait(handle)
+            self._loading, self._loaded = None, buf
+
+    def _in_memory(self) -> PoolBuffer | None:
+        """A host buffer holding the shard's current values: its cache slot, or a buffer loaded for a gather."""
+        self._land_loading()
+        cache = self.files.cache
+        slot = cache.slot(self.unit_name) if cache is not None else None
+        return slot if slot is not None else self._loaded
+
+    def read_range(self, start: int, end: int, out: torch.Tensor) -> AioHandle | None:
+        """Elements [start, end) of the shard into `out`: copied from memory when a host buffer holds
+        the shard (None), else read from the file (the read's handle; the last write lands first)."""
+        held = self._in_memory()
+        if held is not None:
+            out.copy_(self._view(held)[start:end])
+            return None
+        self._finish_own_write()
+        return self.files.swap.swap_in(self.unit_name, PARAM_KIND, out, at_bytes=start * self.dtype.itemsize)
+
+    def write_range(self, start: int, end: int, values: torch.Tensor) -> None:
+        """Replace elements [start, end) of the shard, in the file and in any host buffer holding it;
+        returns once written."""
+        self._finish_own_write()
+        values = values.to("cpu", self.dtype).contiguous()
+        held = self._in_memory()
+        if held is not None:
+            self._view(held)[start:end].copy_(values)
+        at_bytes = start * self.dtype.itemsize
+        self.files.wait(self.files.swap.swap_out(self.unit_name, PARAM_KIND, values, at_bytes=at_bytes))
+
     def _fill(self, buf: PoolBuffer, values: torch.Tensor) -> None:
         if values.device.type == "cpu":
             self._view(buf).copy_(values)

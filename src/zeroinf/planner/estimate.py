@@ -439,7 +439,8 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
     if o.optimizer == "nvme" or split is not None:
         staging = plan.optimizer_staging()
         for kind in OPTIMIZER_SWAP_KINDS:  # a speculative step writes each sub-group's second slot
-            add("nvme", kind, staging.file_bytes(shadow=mode == "speculative"))
+            elsewhere = plan.masters_in_param_file if kind == OPTIMIZER_SWAP_KINDS[0] else ()
+            add("nvme", kind, staging.file_bytes(mode == "speculative", elsewhere))
         add("host", "optimizer_staging", staging.pool.total_bytes)
         add("host", "optimizer_assembly", staging.assembly_numel * FP32_BYTES)
         add("host", "aio_buffers", engine_bytes)
@@ -536,8 +537,13 @@ def step_time(
             opt_read += FP32_BYTES * owned
     split = plan.optimizer_split()
     on_nvme = owned if o.optimizer == "nvme" else split.nvme_numel if split is not None else 0
-    opt_read += 3 * FP32_BYTES * on_nvme
-    opt_write += 3 * FP32_BYTES * on_nvme
+    # Masters in the parameter file are written with the parameters (counted above), and read only
+    # when no cache slot holds the shard at the step.
+    held = zip(plan.trainable_units, plan.masters_in_param_file, strict=True)
+    in_params = sum(u.owned_numel for u, in_file in held if in_file)
+    cached_all = plan.param_cache_slots() >= len(plan.nvme_param_units)
+    opt_read += 3 * FP32_BYTES * on_nvme - (FP32_BYTES * in_params if cached_all else 0)
+    opt_write += 3 * FP32_BYTES * on_nvme - FP32_BYTES * in_params
     rd, wr = profile.disk_read_bps, profile.disk_write_bps
     fb_io_s = fb_read / rd + fb_write / wr
     opt_io_s = opt_read / rd + opt_write / wr

@@ -146,24 +146,41 @@ class OptimizerStaging:
     def host_bytes(self) -> int:
         return self.pool.total_bytes + self.assembly_numel * FP32_BYTES
 
-    def swap_bytes(self, shadow: bool = False) -> dict[tuple[str, str], int]:
+    def swap_bytes(
+        self, shadow: bool = False, masters_elsewhere: Sequence[bool] = ()
+    ) -> dict[tuple[str, str], int]:
         """Swap slots per (sub-group key, kind); `shadow` adds a second slot per sub-group (the
-        speculative step inside backward writes there, see optim/states.py)."""
+        speculative step inside backward writes there, see optim/states.py). Units marked in
+        `masters_elsewhere` have no master slot: their parameter file holds it (`masters_in_param_file`)."""
         keys = [sg.key for sg in self.sub_groups] + ([shadow_key(sg.key) for sg in self.sub_groups] if shadow else [])
-        numel = {sg.key: sg.numel for sg in self.sub_groups}
-        return {
-            (key, kind): numel[key.removesuffix(SHADOW_SUFFIX)] * FP32_BYTES
-            for kind in OPTIMIZER_SWAP_KINDS
-            for key in keys
-        }
+        by_key = {sg.key: sg for sg in self.sub_groups}
+        slots = {}
+        for kind in OPTIMIZER_SWAP_KINDS:
+            for key in keys:
+                sg = by_key[key.removesuffix(SHADOW_SUFFIX)]
+                if kind == OPTIMIZER_SWAP_KINDS[0] and sg.unit_index < len(masters_elsewhere) and (
+                    masters_elsewhere[sg.unit_index]
+                ):
+                    continue
+                slots[(key, kind)] = sg.numel * FP32_BYTES
+        return slots
 
     @cached_property
     def _slot_bytes(self) -> int:  # a plan weighs many placements of the same sub-groups: summed once
         return sum(round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES) for sg in self.sub_groups)
 
-    def file_bytes(self, shadow: bool = False) -> int:
-        """Bytes of one state kind's swap file (the three are the same size), as tiers/nvme.py lays it out."""
-        return 2 * self._slot_bytes if shadow else self._slot_bytes
+    def file_bytes(self, shadow: bool = False, masters_elsewhere: Sequence[bool] = ()) -> int:
+        """Bytes of one moment's swap file, as tiers/nvme.py lays it out; with `masters_elsewhere`,
+        of the master file, which holds only the units not marked."""
+        if masters_elsewhere:
+            nbytes = sum(
+                round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES)
+                for sg in self.sub_groups
+                if not (sg.unit_index < len(masters_elsewhere) and masters_elsewhere[sg.unit_index])
+            )
+        else:
+            nbytes = self._slot_bytes
+        return 2 * nbytes if shadow else nbytes
 
 
 SHADOW_SUFFIX = "~"
@@ -362,6 +379,22 @@ class ModelPlan:
         resident = o.optimizer == "host" or (o.optimizer == "device" and self.device_type == "cpu")
         split_possible = o.max_host_bytes is not None and o.nvme_dir is not None
         return self.cfg.param_dtype == "fp32" and resident and not split_possible
+
+    @cached_property
+    def masters_in_param_file(self) -> tuple[bool, ...]:
+        """Per trainable unit: its fp32 masters are its NVMe parameter shard, one copy on disk, not two
+        (optim/states.py [Note: masters in the parameter file]). Holds for the units whose shard is on
+        NVMe when parameters are fp32 (the shard equals the master bit for bit), the optimizer states
+        are all on NVMe, and no speculative step needs the masters before it (a second copy)."""
+        cfg = self.cfg
+        applies = (
+            cfg.stage == 3 and cfg.param_dtype == "fp32" and cfg.offload.optimizer == "nvme"
+            and step_in_backward_mode(cfg) != "speculative"
+        )
+        return tuple(
+            applies and not u.resident and u.param_tier is Tier.NVME and u.owned_numel == u.layout.shard_numel
+            for u in self.trainable_units
+        )
 
     def param_cache_slots(self) -> int:
         """Whole shards `offload.param_cache_bytes` holds (tiers/shard_cache.py), at most one per NVMe unit."""
