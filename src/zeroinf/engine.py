@@ -35,7 +35,7 @@ from zeroinf.aio.engine import DISK_ACTIVITY
 from zeroinf.comm import all_reduce
 from zeroinf.config import Config
 from zeroinf.memory import Ledger, Tier
-from zeroinf.partition.init import InitFn, map_large_buffers, materialize_and_build, needs_materializing
+from zeroinf.partition.init import InitFn, materialize_and_build, needs_materializing
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
@@ -44,6 +44,7 @@ from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.runtime.streams import Transfers
 from zeroinf.telemetry import CollectiveCounter, get_logger
+from zeroinf.tiers.host import reuse_step_buffers
 from zeroinf.tiers.nvme_tier import NvmeTier, open_grad_files, open_param_files
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
@@ -80,7 +81,7 @@ class Engine:
         )
         offload = cfg.offload
         if "device" != offload.params or "device" != offload.optimizer or "device" != offload.gradients:
-            map_large_buffers()
+            reuse_step_buffers()  # tiers/host.py [Note: glibc's thresholds while building and while training]
         self._resident_names = {spec.key for spec in self.all_specs if self._is_resident(spec)}
         # Every NVMe engine and swap file of this rank (shards, optimizer states, checkpoints) comes from here.
         self.nvme_tier = NvmeTier(cfg.offload, topo.rank, self.ledger)

@@ -21,9 +21,6 @@ materialized the old way: each module's parameters get storage and its `reset_pa
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +33,7 @@ from zeroinf.config import Config
 from zeroinf.memory import Tier
 from zeroinf.partition.park import MemoryParkStore, ParamPark, ParkStore, swap_data
 from zeroinf.partition.wrap import UnitSpec
+from zeroinf.tiers.host import map_large_buffers, return_freed_memory
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights
 
@@ -194,46 +192,6 @@ def release_park(park: ParamPark) -> None:
     """Forget a park once it has closed (everything in it unparked)."""
     if park.close_if_done() and park in _active:
         _active.remove(park)
-
-
-@functools.cache
-def _libc_malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None  # type: ignore[no-any-return]
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def return_freed_memory() -> None:
-    """Give freed heap memory back to the OS (glibc). Materializing unit after unit frees
-    megabytes at a time in an order the allocator cannot coalesce; without this the process keeps
-    about a third of the model as fragmented heap (measured: 119 MiB RSS for 72 MiB of shards, 75 with it).
-    """
-    trim = _libc_malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-LARGE_BUFFER_BYTES = 1 << 20
-
-
-def map_large_buffers() -> None:
-    """Serve allocations of 1 MiB and more by mmap, so freeing them returns memory to the OS (glibc).
-
-    glibc raises its mmap threshold as large chunks are freed (up to 32 MiB) and then carves unit
-    buffers out of the heap, where freed ones stay as fragments: with offload, host memory then grew
-    with the number of units instead of staying flat. A fixed threshold stops that. Process-wide,
-    and set only when some state is offloaded (memory-bounded runs are what it is for).
-    """
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is not None:
-        mallopt(M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES)
 
 
 def needs_materializing(module: nn.Module) -> bool:

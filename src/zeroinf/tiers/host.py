@@ -10,6 +10,11 @@ the one place that compares a plan against it.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable
+
 import torch
 
 from zeroinf.memory import Ledger, Tier, format_bytes
@@ -50,3 +55,67 @@ def check_host_cap(needed_bytes: int, max_host_bytes: int | None, what: str, fix
         f"{what} needs {needed_bytes} bytes ({format_bytes(needed_bytes)}) of host memory but "
         f"offload.max_host_bytes = {max_host_bytes} ({format_bytes(max_host_bytes)}); {fix}"
     )
+
+
+# -- the C allocator (glibc) ----------------------------------------------------------------------------------
+# [Note: glibc's thresholds while building and while training]
+# glibc serves an allocation above its mmap threshold with a fresh mapping, unmapped again on free:
+# the memory goes back to the OS at once, but the next allocation of that size faults its pages in
+# again, one by one, zero-filled by the kernel. Below the threshold, memory comes from the heap and is
+# reused without faults, but freed chunks stay with the process as fragments. By default the
+# threshold rises (up to 32 MiB) as mapped chunks are freed, and the heap is trimmed only when its
+# free top exceeds twice the threshold. Two phases want different settings:
+#
+# - Building under `zeroinf.init`: parameters are built, parked and freed one after another, and each
+#   must go back to the OS (`map_large_buffers`: 1 MiB, plus `return_freed_memory` after each unit).
+# - Training (`reuse_step_buffers`, set by the engine when some state is offloaded): a step frees and
+#   reallocates the same buffers every time (a unit's gathered parameters and gradients, activations
+#   and their gradients on a CPU device). At 1 MiB every one of them was faulted in afresh each step:
+#   98M GPT, optimizer on host, 2 ranks, 3.38 s/step against 2.19 with the setting below. A fixed
+#   32 MiB threshold (glibc's own maximum) with a 64 MiB trim threshold reuses them as glibc's default
+#   does once warmed up, and, being fixed, keeps it from drifting: fully offloaded, peak RSS grew 1.11x
+#   from 38M to 152M parameters (1.02x at 1 MiB, 1.21x with glibc's moving default). Larger buffers
+#   are still mapped and returned when freed.
+#
+# Both are process-wide and need glibc; elsewhere they do nothing.
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+BUILD_MMAP_THRESHOLD_BYTES = 1 << 20
+STEP_MMAP_THRESHOLD_BYTES = 32 << 20
+STEP_TRIM_THRESHOLD_BYTES = 64 << 20
+
+
+@functools.cache
+def _libc(symbol: str) -> Callable[..., int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), symbol) if name else None  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def return_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc). Materializing unit after unit frees
+    megabytes at a time in an order the allocator cannot coalesce; without this the process keeps
+    about a third of the model as fragmented heap (measured: 119 MiB RSS for 72 MiB of shards, 75 with it).
+    """
+    trim = _libc("malloc_trim")
+    if trim is not None:
+        trim(0)
+
+
+def map_large_buffers() -> None:
+    """While building: allocations of 1 MiB and more are mapped, so freeing them returns memory to
+    the OS ([Note: glibc's thresholds while building and while training])."""
+    mallopt = _libc("mallopt")
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, BUILD_MMAP_THRESHOLD_BYTES)
+
+
+def reuse_step_buffers() -> None:
+    """While training with offload: buffers up to 32 MiB are reused from the heap step after step
+    ([Note: glibc's thresholds while building and while training])."""
+    mallopt = _libc("mallopt")
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD_BYTES)
+        mallopt(M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD_BYTES)
