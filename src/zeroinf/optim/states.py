@@ -28,10 +28,11 @@ second copy in an optimizer master file costs 4 bytes per parameter of disk and,
 bytes written and 4 read. So where the plan says so (`ModelPlan.masters_in_param_file`: fp32, the
 states on NVMe, the unit's shard on NVMe, no speculative step), the store has no master slot for
 the unit; `_swap_all` reads the master range from the unit's `NvmeHome` (a copy from memory when a
-cache slot holds the shard, else a read of the parameter file) and writes it there. The step's
-update writes it once, with the parameters. A fully offloaded fp32 step then moves 32 bytes per
-parameter instead of 36: the shard read for forward and for backward (8), the master read (4), the
-moments in and out (16), the new shard (4); with a cache holding every shard, 20. A speculative
+cache slot or the buffer kept after the unit's backward gather holds the shard, else a read of the
+parameter file) and writes it there. The step's update writes it once, with the parameters. A fully
+offloaded fp32 step then moves 28 bytes per parameter instead of 36: the shard read for forward and
+for backward (8), the moments in and out (16), the new shard (4); 32 when stepped after backward
+(the masters are read again); with a cache holding every shard, 20. A speculative
 step (clipping, fp16) keeps the masters before the step in a second slot, which the parameter file
 does not have: those runs keep the master file.
 

@@ -21,6 +21,17 @@ through `Transfers.reads_source`, as a CUDA upload from the same master does. Th
 shard waits for the write too, as for any write. The staging pool then needs no write buffer
 (planner/unit_plan.py `param_writes_from_master`): one 4-byte-per-parameter buffer less of a
 unit's size, and one copy of every shard less per step.
+
+[Note: a shard kept for its masters]
+Where the parameter file holds the optimizer's fp32 masters and the step runs inside backward
+(optim/states.py [Note: masters in the parameter file]), the step needs each unit's shard again
+right after the unit's backward gathered it. So a home's `end_load` keeps the staging buffer instead
+of returning it (`NvmeParamFiles.keep`), and the step's master reads copy from it rather than read
+the file again: 28 bytes per parameter a step instead of 32. One buffer is kept at a time, the most
+recently gathered shard; keeping another gives the older one back, so the pool, planned with one
+buffer more (`ModelPlan.param_buffers_kept_for_masters`), never runs short for the prefetcher. A
+store drops the kept buffer (its values are then old); a load of the kept shard takes it without
+reading (the last unit of forward is the first of backward).
 """
 
 from __future__ import annotations
@@ -113,9 +124,13 @@ class NvmeParamFiles:
 
     def __init__(
         self, swap: NvmeSwap, engine: AioEngine, pool: BufferPool, timeout_s: float, cache: ShardCache | None = None,
+        keep: bool = False,
     ) -> None:
         self.swap, self.engine, self.pool, self.timeout_s = swap, engine, pool, timeout_s
         self.cache = cache  # host slots keeping shards between uses (offload.param_cache_bytes)
+        # [Note: a shard kept for its masters]: the home keeping its last gathered shard, if any.
+        self.keep = keep
+        self.keeper: NvmeHome | None = None
         if cache is not None:
             cache.timeout_s, cache.waiter = timeout_s, self.wait
         self.pending_writes: deque[tuple[AioHandle, PoolBuffer]] = deque()
@@ -158,6 +173,8 @@ class NvmeParamFiles:
     def close(self) -> None:
         """Finish the writes in flight, remove the swap file, stop the I/O threads (idempotent)."""
         try:
+            if self.keeper is not None:
+                self.keeper.drop_kept()
             self.drain()
         finally:
             if self.cache is not None:
@@ -187,6 +204,7 @@ class NvmeHome:
         self._from_cache = False  # the loaded buffer is a cache slot, not a staging buffer
         self._write_from_slot = False
         self._write_direct = False  # the last write reads the optimizer's master itself
+        self._kept: PoolBuffer | None = None  # [Note: a shard kept for its masters]
         self.store(initial)
 
     def _view(self, buf: PoolBuffer) -> torch.Tensor:
@@ -197,6 +215,12 @@ class NvmeHome:
         if self._loading is not None or self._loaded is not None:
             return
         cache = self.files.cache
+        if self._kept is not None:  # still current (a store drops it): no read
+            if cache is not None:
+                cache.policy.use(self.unit_name)  # the cache's clock follows every load
+            self._loaded, self._from_cache = self._kept, False
+            self._kept, self.files.keeper = None, None
+            return
         if cache is not None:
             slot = cache.get(self.unit_name)
             if slot is not None:  # a hit: the slot holds the current values (writes update it too)
@@ -233,9 +257,21 @@ class NvmeHome:
             if self._from_cache:
                 assert self.files.cache is not None
                 self.files.cache.done(self.unit_name)
+            elif self.files.keep:
+                if self.files.keeper is not None:
+                    self.files.keeper.drop_kept()
+                self._kept, self.files.keeper = self._loaded, self
             else:
                 self.files.pool.release(self._loaded)
             self._loaded = None
+
+    def drop_kept(self) -> None:
+        """Give the kept shard's buffer back to the pool."""
+        if self._kept is not None:
+            self.files.pool.release(self._kept)
+            self._kept = None
+            if self.files.keeper is self:
+                self.files.keeper = None
 
     @phase("zeroinf::swap_out")
     def store(self, values: torch.Tensor, stable: bool = False) -> None:
@@ -243,6 +279,7 @@ class NvmeHome:
         until `Transfers.wait_uploads()` (every site that changes masters waits there first), so an
         fp32 shard is written straight from it, without a staging copy ([Note: writes from the master])."""
         self._finish_own_write()
+        self.drop_kept()  # it holds the values before
         cache = self.files.cache
         slot = cache.slot(self.unit_name) if cache is not None else None
         if slot is not None:  # to the cache and the file together
@@ -275,11 +312,12 @@ class NvmeHome:
             self._loading, self._loaded = None, buf
 
     def _in_memory(self) -> PoolBuffer | None:
-        """A host buffer holding the shard's current values: its cache slot, or a buffer loaded for a gather."""
+        """A host buffer holding the shard's current values: its cache slot, a buffer loaded for a
+        gather, or the one kept after it."""
         self._land_loading()
         cache = self.files.cache
         slot = cache.slot(self.unit_name) if cache is not None else None
-        return slot if slot is not None else self._loaded
+        return slot if slot is not None else self._loaded if self._loaded is not None else self._kept
 
     def read_range(self, start: int, end: int, out: torch.Tensor) -> AioHandle | None:
         """Elements [start, end) of the shard into `out`: copied from memory when a host buffer holds

@@ -538,11 +538,11 @@ def step_time(
     split = plan.optimizer_split()
     on_nvme = owned if o.optimizer == "nvme" else split.nvme_numel if split is not None else 0
     # Masters in the parameter file are written with the parameters (counted above), and read only
-    # when no cache slot holds the shard at the step.
+    # when no host buffer holds the shard at the step: a whole cache, or the shard kept from backward.
     held = zip(plan.trainable_units, plan.masters_in_param_file, strict=True)
     in_params = sum(u.owned_numel for u, in_file in held if in_file)
-    cached_all = plan.param_cache_slots() >= len(plan.nvme_param_units)
-    opt_read += 3 * FP32_BYTES * on_nvme - (FP32_BYTES * in_params if cached_all else 0)
+    in_memory = plan.param_cache_slots() >= len(plan.nvme_param_units) or plan.param_buffers_kept_for_masters
+    opt_read += 3 * FP32_BYTES * on_nvme - (FP32_BYTES * in_params if in_memory else 0)
     opt_write += 3 * FP32_BYTES * on_nvme - FP32_BYTES * in_params
     rd, wr = profile.disk_read_bps, profile.disk_write_bps
     fb_io_s = fb_read / rd + fb_write / wr

@@ -367,8 +367,21 @@ class ModelPlan:
         smallest = min(u.unsharded_bytes for u in sharded)
         prefetch = self.cfg.prefetch_bytes
         ahead = min(len(sharded), prefetch // smallest)
-        buffer_bytes = round_up(max(u.shard_bytes for u in sharded), SWAP_ALIGN_BYTES)
-        return StagingPlan(ahead + PARAM_STAGING_EXTRA - self.param_writes_from_master, buffer_bytes)
+        extra = PARAM_STAGING_EXTRA - self.param_writes_from_master + self.param_buffers_kept_for_masters
+        return StagingPlan(ahead + extra, self._param_buffer_bytes)
+
+    @property
+    def _param_buffer_bytes(self) -> int:
+        """A staging buffer or cache slot: the largest NVMe shard, aligned."""
+        return round_up(max(u.shard_bytes for u in self.nvme_param_units), SWAP_ALIGN_BYTES)
+
+    @property
+    def param_buffers_kept_for_masters(self) -> int:
+        """Staging buffers a unit may keep after its backward gather for its step inside backward to
+        take the masters from (partition/shard_home.py [Note: a shard kept for its masters]): one
+        where the parameter file holds the masters and the step runs inside backward, else none."""
+        kept = any(self.masters_in_param_file) and step_in_backward_mode(self.cfg) == "final"
+        return int(kept and self.param_cache_slots() < len(self.nvme_param_units))  # a whole cache holds them
 
     @property
     def param_writes_from_master(self) -> bool:
@@ -401,7 +414,7 @@ class ModelPlan:
         budget, units = self.cfg.offload.param_cache_bytes, self.nvme_param_units
         if not budget or not units:
             return 0
-        slot = self.param_staging().buffer_bytes
+        slot = self._param_buffer_bytes
         if budget < slot:
             raise ValueError(
                 f"offload.param_cache_bytes = {budget} holds no parameter shard of {slot} bytes: "
