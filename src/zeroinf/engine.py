@@ -44,7 +44,7 @@ from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.runtime.streams import Transfers
 from zeroinf.telemetry import CollectiveCounter, get_logger
-from zeroinf.tiers.host import reuse_step_buffers
+from zeroinf.tiers.host import map_large_buffers, reuse_step_buffers
 from zeroinf.tiers.nvme_tier import NvmeTier, open_grad_files, open_param_files
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
@@ -80,8 +80,11 @@ class Engine:
             [UnitShape.of(spec) for spec in self.all_specs], cfg, topo.world_size, topo.device.type
         )
         offload = cfg.offload
-        if "device" != offload.params or "device" != offload.optimizer or "device" != offload.gradients:
-            reuse_step_buffers()  # tiers/host.py [Note: glibc's thresholds while building and while training]
+        offloaded = "device" != offload.params or "device" != offload.optimizer or "device" != offload.gradients
+        # glibc's thresholds: building, freed buffers go back to the OS; training, they are reused
+        # (tiers/host.py [Note: glibc's thresholds while building and while training]).
+        if offloaded:
+            map_large_buffers()
         self._resident_names = {spec.key for spec in self.all_specs if self._is_resident(spec)}
         # Every NVMe engine and swap file of this rank (shards, optimizer states, checkpoints) comes from here.
         self.nvme_tier = NvmeTier(cfg.offload, topo.rank, self.ledger)
@@ -110,6 +113,8 @@ class Engine:
         self.units = built[: len(specs)]
         self.frozen_units = built[len(specs) :]
         self.all_units = built  # trainable first: a trainable unit's index is the same in both lists
+        if offloaded:
+            reuse_step_buffers()
         module.to(topo.device)  # buffers and frozen parameters; unit parameters are already there
         # Frozen parameters and floating-point buffers take the compute dtype in place (as
         # `module.to(param_dtype)` would), so mixed-dtype arithmetic does not upcast activations.

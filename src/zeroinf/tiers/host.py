@@ -66,9 +66,10 @@ def check_host_cap(needed_bytes: int, max_host_bytes: int | None, what: str, fix
 # threshold rises (up to 32 MiB) as mapped chunks are freed, and the heap is trimmed only when its
 # free top exceeds twice the threshold. Two phases want different settings:
 #
-# - Building under `zeroinf.init`: parameters are built, parked and freed one after another, and each
-#   must go back to the OS (`map_large_buffers`: 1 MiB, plus `return_freed_memory` after each unit).
-# - Training (`reuse_step_buffers`, set by the engine when some state is offloaded): a step frees and
+# - Building, under `zeroinf.init` and while an offloaded engine builds its units: parameters are
+#   built, parked or sharded, and freed one after another, and each must go back to the OS
+#   (`map_large_buffers`: 1 MiB, plus `return_freed_memory` after each unit).
+# - Training (`reuse_step_buffers`, set by an offloaded engine once its units are built): a step frees and
 #   reallocates the same buffers every time (a unit's gathered parameters and gradients, activations
 #   and their gradients on a CPU device). At 1 MiB every one of them was faulted in afresh each step:
 #   98M GPT, optimizer on host, 2 ranks, 3.38 s/step against 2.19 with the setting below. A fixed
