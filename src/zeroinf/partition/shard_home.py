@@ -128,9 +128,9 @@ class NvmeParamFiles:
     ) -> None:
         self.swap, self.engine, self.pool, self.timeout_s = swap, engine, pool, timeout_s
         self.cache = cache  # host slots keeping shards between uses (offload.param_cache_bytes)
-        # [Note: a shard kept for its masters]: the home keeping its last gathered shard, if any.
+        # [Note: a shard kept for its masters]: the unit whose last gathered shard is kept, and its buffer.
         self.keep = keep
-        self.keeper: NvmeHome | None = None
+        self._kept: tuple[str, PoolBuffer] | None = None
         if cache is not None:
             cache.timeout_s, cache.waiter = timeout_s, self.wait
         self.pending_writes: deque[tuple[AioHandle, PoolBuffer]] = deque()
@@ -154,6 +154,28 @@ class NvmeParamFiles:
             self.retire_oldest_write()
         return self.pool.reserve(timeout_s=self.timeout_s)
 
+    def keep_loaded(self, unit_name: str, buf: PoolBuffer) -> None:
+        """Keep `buf`, holding `unit_name`'s shard, in place of the buffer kept before."""
+        self.drop_kept()
+        self._kept = (unit_name, buf)
+
+    def kept(self, unit_name: str) -> PoolBuffer | None:
+        """The kept buffer if it holds `unit_name`'s shard."""
+        return self._kept[1] if self._kept is not None and self._kept[0] == unit_name else None
+
+    def take_kept(self, unit_name: str) -> PoolBuffer | None:
+        """The kept buffer of `unit_name`, handed to the caller (it is no longer kept)."""
+        buf = self.kept(unit_name)
+        if buf is not None:
+            self._kept = None
+        return buf
+
+    def drop_kept(self, unit_name: str | None = None) -> None:
+        """Give the kept buffer back to the pool (only if it holds `unit_name`'s shard, when given)."""
+        if self._kept is not None and unit_name in (None, self._kept[0]):
+            buf, self._kept = self._kept[1], None
+            self.pool.release(buf)
+
     def retire_oldest_write(self) -> None:
         handle, buf = self.pending_writes.popleft()
         self.wait(handle)
@@ -173,8 +195,7 @@ class NvmeParamFiles:
     def close(self) -> None:
         """Finish the writes in flight, remove the swap file, stop the I/O threads (idempotent)."""
         try:
-            if self.keeper is not None:
-                self.keeper.drop_kept()
+            self.drop_kept()
             self.drain()
         finally:
             if self.cache is not None:
@@ -204,7 +225,6 @@ class NvmeHome:
         self._from_cache = False  # the loaded buffer is a cache slot, not a staging buffer
         self._write_from_slot = False
         self._write_direct = False  # the last write reads the optimizer's master itself
-        self._kept: PoolBuffer | None = None  # [Note: a shard kept for its masters]
         self.store(initial)
 
     def _view(self, buf: PoolBuffer) -> torch.Tensor:
@@ -215,11 +235,11 @@ class NvmeHome:
         if self._loading is not None or self._loaded is not None:
             return
         cache = self.files.cache
-        if self._kept is not None:  # still current (a store drops it): no read
+        kept = self.files.take_kept(self.unit_name)
+        if kept is not None:  # still current (a store drops it): no read
             if cache is not None:
                 cache.policy.use(self.unit_name)  # the cache's clock follows every load
-            self._loaded, self._from_cache = self._kept, False
-            self._kept, self.files.keeper = None, None
+            self._loaded, self._from_cache = kept, False
             return
         if cache is not None:
             slot = cache.get(self.unit_name)
@@ -239,10 +259,7 @@ class NvmeHome:
 
     def finish_load(self) -> torch.Tensor:
         self.start_load()
-        if self._loading is not None:
-            handle, buf = self._loading
-            self.files.wait(handle)
-            self._loading, self._loaded = None, buf
+        self._land_loading()
         assert self._loaded is not None
         if self._copy is None:
             self._copy = self.transfers.to_device(self._view(self._loaded))
@@ -258,20 +275,10 @@ class NvmeHome:
                 assert self.files.cache is not None
                 self.files.cache.done(self.unit_name)
             elif self.files.keep:
-                if self.files.keeper is not None:
-                    self.files.keeper.drop_kept()
-                self._kept, self.files.keeper = self._loaded, self
+                self.files.keep_loaded(self.unit_name, self._loaded)
             else:
                 self.files.pool.release(self._loaded)
             self._loaded = None
-
-    def drop_kept(self) -> None:
-        """Give the kept shard's buffer back to the pool."""
-        if self._kept is not None:
-            self.files.pool.release(self._kept)
-            self._kept = None
-            if self.files.keeper is self:
-                self.files.keeper = None
 
     @phase("zeroinf::swap_out")
     def store(self, values: torch.Tensor, stable: bool = False) -> None:
@@ -279,14 +286,12 @@ class NvmeHome:
         until `Transfers.wait_uploads()` (every site that changes masters waits there first), so an
         fp32 shard is written straight from it, without a staging copy ([Note: writes from the master])."""
         self._finish_own_write()
-        self.drop_kept()  # it holds the values before
+        self.files.drop_kept(self.unit_name)  # it holds the values before
         cache = self.files.cache
         slot = cache.slot(self.unit_name) if cache is not None else None
         if slot is not None:  # to the cache and the file together
             assert cache is not None
-            if self._loading is not None:  # a read into the slot is under way: it lands first
-                self.files.wait(self._loading[0])
-                self._loading, self._loaded = None, slot
+            self._land_loading()  # a read into the slot under way lands first
             self._fill(slot, values)
             self._write = self.files.swap.swap_out(self.unit_name, PARAM_KIND, self._view(slot))
             self._write_from_slot, self._write_direct = True, False
@@ -317,7 +322,9 @@ class NvmeHome:
         self._land_loading()
         cache = self.files.cache
         slot = cache.slot(self.unit_name) if cache is not None else None
-        return slot if slot is not None else self._loaded if self._loaded is not None else self._kept
+        if slot is not None:
+            return slot
+        return self._loaded if self._loaded is not None else self.files.kept(self.unit_name)
 
     def read_range(self, start: int, end: int, out: torch.Tensor) -> AioHandle | None:
         """Elements [start, end) of the shard into `out`: copied from memory when a host buffer holds

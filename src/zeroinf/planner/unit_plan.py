@@ -158,9 +158,7 @@ class OptimizerStaging:
         for kind in OPTIMIZER_SWAP_KINDS:
             for key in keys:
                 sg = by_key[key.removesuffix(SHADOW_SUFFIX)]
-                if kind == OPTIMIZER_SWAP_KINDS[0] and sg.unit_index < len(masters_elsewhere) and (
-                    masters_elsewhere[sg.unit_index]
-                ):
+                if kind == OPTIMIZER_SWAP_KINDS[0] and _marked(masters_elsewhere, sg.unit_index):
                     continue
                 slots[(key, kind)] = sg.numel * FP32_BYTES
         return slots
@@ -176,11 +174,16 @@ class OptimizerStaging:
             nbytes = sum(
                 round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES)
                 for sg in self.sub_groups
-                if not (sg.unit_index < len(masters_elsewhere) and masters_elsewhere[sg.unit_index])
+                if not _marked(masters_elsewhere, sg.unit_index)
             )
         else:
             nbytes = self._slot_bytes
         return 2 * nbytes if shadow else nbytes
+
+
+def _marked(flags: Sequence[bool], index: int) -> bool:
+    """`flags[index]`, False past the end (units not listed are not marked)."""
+    return index < len(flags) and flags[index]
 
 
 SHADOW_SUFFIX = "~"
