@@ -185,7 +185,7 @@ class Engine:
 
         return home
 
-    def _build_unit(self, spec: UnitSpec) -> ShardedUnit:
+    def _build_unit(self, spec: UnitSpec, realize: Callable[[nn.Parameter], None] | None = None) -> ShardedUnit:
         params = [p for _, p in spec.params]
         stored = self.weights is not None and self.weights.covers(params)
         return ShardedUnit(
@@ -199,6 +199,7 @@ class Engine:
             source=UnitWeights(self.weights, params) if stored and self.weights is not None else None,
             frozen=spec.frozen,
             transfers=self.transfers,
+            realize=realize,
         )
 
     def _setup_activation_checkpointing(self) -> None:

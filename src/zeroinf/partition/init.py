@@ -11,11 +11,12 @@ and a TorchFunctionMode (`ConstructionMode`) unparks parked parameters before an
 touches them. The values are therefore those of eager construction, bitwise, and memory while
 building is the live budget plus the largest parameter being built.
 
-`shard` then walks the units in module order and, right before building each one, unparks its
-parameters, so at most one unit (plus the root, which stays unsharded at stage 3) is unsharded
-at a time. A model built on the meta device by other means (`with torch.device("meta")`) is
-materialized the old way: each module's parameters get storage and its `reset_parameters()` runs
-(then `init_fn`); its buffers must already be real, since their values cannot be recovered.
+`shard` then walks the units in module order and builds each one, unparking its parameters one at
+a time as they are laid into its flat buffer, so building holds one unit plus one parameter (and
+the root, which stays unsharded at stage 3). A model built on the meta device by other means
+(`with torch.device("meta")`) is materialized the old way: each module's parameters get storage
+and its `reset_parameters()` runs (then `init_fn`); its buffers must already be real, since their
+values cannot be recovered.
 """
 
 from __future__ import annotations
@@ -256,16 +257,21 @@ def _unpark(params: list[nn.Parameter], as_parked: bool = False) -> None:
         release_park(park)
 
 
+def _unpark_as_parked(p: nn.Parameter) -> None:
+    """One parameter, in the dtype it was parked in (the unit build casts to the compute dtype)."""
+    _unpark([p], as_parked=True)
+
+
 def materialize_and_build(
     model: nn.Module,
     specs: list[UnitSpec],
-    build_unit: Callable[[UnitSpec], object],
+    build_unit: Callable[[UnitSpec, Callable[[nn.Parameter], None]], object],
     device: torch.device,
     init_fn: InitFn | None = None,
     weights: CheckpointWeights | None = None,
 ) -> list[object]:
-    """Build each unit right after its last module, unparking its parameters just before
-    (parameters built without values are read from `weights` by the unit itself).
+    """Build each unit right after its last module, its parameters unparked one at a time as the
+    build reads them (parameters built without values are read from `weights` by the unit itself).
 
     Meta parameters (a model built on `torch.device("meta")`) get storage and `reset_parameters()`
     module by module in registration order (so random numbers are drawn in a plain build's order);
@@ -296,8 +302,7 @@ def materialize_and_build(
                 init_fn(m)
         for k in sorted(ready_at.get(mi, [])):
             params = [p for _, p in specs[k].params]
-            _unpark(params, as_parked=True)
-            built[k] = build_unit(specs[k])
+            built[k] = build_unit(specs[k], _unpark_as_parked)
             _forget_deferred(params)
             return_freed_memory()
     # Parameters outside every unit (frozen ones below stage 3) take their values too.

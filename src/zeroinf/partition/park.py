@@ -32,9 +32,10 @@ read-modify-write of a parked parameter in arithmetic (`weight.mul_(0.7)` in a p
 `__init__`) computes on rounded inputs and may then differ from eager in the last bit of the
 compute dtype. fp32 runs, and parameters touched before their module is attached, are exact.
 
-`zeroinf.shard` unparks each unit's parameters just before it builds that unit (partition/init.py),
-so building needs one unit in memory at a time; the park closes (its NVMe file removed) when the
-last parameter has left it.
+`zeroinf.shard` builds each unit right after its last module (partition/init.py) and unparks its
+parameters one at a time as the build lays them into the unit's flat buffer, so building needs one
+unit's buffer plus one parameter in memory; the park closes (its NVMe file removed) when the last
+parameter has left it.
 """
 
 from __future__ import annotations

@@ -140,7 +140,10 @@ class ShardedUnit:
         source: UnitSource | None = None,
         frozen: bool = False,
         transfers: Transfers | None = None,
+        realize: Callable[[nn.Parameter], None] | None = None,
     ) -> None:
+        """`realize(p)`: give a parameter its values just before the build reads them (parameters
+        parked by `zeroinf.init`), so building holds the flat buffer plus one parameter."""
         self.name = name or "<root>"
         self.frozen = frozen  # parameters without gradients: gathered like the rest, never stepped
         self.param_names = [n for n, _ in params]
@@ -163,8 +166,10 @@ class ShardedUnit:
         self.grad_sq_norm: float | None = None  # NVMe shards: squared L2 norm, kept at write time
         self._master_source: Callable[[], torch.Tensor] | None = None
         if source is None:
-            self._build_buffers(param_dtype, keep_fp32_master)
+            self._build_buffers(param_dtype, keep_fp32_master, realize)
         else:
+            for p in self.params if realize is not None else ():
+                realize(p)
             self._build_from_source(param_dtype, source)
         self.grad_flat: torch.Tensor | None = None  # unsharded, reduce dtype
         self.grad_shard: torch.Tensor | None = None  # stages 2-3: owned shard, reduce dtype
@@ -181,7 +186,9 @@ class ShardedUnit:
         self.user_gathers = 0  # open `zeroinf.gathered` contexts holding this unit
         self.user_writer = False  # one of them gathered it for writing
 
-    def _build_buffers(self, param_dtype: torch.dtype, keep_fp32_master: bool) -> None:
+    def _build_buffers(
+        self, param_dtype: torch.dtype, keep_fp32_master: bool, realize: Callable[[nn.Parameter], None] | None
+    ) -> None:
         """Lay the current parameter values into the flat buffer (same on every rank), keep the shard."""
         device = self.topo.device
         # Laid out in fp32 when the fp32 masters are taken from it, else straight in the compute dtype
@@ -189,6 +196,8 @@ class ShardedUnit:
         full_dtype = torch.float32 if keep_fp32_master else param_dtype
         full = torch.zeros(self.layout.padded_numel, dtype=full_dtype, device=device)
         for slot, p in zip(self.layout.slots, self.params, strict=True):
+            if realize is not None:  # unparked one at a time, in the same order on every rank
+                realize(p)
             full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
             # Drop our hold on the old values now, not after the whole unit is laid out: building a
             # unit then needs its flat buffer plus one parameter, not twice the unit.
