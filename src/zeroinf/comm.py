@@ -2,12 +2,30 @@
 
 Stateless functions taking the topology as an argument. gloo has no AVG reduction, so averaging
 is a SUM followed by a division, on every backend alike (one code path, identical numerics).
+
+[Note: gloo's all-gather and reduce-scatter as point-to-point messages]
+On CPU tensors over gloo, the unit all-gather and reduce-scatter are sent as point-to-point
+messages straight between the ranks' buffers. gloo's own versions copy: its all-gather receives
+into a freshly allocated flat tensor and then copies every chunk into the output, and its
+reduce-scatter clones the whole input, all-reduces it (twice the bytes a reduce-scatter needs) and
+copies the rank's slice out. On a CPU every such copy and every first touch of a fresh buffer takes
+cycles from the compute of the same cores (98M GPT, 2 ranks x 1 thread: 0.16 s of clones, 0.46 s of
+copies in gloo's threads, 100k page faults per step). Here each rank sends its shard to every peer
+and receives each peer's shard into its own slot of the output; a reduce-scatter sends each peer the
+chunk it owns, receives the first peer's contribution straight into the output shard and adds its
+own chunk and the other peers' (scratch, world > 2) in `wait()`, always in the same order: the
+result is deterministic, and with two ranks a + b = b + a exactly, as gloo's sum. Each collective gets its
+own tag from a counter that advances identically on every rank (every rank issues the same
+collectives in the same order), so messages of overlapping collectives never match each other.
+The inputs are read until `wait()`, as with gloo's asynchronous collectives: callers keep them
+unchanged until then. NCCL and other devices keep torch.distributed's collectives.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -70,6 +88,92 @@ class WorkHandle:
         self._done = True
 
 
+class PeerHandle:
+    """Point-to-point sends and receives of one collective, then its completion in `wait()`."""
+
+    def __init__(
+        self, works: list[dist.Work], kind: str, topo: Topology, numel: int, keep: tuple[torch.Tensor, ...],
+        finish: Callable[[], None] | None = None,
+    ) -> None:
+        self._works, self._kind, self._topo, self._numel = works, kind, topo, numel
+        self._keep = keep  # the buffers the messages read and write stay alive until they are done
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        with naming_failures(self._kind, self._numel, self._topo):
+            for work in self._works:
+                work.wait()
+        self._works, self._keep = [], ()
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+
+_peer_tags = itertools.count(1)
+_TAG_SPAN = 1 << 30  # gloo tags are non-negative 32-bit integers
+
+
+def _peer_messages(topo: Topology, *tensors: torch.Tensor) -> bool:
+    """True when this collective goes as point-to-point messages (see the Note): contiguous CPU
+    tensors over gloo."""
+    if not topo.is_distributed or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return False
+    return dist.get_backend(topo.group) == "gloo"
+
+
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_end, b_end = a.data_ptr() + a.numel() * a.element_size(), b.data_ptr() + b.numel() * b.element_size()
+    return a_end <= b.data_ptr() or b_end <= a.data_ptr()
+
+
+def _exchange(
+    topo: Topology, send: Callable[[int], torch.Tensor], receive: Callable[[int], torch.Tensor]
+) -> list[dist.Work]:
+    """Post, for every peer, a send of `send(peer)` and a receive into `receive(peer)` (one tag)."""
+    tag = next(_peer_tags) % _TAG_SPAN
+    works = []
+    for peer in range(topo.world_size):
+        if peer == topo.rank:
+            continue
+        works.append(dist.isend(send(peer), group=topo.group, group_dst=peer, tag=tag))
+        works.append(dist.irecv(receive(peer), group=topo.group, group_src=peer, tag=tag))
+    return works
+
+
+def _gather_by_messages(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology) -> PeerHandle:
+    chunks = unsharded.view(topo.world_size, shard.numel())
+    if chunks[topo.rank].data_ptr() != shard.data_ptr():
+        chunks[topo.rank].copy_(shard)
+    mine = chunks[topo.rank]  # sent from the output: `shard` may have another dtype (cast by the copy)
+    works = _exchange(topo, lambda peer: mine, lambda peer: chunks[peer])
+    return PeerHandle(works, "all-gather", topo, unsharded.numel(), keep=(unsharded, shard))
+
+
+def _reduce_scatter_by_messages(
+    shard: torch.Tensor, unsharded: torch.Tensor, topo: Topology, divisor: int
+) -> PeerHandle:
+    """The first peer's chunk lands in `shard` itself; further peers' (world > 2) in scratch."""
+    world, rank = topo.world_size, topo.rank
+    chunks = unsharded.view(world, shard.numel())
+    peers = [p for p in range(world) if p != rank]
+    scratch = torch.empty((world - 2, shard.numel()), dtype=shard.dtype) if world > 2 else None
+    landing = {peers[0]: shard, **{p: scratch[i] for i, p in enumerate(peers[1:])}} if scratch is not None else {
+        peers[0]: shard}
+    works = _exchange(topo, lambda peer: chunks[peer], lambda peer: landing[peer])
+
+    def finish() -> None:
+        shard.add_(chunks[rank])
+        for peer in peers[1:]:
+            shard.add_(landing[peer])
+        if divisor != 1:
+            shard.div_(divisor)
+
+    return PeerHandle(works, "reduce-scatter", topo, unsharded.numel(), keep=(unsharded, shard), finish=finish)
+
+
 def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology, async_op: bool = True) -> Handle:
     """unsharded[r * shard.numel() : (r + 1) * shard.numel()] = shard of rank r, for every r."""
     if unsharded.numel() != shard.numel() * topo.world_size:
@@ -80,6 +184,14 @@ def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology
         if unsharded.data_ptr() != shard.data_ptr():
             unsharded.copy_(shard)
         return DoneHandle()
+    own = unsharded.view(topo.world_size, -1)[topo.rank] if unsharded.is_contiguous() else None
+    in_place = own is not None and shard.data_ptr() == own.data_ptr()  # the shard is its own slot
+    if _peer_messages(topo, unsharded, shard) and (in_place or _disjoint(unsharded, shard)):
+        with naming_failures("all-gather", unsharded.numel(), topo):
+            handle = _gather_by_messages(unsharded, shard, topo)
+        if not async_op:
+            handle.wait()
+        return handle
     with naming_failures("all-gather", unsharded.numel(), topo):
         work = dist.all_gather_into_tensor(unsharded, shard, group=topo.group, async_op=async_op)
     return WorkHandle(work, "all-gather", topo, unsharded.numel()) if async_op else DoneHandle()
@@ -98,6 +210,12 @@ def reduce_scatter_into(
         if unsharded.data_ptr() != shard.data_ptr():
             shard.copy_(unsharded)
         return DoneHandle()
+    if _peer_messages(topo, shard, unsharded) and shard.dtype == unsharded.dtype and _disjoint(shard, unsharded):
+        with naming_failures("reduce-scatter", unsharded.numel(), topo):
+            handle: Handle = _reduce_scatter_by_messages(shard, unsharded, topo, topo.world_size if average else 1)
+        if not async_op:
+            handle.wait()
+        return handle
     with naming_failures("reduce-scatter", unsharded.numel(), topo):
         work = dist.reduce_scatter_tensor(shard, unsharded, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
     handle = WorkHandle(
