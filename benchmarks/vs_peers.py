@@ -257,6 +257,12 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
         # swapper stages whole sub-groups: at 1e9 elements a 1B model's states (16 GB) would be staged at
         # once (killed for memory on 24 GiB), so NVMe gets 1e8, as DeepSpeed's NVMe tutorial suggests.
         zo.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0, sub_group_size=1e8)
+        # DeepSpeed also keeps a host copy of up to `max_in_cpu` parameter elements (default 1e9) in its
+        # optimizer's flat buffers. A model beyond that (the 1B GPT: 1.04e9) fails in 0.19.8 on the CPU
+        # in forward ("expected m1 and m2 to have the same dtype ... float != BFloat16"), so the limit
+        # covers the model: the same behaviour DeepSpeed has at every size below 1e9 (the 98M runs).
+        n_params = sum(p.numel() for p in model.parameters())
+        zo["offload_param"]["max_in_cpu"] = max(10**9, n_params)
     ds = {
         "train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": low},
         "zero_optimization": zo, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
