@@ -185,7 +185,9 @@ class Engine:
 
         return home
 
-    def _build_unit(self, spec: UnitSpec, realize: Callable[[nn.Parameter], None] | None = None) -> ShardedUnit:
+    def _build_unit(
+        self, spec: UnitSpec, realize: Callable[[nn.Parameter, torch.Tensor], bool] | None = None
+    ) -> ShardedUnit:
         params = [p for _, p in spec.params]
         stored = self.weights is not None and self.weights.covers(params)
         return ShardedUnit(

@@ -12,8 +12,8 @@ touches them. The values are therefore those of eager construction, bitwise, and
 building is the live budget plus the largest parameter being built.
 
 `shard` then walks the units in module order and builds each one, unparking its parameters one at
-a time as they are laid into its flat buffer, so building holds one unit plus one parameter (and
-the root, which stays unsharded at stage 3). A model built on the meta device by other means
+a time straight into its flat buffer, so building holds one unit (and the root, which stays
+unsharded at stage 3). A model built on the meta device by other means
 (`with torch.device("meta")`) is materialized the old way: each module's parameters get storage
 and its `reset_parameters()` runs (then `init_fn`); its buffers must already be real, since their
 values cannot be recovered.
@@ -257,21 +257,28 @@ def _unpark(params: list[nn.Parameter], as_parked: bool = False) -> None:
         release_park(park)
 
 
-def _unpark_as_parked(p: nn.Parameter) -> None:
-    """One parameter, in the dtype it was parked in (the unit build casts to the compute dtype)."""
-    _unpark([p], as_parked=True)
+def _unpark_into(p: nn.Parameter, dest: torch.Tensor) -> bool:
+    """A parked parameter's values straight into `dest` (its range of a unit's flat buffer); False
+    when `p` is not parked (it holds its values)."""
+    park = park_of(p)
+    if park is None:
+        return False
+    park.unpark_into(p, dest)
+    release_park(park)
+    return True
 
 
 def materialize_and_build(
     model: nn.Module,
     specs: list[UnitSpec],
-    build_unit: Callable[[UnitSpec, Callable[[nn.Parameter], None]], object],
+    build_unit: Callable[[UnitSpec, Callable[[nn.Parameter, torch.Tensor], bool]], object],
     device: torch.device,
     init_fn: InitFn | None = None,
     weights: CheckpointWeights | None = None,
 ) -> list[object]:
-    """Build each unit right after its last module, its parameters unparked one at a time as the
-    build reads them (parameters built without values are read from `weights` by the unit itself).
+    """Build each unit right after its last module, its parameters unparked one at a time straight
+    into the unit's flat buffer (parameters built without values are read from `weights` by the unit
+    itself).
 
     Meta parameters (a model built on `torch.device("meta")`) get storage and `reset_parameters()`
     module by module in registration order (so random numbers are drawn in a plain build's order);
@@ -302,7 +309,9 @@ def materialize_and_build(
                 init_fn(m)
         for k in sorted(ready_at.get(mi, [])):
             params = [p for _, p in specs[k].params]
-            built[k] = build_unit(specs[k], _unpark_as_parked)
+            if weights is not None and weights.covers(params):  # built from the files: values unused
+                _unpark(params, as_parked=True)
+            built[k] = build_unit(specs[k], _unpark_into)
             _forget_deferred(params)
             return_freed_memory()
     # Parameters outside every unit (frozen ones below stage 3) take their values too.

@@ -33,9 +33,9 @@ read-modify-write of a parked parameter in arithmetic (`weight.mul_(0.7)` in a p
 compute dtype. fp32 runs, and parameters touched before their module is attached, are exact.
 
 `zeroinf.shard` builds each unit right after its last module (partition/init.py) and unparks its
-parameters one at a time as the build lays them into the unit's flat buffer, so building needs one
-unit's buffer plus one parameter in memory; the park closes (its NVMe file removed) when the last
-parameter has left it.
+parameters one at a time straight into the unit's flat buffer (at world 1 read from the NVMe park
+chunk by chunk), so building needs one unit's buffer in memory and no second copy of any parameter;
+the park closes (its NVMe file removed) when the last parameter has left it.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ class ParkStore(Protocol):
         ...
 
     def take(self, key: int, device: torch.device) -> torch.Tensor: ...  # the slice, as a fresh tensor
+
+    def take_into(self, key: int, out: torch.Tensor) -> None:
+        """The slice's first `out.numel()` elements, written into `out` (converted to its dtype)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -83,6 +88,10 @@ class MemoryParkStore:
     def take(self, key: int, device: torch.device) -> torch.Tensor:
         return self._slices.pop(key).to(device)
 
+    def take_into(self, key: int, out: torch.Tensor) -> None:
+        kept = self._slices.pop(key)
+        out.view(-1).copy_(kept[: out.numel()])
+
     def close(self) -> None:
         self._slices.clear()
 
@@ -95,6 +104,7 @@ class _Parked:
     param: nn.Parameter  # a strong reference: a parked parameter stays reachable until unparked
     device: torch.device
     numel: int
+    dtype: torch.dtype  # of the parked slice
 
 
 def _nbytes(p: torch.Tensor) -> int:
@@ -248,36 +258,57 @@ class ParamPark:
             self.parked_bytes += per_rank * dtype.itemsize
             device = p.device
             swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-        self.parked[id(p)] = _Parked(key, p, device, numel)
+        self.parked[id(p)] = _Parked(key, p, device, numel, dtype)
         self.parks += 1
 
     def unpark(self, params: list[nn.Parameter], *, as_parked: bool = False) -> None:
         """Give parked parameters their full values again (a collective at world > 1: every rank
         calls it with the same parameters in the same order). `as_parked`: in the dtype they were
         parked in (building a unit, which casts to the compute dtype anyway), not their own."""
-        world = self.topo.world_size
         for p in params:
-            entry = self.parked.pop(id(p))
-            if p.numel() != entry.numel:
-                raise RuntimeError(
-                    f"a parameter parked by zeroinf.init with {entry.numel} elements now has shape "
-                    f"{tuple(p.shape)}: it was changed outside `with zeroinf.init()`; change parameters inside "
-                    "the block, or after zeroinf.shard inside zeroinf.gathered(..., modify=True)"
-                )
+            entry = self._take_entry(p)
             with torch.no_grad(), torch._C.DisableTorchFunction():
-                piece = self.store.take(entry.key, entry.device if world == 1 else self.topo.device)
-                if world > 1:
-                    full = torch.empty(piece.numel() * world, dtype=piece.dtype, device=piece.device)
-                    all_gather_into(full, piece, self.topo, async_op=False)
-                    piece = full.to(entry.device)
-                values = piece[: entry.numel].view(p.shape)
-                if values.dtype != p.dtype and not as_parked:  # parked narrower, or `model.to()` while parked
-                    values = values.to(p.dtype)
-                swap_data(p, values)
+                dtype = entry.dtype if as_parked else p.dtype
+                if self.topo.world_size == 1:  # read straight into the new storage (converted on the way)
+                    values = torch.empty(entry.numel, dtype=dtype, device=entry.device)
+                    self.store.take_into(entry.key, values)
+                else:
+                    values = self._gathered(entry).to(device=entry.device, dtype=dtype)
+                swap_data(p, values.view(p.shape))
             self.unparks += 1
             if self.collecting:  # back to live, built: parked again once the touching op is done
                 self.live[id(p)] = p
                 self.settled.add(id(p))
+
+    def unpark_into(self, p: nn.Parameter, dest: torch.Tensor) -> None:
+        """Write a parked parameter's values straight into `dest` (flat, in its dtype: the parameter's
+        range of its unit's flat buffer, which is being built); `p` is left holding no values (an
+        empty tensor of `dest`'s dtype and device). A collective at world > 1, as `unpark`."""
+        entry = self._take_entry(p)
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if self.topo.world_size == 1:
+                self.store.take_into(entry.key, dest)
+            else:
+                dest.copy_(self._gathered(entry))
+            swap_data(p, torch.empty((0,) * max(1, p.dim()), dtype=dest.dtype, device=dest.device))
+        self.unparks += 1
+
+    def _take_entry(self, p: nn.Parameter) -> _Parked:
+        entry = self.parked.pop(id(p))
+        if p.numel() != entry.numel:
+            raise RuntimeError(
+                f"a parameter parked by zeroinf.init with {entry.numel} elements now has shape "
+                f"{tuple(p.shape)}: it was changed outside `with zeroinf.init()`; change parameters inside "
+                "the block, or after zeroinf.shard inside zeroinf.gathered(..., modify=True)"
+            )
+        return entry
+
+    def _gathered(self, entry: _Parked) -> torch.Tensor:
+        """The full flat values from every rank's slice (world > 1), in the parked dtype."""
+        piece = self.store.take(entry.key, self.topo.device)
+        full = torch.empty(piece.numel() * self.topo.world_size, dtype=piece.dtype, device=piece.device)
+        all_gather_into(full, piece, self.topo, async_op=False)
+        return full[: entry.numel]
 
     def forget_unreachable(self) -> None:
         """Drop parked parameters nothing but the park references (e.g. a head that `tie_weights`

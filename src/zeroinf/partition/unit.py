@@ -140,10 +140,11 @@ class ShardedUnit:
         source: UnitSource | None = None,
         frozen: bool = False,
         transfers: Transfers | None = None,
-        realize: Callable[[nn.Parameter], None] | None = None,
+        realize: Callable[[nn.Parameter, torch.Tensor], bool] | None = None,
     ) -> None:
-        """`realize(p)`: give a parameter its values just before the build reads them (parameters
-        parked by `zeroinf.init`), so building holds the flat buffer plus one parameter."""
+        """`realize(p, dest)`: write a parameter parked by `zeroinf.init` straight into `dest`, its
+        range of the flat buffer being built (True), or do nothing for one that holds its values
+        (False): building then holds the flat buffer and no second copy of any parameter."""
         self.name = name or "<root>"
         self.frozen = frozen  # parameters without gradients: gathered like the rest, never stepped
         self.param_names = [n for n, _ in params]
@@ -168,8 +169,6 @@ class ShardedUnit:
         if source is None:
             self._build_buffers(param_dtype, keep_fp32_master, realize)
         else:
-            for p in self.params if realize is not None else ():
-                realize(p)
             self._build_from_source(param_dtype, source)
         self.grad_flat: torch.Tensor | None = None  # unsharded, reduce dtype
         self.grad_shard: torch.Tensor | None = None  # stages 2-3: owned shard, reduce dtype
@@ -187,7 +186,8 @@ class ShardedUnit:
         self.user_writer = False  # one of them gathered it for writing
 
     def _build_buffers(
-        self, param_dtype: torch.dtype, keep_fp32_master: bool, realize: Callable[[nn.Parameter], None] | None
+        self, param_dtype: torch.dtype, keep_fp32_master: bool,
+        realize: Callable[[nn.Parameter, torch.Tensor], bool] | None,
     ) -> None:
         """Lay the current parameter values into the flat buffer (same on every rank), keep the shard."""
         device = self.topo.device
@@ -196,12 +196,13 @@ class ShardedUnit:
         full_dtype = torch.float32 if keep_fp32_master else param_dtype
         full = torch.zeros(self.layout.padded_numel, dtype=full_dtype, device=device)
         for slot, p in zip(self.layout.slots, self.params, strict=True):
-            if realize is not None:  # unparked one at a time, in the same order on every rank
-                realize(p)
-            full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
-            # Drop our hold on the old values now, not after the whole unit is laid out: building a
-            # unit then needs its flat buffer plus one parameter, not twice the unit.
-            p.data = p.data.new_empty((0,) * max(1, p.dim()))
+            dest = full[slot.offset : slot.end]
+            # A parked parameter is read straight into its range (in the same order on every rank).
+            if realize is None or not realize(p, dest):
+                dest.copy_(p.detach().reshape(-1))
+                # Drop our hold on the old values now, not after the whole unit is laid out: building
+                # a unit then needs its flat buffer plus one parameter, not twice the unit.
+                p.data = p.data.new_empty((0,) * max(1, p.dim()))
         if self.topo.is_distributed:  # every rank starts from rank 0's weights (as DDP does)
             torch.distributed.broadcast(full, src=0, group=self.topo.group)
         # fp32 masters start from the unrounded weights, not from their compute-dtype copy, unless

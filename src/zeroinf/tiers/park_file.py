@@ -5,7 +5,8 @@ A `ParkStore` (partition/park.py) on the nvme tier. Slots are appended as parame
 not fit) and reused when the same parameter is parked again. Writes are asynchronous: the slice is
 converted into one of a few fixed 16 MiB staging buffers, chunk by chunk, and written from there,
 so parking a parameter never makes a slice-sized copy (a 262 MB fp32 embedding is parked with
-64 MiB of buffers). The file (`zeroinf-rank<r>-park.swap`)
+64 MiB of buffers). Unparking at world 1 reads back the same way (`take_into`), straight into the
+parameter's new storage or its unit's flat buffer. The file (`zeroinf-rank<r>-park.swap`)
 is removed when the park closes: after `zeroinf.shard` has built every unit, or at exit.
 """
 
@@ -82,6 +83,35 @@ class NvmeParkStore:
         out = torch.empty(numel, dtype=dtype)
         self._wait(self.swap.swap_in(name, PARK_KIND, out))
         return out.to(device)
+
+    def take_into(self, key: int, out: torch.Tensor) -> None:
+        """Read the slice's first `out.numel()` elements into `out` (contiguous, CPU; converted to its
+        dtype chunk by chunk through the staging buffers): no slice-sized temporary, so unparking a
+        262 MB fp32 head holds the head and 64 MiB, not also its 131 MB bf16 slice."""
+        self._drain()  # the staging buffers carry the reads now: every write from them has landed
+        name, dtype, numel = self._slots[key]
+        flat = out.view(-1)
+        if flat.numel() > numel:
+            raise ValueError(f"park slot {key} holds {numel} elements, asked for {flat.numel()}")
+        per_chunk = CHUNK_BYTES // dtype.itemsize
+        starts = list(range(0, flat.numel(), per_chunk))
+        reads: deque[tuple[AioHandle, torch.Tensor, int]] = deque()
+
+        def start_read(i: int) -> None:
+            start = starts[i]
+            staged = self._staging[i % STAGING_BUFFERS][: min(per_chunk, flat.numel() - start) * dtype.itemsize]
+            staged_values = staged.view(dtype)
+            reads.append((self.swap.swap_in(name, PARK_KIND, staged_values, at_bytes=start * dtype.itemsize),
+                          staged_values, start))
+
+        for i in range(min(STAGING_BUFFERS, len(starts))):
+            start_read(i)
+        for i in range(len(starts)):
+            handle, staged_values, start = reads.popleft()
+            self._wait(handle)
+            flat[start : start + staged_values.numel()].copy_(staged_values)
+            if i + STAGING_BUFFERS < len(starts):  # the buffer just emptied carries the next read
+                start_read(i + STAGING_BUFFERS)
 
     @property
     def bytes_written(self) -> int:
