@@ -14,9 +14,9 @@ copies in gloo's threads, 100k page faults per step). Here each rank sends its s
 and receives each peer's shard into its own slot of the output; a reduce-scatter sends each peer the
 chunk it owns, receives the first peer's contribution straight into the output shard and adds its
 own chunk and the other peers' (scratch, world > 2) in `wait()`, always in the same order: the
-result is deterministic, and with two ranks a + b = b + a exactly, as gloo's sum. Each collective gets its
-own tag from a counter that advances identically on every rank (every rank issues the same
-collectives in the same order), so messages of overlapping collectives never match each other.
+result is deterministic, and with two ranks a + b = b + a exactly, as gloo's sum. Each collective
+gets its own tag from a counter that advances identically on every rank (every rank issues the
+same collectives in the same order), so messages of overlapping collectives never match each other.
 The inputs are read until `wait()`, as with gloo's asynchronous collectives: callers keep them
 unchanged until then. NCCL and other devices keep torch.distributed's collectives.
 """
@@ -159,9 +159,9 @@ def _reduce_scatter_by_messages(
     world, rank = topo.world_size, topo.rank
     chunks = unsharded.view(world, shard.numel())
     peers = [p for p in range(world) if p != rank]
-    scratch = torch.empty((world - 2, shard.numel()), dtype=shard.dtype) if world > 2 else None
-    landing = {peers[0]: shard, **{p: scratch[i] for i, p in enumerate(peers[1:])}} if scratch is not None else {
-        peers[0]: shard}
+    landing = {peers[0]: shard}
+    if world > 2:
+        landing.update(zip(peers[1:], torch.empty((world - 2, shard.numel()), dtype=shard.dtype), strict=True))
     works = _exchange(topo, lambda peer: chunks[peer], lambda peer: landing[peer])
 
     def finish() -> None:
@@ -184,9 +184,9 @@ def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology
         if unsharded.data_ptr() != shard.data_ptr():
             unsharded.copy_(shard)
         return DoneHandle()
-    own = unsharded.view(topo.world_size, -1)[topo.rank] if unsharded.is_contiguous() else None
-    in_place = own is not None and shard.data_ptr() == own.data_ptr()  # the shard is its own slot
-    if _peer_messages(topo, unsharded, shard) and (in_place or _disjoint(unsharded, shard)):
+    if _peer_messages(topo, unsharded, shard) and (
+        _disjoint(unsharded, shard) or shard.data_ptr() == unsharded[topo.rank * shard.numel() :].data_ptr()
+    ):  # a separate shard, or the shard is this rank's own slot (in place)
         with naming_failures("all-gather", unsharded.numel(), topo):
             handle = _gather_by_messages(unsharded, shard, topo)
         if not async_op:
