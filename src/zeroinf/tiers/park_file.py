@@ -78,21 +78,25 @@ class NvmeParkStore:
         # the padding after the values is never read back as data (unparking cuts it off)
 
     def take(self, key: int, device: torch.device) -> torch.Tensor:
-        self._drain(key)
-        name, dtype, numel = self._slots[key]
+        _, dtype, numel = self._slots[key]
         out = torch.empty(numel, dtype=dtype)
-        self._wait(self.swap.swap_in(name, PARK_KIND, out))
+        self.take_into(key, out)
         return out.to(device)
 
     def take_into(self, key: int, out: torch.Tensor) -> None:
         """Read the slice's first `out.numel()` elements into `out` (contiguous, CPU; converted to its
         dtype chunk by chunk through the staging buffers): no slice-sized temporary, so unparking a
-        262 MB fp32 head holds the head and 64 MiB, not also its 131 MB bf16 slice."""
-        self._drain()  # the staging buffers carry the reads now: every write from them has landed
+        262 MB fp32 head holds the head and 64 MiB, not also its 131 MB bf16 slice. In the slot's own
+        dtype the read goes straight into `out`."""
         name, dtype, numel = self._slots[key]
         flat = out.view(-1)
         if flat.numel() > numel:
             raise ValueError(f"park slot {key} holds {numel} elements, asked for {flat.numel()}")
+        if flat.dtype == dtype and flat.device.type == "cpu":
+            self._drain(key)
+            self._wait(self.swap.swap_in(name, PARK_KIND, flat, at_bytes=0))
+            return
+        self._drain()  # the staging buffers carry the reads now: every write from them has landed
         per_chunk = CHUNK_BYTES // dtype.itemsize
         starts = list(range(0, flat.numel(), per_chunk))
         reads: deque[tuple[AioHandle, torch.Tensor, int]] = deque()
