@@ -144,6 +144,9 @@ class _SaveJob:
             except (OSError, TypeError, ValueError) as e:
                 error = f"zeroinf.save: cannot prepare {self.tmp}: {e}"
         broadcast_error(engine, error)
+        # Masters kept in parameter files: their last writes land now, on this thread; the writer
+        # then reads those files alone while training gathers from them (optim/states.py).
+        self.store.land_master_writes()
         # The small state, captured now: the training loop may move on before the data is written.
         self.body = json.loads(json.dumps(_manifest_head(model, engine, optimizer, step, extra)))
         self.rng = rng_state(engine)

@@ -121,6 +121,11 @@ class OptimizerStateStore(Protocol):
 
     def iter_segments(self, unit_index: int) -> Iterator[tuple[int, int, StateViews]]: ...  # CPU views
 
+    def land_master_writes(self) -> None:
+        """Masters kept in parameter files are current in the files once this returns (call it on the
+        training thread before `iter_segments` runs on another)."""
+        ...
+
     def segment_for_write(self, unit_index: int, start: int, end: int) -> AbstractContextManager[StateViews]:
         """CPU views to fill with a segment's new states; stored when the block exits without error."""
         ...
@@ -231,6 +236,9 @@ class ResidentStateStore:
         views = self.states[unit_index]
         yield 0, views.master.numel(), StateViews(*(t.detach().cpu() for t in views))
 
+    def land_master_writes(self) -> None:
+        return None  # the masters are here
+
     @contextlib.contextmanager
     def segment_for_write(self, unit_index: int, start: int, end: int) -> Iterator[StateViews]:
         views = StateViews(*(t[start:end] for t in self.states[unit_index]))
@@ -272,6 +280,10 @@ class MasterHome(Protocol):
     def read_range(self, start: int, end: int, out: torch.Tensor) -> AioHandle | None: ...
 
     def write_range(self, start: int, end: int, values: torch.Tensor) -> None: ...
+
+    def land_writes(self) -> None: ...  # the file holds the current values once this returns
+
+    def read_file_range(self, start: int, end: int, out: torch.Tensor) -> None: ...  # any thread, no write in flight
 
 
 class NvmeStateStore:
@@ -367,10 +379,12 @@ class NvmeStateStore:
         views: Sequence[torch.Tensor],
         kinds: Sequence[str] = SWAP_KINDS,
         slot: int | None = None,
+        masters_from_file: bool = False,
     ) -> list[AioHandle]:
         """Start one transfer ("swap_in" or "swap_out") per state kind of sub-group `sg`, at its
         current slot unless told otherwise. A master held by the parameter file is read from there
-        (or copied from memory), or written there before this returns."""
+        (or copied from memory), or written there before this returns. `masters_from_file`: such a
+        master is read from the file alone (`read_file_range`, safe beside training's gathers)."""
         assert self._swap is not None
         transfer = self._swap.swap_in if op == "swap_in" else self._swap.swap_out
         slot = self._slot[sg.index] if slot is None else slot
@@ -382,6 +396,8 @@ class NvmeStateStore:
                 handles.append(transfer(key, kind, t))
             elif op == "swap_out":
                 home.write_range(sg.start, sg.end, t)
+            elif masters_from_file:
+                home.read_file_range(sg.start, sg.end, t)
             elif (handle := home.read_range(sg.start, sg.end, t)) is not None:
                 handles.append(handle)
         return handles
@@ -480,9 +496,16 @@ class NvmeStateStore:
     def segment_bounds(self, unit_index: int) -> list[tuple[int, int]]:
         return [(sg.start, sg.end) for sg in self._unit_groups.get(unit_index, [])]
 
+    def land_master_writes(self) -> None:
+        for home in self._master_homes:
+            if home is not None:
+                home.land_writes()
+
     def iter_segments(self, unit_index: int, ahead: int = 2) -> Iterator[tuple[int, int, StateViews]]:
         """Yield each sub-group's states in a staging buffer, valid until the next item; the reads of
-        the next `ahead - 1` sub-groups run while the caller uses this one."""
+        the next `ahead - 1` sub-groups run while the caller uses this one. A checkpoint may run this
+        on a background thread while training gathers parameters: masters held by the parameter file
+        are read from the file alone (`land_master_writes` ran first, on the training thread)."""
         self.require_healthy()
         assert self._pool is not None and self._swap is not None
         groups = self._unit_groups.get(unit_index, [])
@@ -494,7 +517,7 @@ class NvmeStateStore:
             buffer = self._pool.reserve()
             views = self._views(buffer.tensor, sg.numel)
             try:
-                handles = self._swap_all("swap_in", sg, views)
+                handles = self._swap_all("swap_in", sg, views, masters_from_file=True)
             except BaseException:
                 buffer.pool.release(buffer)
                 raise
@@ -665,6 +688,10 @@ class SplitStateStore:
     def iter_segments(self, unit_index: int) -> Iterator[tuple[int, int, StateViews]]:
         part, li = self._parts[unit_index]
         return part.iter_segments(li)
+
+    def land_master_writes(self) -> None:
+        self.host.land_master_writes()
+        self.nvme.land_master_writes()
 
     def segment_for_write(self, unit_index: int, start: int, end: int) -> AbstractContextManager[StateViews]:
         part, li = self._parts[unit_index]

@@ -36,6 +36,7 @@ reading (the last unit of forward is the first of backward).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -335,6 +336,29 @@ class NvmeHome:
             return None
         self._finish_own_write()
         return self.files.swap.swap_in(self.unit_name, PARAM_KIND, out, at_bytes=start * self.dtype.itemsize)
+
+    def land_writes(self) -> None:
+        """Wait for this shard's last write: the file then holds its current values."""
+        self._finish_own_write()
+
+    def read_file_range(self, start: int, end: int, out: torch.Tensor) -> None:
+        """Elements [start, end) of the shard into `out` (contiguous, CPU), read from the file alone
+        with a plain `pread`: neither the aio engine nor any host buffer of the shard is touched, so
+        another thread may call it while training gathers this shard (a background checkpoint), as
+        long as no write is in flight (`land_writes` first, and no `store` until it is done)."""
+        slot = self.files.swap.slot_of(self.unit_name, PARAM_KIND)
+        itemsize = self.dtype.itemsize
+        target = out.view(-1).view(torch.uint8).numpy()
+        fd = os.open(slot.path, os.O_RDONLY)
+        try:
+            done, nbytes = 0, (end - start) * itemsize
+            while done < nbytes:
+                got = os.preadv(fd, [target[done:nbytes]], slot.offset_bytes + start * itemsize + done)
+                if got <= 0:
+                    raise OSError(f"short read of {slot.path!r}: {done} of {nbytes} bytes of unit {self.unit_name!r}")
+                done += got
+        finally:
+            os.close(fd)
 
     def write_range(self, start: int, end: int, values: torch.Tensor) -> None:
         """Replace elements [start, end) of the shard, in the file and in any host buffer holding it;

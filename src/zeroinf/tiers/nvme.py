@@ -231,10 +231,14 @@ class NvmeSwap:
         self.ledger.reserve(Tier.NVME, nbytes, kind)
         self._reserved_kinds.add(kind)
 
+    def slot_of(self, unit: str, kind: str) -> SwapSlot:
+        """Where the shard of `unit` and `kind` lives now (a grown file may have moved it)."""
+        return self._slots.get((unit, kind)) or self.layout.slot(unit, kind)  # the layout's error names it
+
     def _slot_for(self, unit: str, kind: str, tensor: torch.Tensor, op: str, at_bytes: int | None) -> SwapSlot:
         if self._closed:
             raise RuntimeError("NvmeSwap is closed")
-        slot = self._slots.get((unit, kind)) or self.layout.slot(unit, kind)  # the layout's error names it
+        slot = self.slot_of(unit, kind)
         nbytes = as_bytes(tensor, f"the {kind} shard of {unit!r}").numel()
         start = at_bytes or 0
         if (nbytes != slot.nbytes if at_bytes is None else not 0 <= start <= start + nbytes <= slot.nbytes):
