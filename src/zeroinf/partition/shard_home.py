@@ -36,6 +36,7 @@ reading (the last unit of forward is the first of backward).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections import deque
@@ -348,12 +349,15 @@ class NvmeHome:
         long as no write is in flight (`land_writes` first, and no `store` until it is done)."""
         slot = self.files.swap.slot_of(self.unit_name, PARAM_KIND)
         itemsize = self.dtype.itemsize
-        target = out.view(-1).view(torch.uint8).numpy()
+        nbytes = (end - start) * itemsize
+        if not out.is_contiguous() or out.device.type != "cpu" or out.numel() * out.element_size() < nbytes:
+            raise ValueError(f"read_file_range needs a contiguous CPU tensor of at least {nbytes} bytes")
+        target = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")  # no numpy needed
         fd = os.open(slot.path, os.O_RDONLY)
         try:
-            done, nbytes = 0, (end - start) * itemsize
+            done = 0
             while done < nbytes:
-                got = os.preadv(fd, [target[done:nbytes]], slot.offset_bytes + start * itemsize + done)
+                got = os.preadv(fd, [target[done:]], slot.offset_bytes + start * itemsize + done)
                 if got <= 0:
                     raise OSError(f"short read of {slot.path!r}: {done} of {nbytes} bytes of unit {self.unit_name!r}")
                 done += got
