@@ -13,8 +13,11 @@ previous checkpoint loadable and the partial one as an ignored `.tmp-` folder.
 `save(..., blocking=False)` returns as soon as the small state is captured (RNG, step counts, LR
 groups, loss scale, a copy of the buffers). The states are written by a background thread while
 the training loop runs its next forward and backward passes: those never change optimizer states
-or master weights, so no snapshot copy is needed. The next `optimizer.step()` (or `wait()`, a
-second `save`, `load`, `optimizer.close()`) first waits for the writes, then finishes the
+or master weights, so no snapshot copy is needed. Masters that live in a parameter file are read
+from that file alone (a plain `pread`, their writes landed when the save started): the host
+buffers and aio engine of those shards belong to training's gathers, which run meanwhile. The next
+`optimizer.step()` (or `wait()`, a second `save`, `load`, `optimizer.close()`) first waits for the
+writes, then finishes the
 checkpoint: the collective part (chunk lists to rank 0, manifest, rename, `latest`) runs there on
 every rank in the same order, never on the background thread, so it cannot interleave with the
 training's own collectives.
