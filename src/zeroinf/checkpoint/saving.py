@@ -17,10 +17,9 @@ or master weights, so no snapshot copy is needed. Masters that live in a paramet
 from that file alone (a plain `pread`, their writes landed when the save started): the host
 buffers and aio engine of those shards belong to training's gathers, which run meanwhile. The next
 `optimizer.step()` (or `wait()`, a second `save`, `load`, `optimizer.close()`) first waits for the
-writes, then finishes the
-checkpoint: the collective part (chunk lists to rank 0, manifest, rename, `latest`) runs there on
-every rank in the same order, never on the background thread, so it cannot interleave with the
-training's own collectives.
+writes, then finishes the checkpoint: the collective part (chunk lists to rank 0, manifest,
+rename, `latest`) runs there on every rank in the same order, never on the background thread, so it
+cannot interleave with the training's own collectives.
 """
 
 from __future__ import annotations
