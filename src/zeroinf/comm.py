@@ -192,6 +192,8 @@ def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology
         if not async_op:
             handle.wait()
         return handle
+    if shard.dtype != unsharded.dtype:  # an fp32 master held as the shard: the collective wants one dtype
+        shard = shard.to(unsharded.dtype)
     with naming_failures("all-gather", unsharded.numel(), topo):
         work = dist.all_gather_into_tensor(unsharded, shard, group=topo.group, async_op=async_op)
     return WorkHandle(work, "all-gather", topo, unsharded.numel()) if async_op else DoneHandle()

@@ -203,7 +203,13 @@ class AdamW(torch.optim.Optimizer):
                 self.runs[gi].append(Run(ui, piece.slot_index, start, end))
         offload = self.engine.cfg.offload
         units = self.engine.units
-        masters = MasterSource([u.owned_numel for u in units], lambda i: units[i].take_initial_master())
+        # [Note: masters in the memory shard] (optim/states.py): such a unit's shard is its master.
+        shared = self.engine.unit_plan.masters_in_memory_shard
+        masters = MasterSource(
+            [u.owned_numel for u in units],
+            lambda i: units[i].share_master() if shared[i] else units[i].take_initial_master(),
+            shared,
+        )
         # None, "final" or "speculative": see [Note: the step inside backward].
         self.step_mode = step_in_backward_mode(self.engine.cfg)
         shadow = self.step_mode == "speculative"

@@ -36,6 +36,25 @@ for backward (8), the moments in and out (16), the new shard (4); 32 when steppe
 step (clipping, fp16) keeps the masters before the step in a second slot, which the parameter file
 does not have: those runs keep the master file.
 
+[Note: masters in the memory shard]
+The same holds in memory. At stage 3 a unit's shard and its fp32 master are the same numbers in
+fp32, and in bf16/fp16 the shard is the master's rounding. Where both would live in one memory
+(`ModelPlan.masters_in_memory_shard`: the shard on the device and the states on the device, or any
+memory placement on a CPU device; no host/NVMe split), the unit's `MemoryHome` holds the fp32
+master as its shard (`ShardedUnit.share_master`) and `ResidentStateStore` allocates only the two
+moments for it. The step updates the shard in place, so writing the new parameters is nothing, and
+each gather casts the fp32 shard to the compute dtype on the way (at world 1 the copy into the
+unsharded buffer casts; NCCL gathers a cast copy of the shard, as FSDP2 does). The cast rounds as
+the copy into a compute-dtype shard did, so training is bitwise the same; the ledger counts the
+master once, under `param_shard`: 12 bytes per parameter live (4 + 8 of moments), as torch.optim's
+AdamW on fp32 parameters and FSDP2 hold, where two tensors took 16 (fp32) or 14 (bf16). Resident
+units share only in fp32 (their master is their slice of the whole buffer); in bf16 the whole
+buffer stays in the compute dtype. A host shard on an accelerator keeps its own compute-dtype copy:
+its copies to the device would cross in fp32 and read the master while a step may write it.
+Writes that do not come from the step go to the master: `zeroinf.gathered(..., modify=True)`
+changes only the elements written (the others keep their unrounded masters), `load_weights` writes
+the fp32 values, and a checkpoint's masters are loaded into the shard itself.
+
 [Note: fresh swap files read as zeros]
 The swap files are preallocated with posix_fallocate, after which reads of the allocated range
 return zeros, so only the master weights are written at start; the moments start at zero for free.
@@ -158,7 +177,11 @@ class ResidentStateStore:
         source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
         self.tier, self.ledger, self.traffic = tier, ledger, StepTraffic()
         self.sub_groups = plan_sub_groups(source.numels, None)
-        self._nbytes = 3 * _FP32_BYTES * sum(source.numels)
+        # A shared master is its unit's parameter shard: counted there, not allocated here.
+        self._shared = [source.is_shared(i) for i in range(len(source.numels))]
+        self._nbytes = sum(
+            (2 if shared else 3) * _FP32_BYTES * n for n, shared in zip(source.numels, self._shared, strict=True)
+        )
         self.states: list[StateViews] = []
         if tier is Tier.HOST:
             check_host_cap(
@@ -171,6 +194,10 @@ class ResidentStateStore:
             # One initial master at a time: copied into its states, then dropped (the states and all
             # the masters never exist together: 12, not 16 bytes per element at the peak).
             for i, numel in enumerate(source.numels):
+                if self._shared[i]:
+                    moments = (host_zeros(numel, torch.float32, ledger, "optimizer_state") for _ in STATE_KINDS[1:])
+                    self.states.append(StateViews(source.take(i), *moments))
+                    continue
                 views = StateViews(*(host_zeros(numel, torch.float32, ledger, "optimizer_state") for _ in STATE_KINDS))
                 views.master.copy_(source.take(i))
                 self.states.append(views)
@@ -265,8 +292,8 @@ class ResidentStateStore:
         self._closed = True
         self._drop_backups()
         if self.tier is Tier.HOST:
-            for views in self.states:
-                for t in views:
+            for views, shared in zip(self.states, self._shared, strict=True):
+                for t in views[1:] if shared else views:
                     release_host(t, self.ledger, "optimizer_state")
         else:
             self.ledger.release(Tier.DEVICE, self._nbytes, "optimizer_state")
@@ -610,8 +637,15 @@ class MasterSource:
     """The initial fp32 masters, one per unit, produced on demand (`take(i)`, once each), so that
     an NVMe store can write them out one at a time instead of holding them all."""
 
-    def __init__(self, numels: list[int], take: Callable[[int], torch.Tensor]) -> None:
-        self.numels, self.take = numels, take
+    def __init__(
+        self, numels: list[int], take: Callable[[int], torch.Tensor], shared: Sequence[bool] = ()
+    ) -> None:
+        """`shared[i]`: unit i's master is its parameter shard in memory, which keeps owning it
+        ([Note: masters in the memory shard]); only a resident store takes such masters."""
+        self.numels, self.take, self.shared = numels, take, tuple(shared)
+
+    def is_shared(self, index: int) -> bool:
+        return index < len(self.shared) and self.shared[index]
 
     @classmethod
     def of(cls, masters: list[torch.Tensor]) -> MasterSource:
@@ -619,7 +653,8 @@ class MasterSource:
 
     def subset(self, indices: Sequence[int]) -> MasterSource:
         """The masters of units `indices`, renumbered 0..len-1 (a split store's part)."""
-        return MasterSource([self.numels[i] for i in indices], lambda j: self.take(indices[j]))
+        shared = [self.is_shared(i) for i in indices]
+        return MasterSource([self.numels[i] for i in indices], lambda j: self.take(indices[j]), shared)
 
 
 class SplitStateStore:

@@ -75,7 +75,7 @@ class MemoryHome:
     ) -> None:
         """`alias`: a resident unit's shard is its slice of the unit's whole buffer on the device,
         which never goes away; that slice is the shard (a copy would hold those bytes twice)."""
-        self.tier, self.device = tier, device
+        self.tier, self.device, self.ledger = tier, device, ledger
         self.transfers = transfers or Transfers(device, ledger)
         if alias:
             if tier is not Tier.DEVICE or initial.device != device:
@@ -89,6 +89,21 @@ class MemoryHome:
             ledger.reserve(Tier.DEVICE, self.shard.numel() * self.shard.element_size(), "param_shard")
         self._copy: DeviceCopy | None = None  # the last copy of the host shard to the device
         self._incoming: Landing | None = None  # new values on their way from a device optimizer
+        # The shard is the optimizer's fp32 master (`ShardedUnit.share_master`): the step updates it
+        # in place and `store` of the master itself has nothing to do.
+        self.holds_master = False
+
+    def adopt_master(self, master: torch.Tensor) -> None:
+        """Hold the fp32 `master` (in this shard's memory) as the shard, dropping the compute-dtype
+        one: gathers cast it from now on (optim/states.py [Note: masters in the memory shard])."""
+        if master.device != self.shard.device or master.numel() != self.shard.numel():
+            raise ValueError(
+                f"a master of {master.numel()} elements on {master.device} cannot replace a shard of "
+                f"{self.shard.numel()} on {self.shard.device}"
+            )
+        self.ledger.release(self.tier, self.shard.numel() * self.shard.element_size(), PARAM_KIND)
+        self.ledger.reserve(self.tier, master.numel() * master.element_size(), PARAM_KIND)
+        self.shard, self.holds_master = master, True
 
     def start_load(self) -> None:
         return None
@@ -105,6 +120,8 @@ class MemoryHome:
             self._copy.release()
 
     def store(self, values: torch.Tensor, stable: bool = False) -> None:
+        if self.holds_master and values.data_ptr() == self.shard.data_ptr():
+            return  # the optimizer stepped the shard itself
         if self.tier is not Tier.HOST:  # a device shard: from a CPU optimizer, asynchronously
             self.transfers.upload(values, self.shard)
             return

@@ -192,7 +192,11 @@ class ShardedUnit:
         """Lay the current parameter values into the flat buffer (same on every rank), keep the shard."""
         device = self.topo.device
         # Laid out in fp32 when the fp32 masters are taken from it, else straight in the compute dtype
-        # (copy_ rounds exactly as .to() does): one unit-sized buffer fewer while building.
+        # (copy_ rounds exactly as .to() does): one unit-sized buffer fewer while building. In fp32 the
+        # masters are the parameters' own values: taken from a shard in memory when an optimizer asks,
+        # not held twice meanwhile (a shard on NVMe keeps a copy, see `_finish_build`).
+        self._fp32_master_from_shard = keep_fp32_master and param_dtype == torch.float32
+        keep_fp32_master = keep_fp32_master and param_dtype != torch.float32
         full_dtype = torch.float32 if keep_fp32_master else param_dtype
         full = torch.zeros(self.layout.padded_numel, dtype=full_dtype, device=device)
         for slot, p in zip(self.layout.slots, self.params, strict=True):
@@ -258,6 +262,9 @@ class ShardedUnit:
         if self.policy.shard_params:
             start, end = self.layout.shard_range(self.topo.rank)
             self.home = self.home_factory(self.name, self.param_flat[start:end], self.resident)
+            if getattr(self, "_fp32_master_from_shard", False) and not isinstance(self.home, MemoryHome):
+                # Taking it from the file later would read the whole model once more.
+                self.initial_master = self.param_flat[self.owned_start : self.owned_end].clone()
         self.state = ParamState.UNSHARDED
         self._point_params_at_flat()
         if self.policy.shard_params and not self.resident:  # a resident unit stays whole from the start
@@ -285,6 +292,30 @@ class ShardedUnit:
                 self.home.end_load()
             else:
                 master = self.param_flat[self.owned_start : self.owned_end].float().clone()
+        return master
+
+    @property
+    def home_holds_master(self) -> bool:
+        """The optimizer's fp32 master is this unit's shard in memory (`share_master`)."""
+        return isinstance(self.home, MemoryHome) and self.home.holds_master
+
+    def share_master(self) -> torch.Tensor:
+        """Take the fp32 master, as `take_initial_master`, and make it the shard itself: one tensor
+        for both, on the shard's memory (optim/states.py [Note: masters in the memory shard]). An
+        fp32 shard is the master already; a compute-dtype shard is replaced by the master, which
+        gathers cast from then on."""
+        home = self.home
+        if not isinstance(home, MemoryHome):
+            raise RuntimeError(f"unit {self.name}: a {type(home).__name__} cannot hold the master, only a MemoryHome")
+        if home.shard.dtype == torch.float32:  # the same numbers: no copy, no conversion
+            if self._master_taken:
+                raise RuntimeError(f"unit {self.name}: the initial master weights were already taken by an optimizer")
+            self._master_taken = True
+            self.initial_master = self._master_source = None
+            home.holds_master = True
+            return home.shard
+        master = self.take_initial_master()
+        home.adopt_master(master)
         return master
 
     # -- unshard / reshard ----------------------------------------------------------------------------
@@ -600,9 +631,15 @@ class ShardedUnit:
         this rank's shard on its tier, and the fp32 master of every element that changed (those
         that did not keep their unrounded fp32 value)."""
         owned = self.param_flat[self.owned_start : self.owned_end]
+        changed = owned != owned_before
+        if self.home_holds_master:  # the shard is the master: only the changed elements, rounded ones kept
+            if bool(changed.any()):
+                self.transfers.wait_uploads()
+                master = self.home.shard  # type: ignore[union-attr]
+                master[changed] = owned[changed].to(master.dtype)
+            return
         if self.home is not None:
             self.home.store(owned)
-        changed = owned != owned_before
         if self.frozen or not bool(changed.any()):
             return  # a frozen unit has no masters: its shard is all there is
         if not self._master_taken and self._master_source is not None:  # hold the file's masters now
@@ -620,6 +657,12 @@ class ShardedUnit:
         """Replace the unit's values by `source`'s (zeroinf.load_weights): this rank's shard on its
         tier, the whole unit where it is kept whole, and the fp32 masters."""
         start, end = self.layout.shard_range(self.topo.rank)
+        if self.home_holds_master:  # the shard is the master: its fp32 values, gathered cast
+            self.transfers.wait_uploads()
+            self.home.shard.copy_(source.read(self.layout, start, end, torch.float32))  # type: ignore[union-attr]
+            if self.state is ParamState.UNSHARDED:
+                all_gather_into(self.param_flat, self.home.finish_load(), self.topo, async_op=False)  # type: ignore[union-attr]
+            return
         shard = source.read(self.layout, start, end, self.param_flat.dtype).to(self.topo.device)
         if self.home is not None:
             self.home.store(shard)

@@ -11,7 +11,9 @@ Memory, per rank, by ledger tag:
   set of non-resident units the prefetch plan keeps unsharded at once (runtime/prefetch.py, forward
   order and its reverse with the backward release lag).
 - `param_shard`: stage 3, the non-resident units' shards on `offload.params` (NVMe: the swap file,
-  and `param_staging` on the host); a resident unit's shard is a slice of its whole buffer.
+  and `param_staging` on the host); a resident unit's shard is a slice of its whole buffer. A shard
+  that is its unit's fp32 master (`ModelPlan.masters_in_memory_shard`) counts 4 bytes per element,
+  and its master is not counted again under `optimizer_state`.
 - `grad_unsharded` (device): stages 0-1 every unit's buffer lives until the end of backward; stages
   2-3 a unit's buffer is freed once reduced, at most three at once (two reductions in flight and one
   filling), plus at stage 3 the resident units' and at stage 2 with accumulation every buffer an
@@ -401,6 +403,9 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             tags[tier][tag] = tags[tier].get(tag, 0) + int(nbytes)
 
     units = plan.units
+    # Units whose fp32 master is their shard in memory ([Note: masters in the memory shard]).
+    shared = [u for u, held in zip(plan.trainable_units, plan.masters_in_memory_shard, strict=True) if held]
+    shared_keys = {u.key for u in shared}
     engine_bytes = o.aio.workers * o.aio.block_bytes  # each NVMe kind's engine: one bounce buffer per worker
     if cfg.stage < 2:  # every buffer lives until the end of backward
         add("device", "param_unsharded", sum(u.unsharded_bytes for u in units))
@@ -418,9 +423,10 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("host", "aio_buffers", engine_bytes)
             if slots := plan.param_cache_slots():
                 add("host", "param_cache", slots * plan.param_staging().buffer_bytes)
-        for u in plan.sharded_units:  # in memory (a split's host part included)
+        for u in plan.sharded_units:  # in memory (a split's host part included); fp32 where it is the master
             if u.param_tier is not Tier.NVME:
-                add(u.param_tier.value, "param_shard", u.shard_bytes)
+                shard_bytes = u.layout.shard_numel * FP32_BYTES if u.key in shared_keys else u.shard_bytes
+                add(u.param_tier.value, "param_shard", shard_bytes)
     mode = step_in_backward_mode(cfg)
     if cfg.stage >= 2:
         if o.gradients == "nvme":
@@ -430,7 +436,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("host", "aio_buffers", engine_bytes)
         elif o.gradients == "host" and not _released(plan):  # device shards: counted in the moments above
             add(o.gradients, "grad_shard", sum(u.grad_shard_bytes for u in plan.trainable_units))
-    state_bytes = 3 * FP32_BYTES * plan.owned_numel
+    state_bytes = 3 * FP32_BYTES * plan.owned_numel - FP32_BYTES * sum(u.owned_numel for u in shared)
     split = plan.optimizer_split()
     if split is not None:  # the host part's states (and copies) on the host, the rest as on NVMe below
         add("host", "optimizer_state", 3 * FP32_BYTES * split.host_numel)

@@ -412,6 +412,28 @@ class ModelPlan:
             for u in self.trainable_units
         )
 
+    @cached_property
+    def masters_in_memory_shard(self) -> tuple[bool, ...]:
+        """Per trainable unit: its fp32 master is its parameter shard in memory, one tensor, not two
+        (optim/states.py [Note: masters in the memory shard]). Holds at stage 3 when the optimizer's
+        states stay in the memory that holds the unit's shard (both on the device; on a CPU device
+        host and device are one memory), without a host/NVMe split, for sharded units in any compute
+        dtype (the shard is then held in fp32 and cast as it is gathered) and for resident ones in fp32
+        (the master is their slice of the whole buffer). Not for a host shard on an accelerator: its
+        copies to the device would cross in fp32 and read the master while a step may write it."""
+        cfg, optimizer = self.cfg, self.cfg.offload.optimizer
+        if cfg.stage != 3 or optimizer not in ("device", "host") or self.optimizer_split() is not None:
+            return (False,) * len(self.trainable_units)
+
+        def same_memory(tier: Tier) -> bool:
+            return self.device_type == "cpu" or (tier is Tier.DEVICE and optimizer == "device")
+
+        fp32 = cfg.param_dtype == "fp32"
+        return tuple(
+            u.param_tier is not Tier.NVME and same_memory(u.param_tier) and (fp32 or not u.resident)
+            for u in self.trainable_units
+        )
+
     def param_cache_slots(self) -> int:
         """Whole shards `offload.param_cache_bytes` holds (tiers/shard_cache.py), at most one per NVMe unit."""
         budget, units = self.cfg.offload.param_cache_bytes, self.nvme_param_units
