@@ -137,6 +137,9 @@ class Engine:
         # inside backward]): called with a unit's index once its reduced gradient is complete.
         self.backward_step: Callable[[int], None] | None = None
         self._step_in_this_backward = False
+        # A checkpoint of this model being written in the background (checkpoint/saving.py
+        # PendingSave): what changes parameters outside a step (`zeroinf.gathered` writes) waits for it.
+        self.pending_save: Any = None
         self._hook_handles = [
             h
             for ui, unit in enumerate(self.units)

@@ -158,3 +158,33 @@ def test_parked_parameters_can_be_edited_before_shard() -> None:
     assert head.is_meta
     zeroinf.shard(model, cfg)
     assert torch.equal(model.state_dict()["head.weight"], -reference)
+
+
+@pytest.mark.parametrize("params", ["nvme", "device"])
+def test_a_write_waits_for_a_background_save(tmp_path: Any, params: str) -> None:
+    """A `gathered(modify=True)` right after `save(blocking=False)` waits for the save's writes: the
+    checkpoint holds the weights and masters from before the write (its writer reads the masters, in
+    the parameter file with `params="nvme"`, in the shard itself with `params="device"`)."""
+    def build(swap: str) -> tuple[torch.nn.Module, zeroinf.AdamW]:
+        offload = zeroinf.OffloadConfig(params=params, optimizer="nvme" if params == "nvme" else "device",
+                                        nvme_dir=str(tmp_path / swap))
+        torch.manual_seed(0)
+        model = zeroinf.shard(Net(), zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload))
+        return model, zeroinf.AdamW(model, lr=1e-2)
+
+    model, opt = build("swap")
+    _step(model, opt, torch.arange(8).view(2, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pending = zeroinf.save(tmp_path / "ckpt", model, opt, step=1, blocking=False)
+    engine = zeroinf.engine_of(model)
+    assert engine.pending_save is pending
+    with zeroinf.gathered(model.blocks[2].up.weight, modify=True) as (weight,):
+        assert engine.pending_save is None and opt.pending_save is None  # finished first
+        weight.fill_(3.0)
+    assert torch.equal(model.state_dict()["blocks.2.up.weight"], torch.full_like(before["blocks.2.up.weight"], 3.0))
+    resumed, resumed_opt = build("swap2")
+    zeroinf.load(tmp_path / "ckpt", resumed, resumed_opt)
+    for key, value in resumed.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    for opt_ in (opt, resumed_opt):
+        opt_.close()

@@ -16,7 +16,8 @@ the training loop runs its next forward and backward passes: those never change 
 or master weights, so no snapshot copy is needed. Masters that live in a parameter file are read
 from that file alone (a plain `pread`, their writes landed when the save started): the host
 buffers and aio engine of those shards belong to training's gathers, which run meanwhile. The next
-`optimizer.step()` (or `wait()`, a second `save`, `load`, `optimizer.close()`) first waits for the
+`optimizer.step()` (or `wait()`, a second `save`, `load`, `optimizer.close()`, or a
+`zeroinf.gathered(..., modify=True)`, whose writes reach the masters) first waits for the
 writes, then finishes the checkpoint: the collective part (chunk lists to rank 0, manifest,
 rename, `latest`) runs there on every rank in the same order, never on the background thread, so it
 cannot interleave with the training's own collectives.
@@ -88,8 +89,8 @@ def save(
     if blocking:
         job.write()
         return job.finish()
-    pending = PendingSave(job, optimizer)
-    optimizer.pending_save = pending
+    pending = PendingSave(job, optimizer, engine)
+    optimizer.pending_save = engine.pending_save = pending
     return pending
 
 
@@ -102,8 +103,8 @@ def finish_pending_save(optimizer: Any) -> str | None:
 class PendingSave:
     """A checkpoint being written in the background; `wait()` (a collective) finishes it."""
 
-    def __init__(self, job: _SaveJob, optimizer: Any) -> None:
-        self._job, self._optimizer = job, optimizer
+    def __init__(self, job: _SaveJob, optimizer: Any, engine: Any) -> None:
+        self._job, self._optimizer, self._engine = job, optimizer, engine
         self._thread = threading.Thread(target=job.write, name="zeroinf-ckpt-save", daemon=True)
         self._thread.start()
         self._result: str | None = None
@@ -120,8 +121,9 @@ class PendingSave:
         """Wait for this rank's writes, then finish the checkpoint on every rank; returns its folder."""
         if self._result is None:
             self._thread.join()
-            if getattr(self._optimizer, "pending_save", None) is self:
-                self._optimizer.pending_save = None
+            for owner in (self._optimizer, self._engine):
+                if getattr(owner, "pending_save", None) is self:
+                    owner.pending_save = None
             self._result = self._job.finish()
         return self._result
 

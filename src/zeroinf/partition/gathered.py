@@ -48,6 +48,8 @@ class _UnitGather:
                 "zeroinf.gathered(..., modify=True); gather every parameter you write in one call, and nest "
                 "only reads inside it"
             )
+        if modify and engine.pending_save is not None:  # its writer may still read what is written here
+            engine.pending_save.wait()  # a collective, as this gather is
         self.was_sharded = unit.state is not ParamState.UNSHARDED and unit.user_gathers == 0
         unit.wait_unshard()
         unit.user_gathers += 1
