@@ -138,3 +138,32 @@ def test_the_plan_predicts_the_files_and_the_bytes(tmp_path: Path) -> None:
         else:  # the plan does not count the shard kept from the end of forward to the start of backward
             assert estimate.time.nvme_read_bytes == read + got["last_shard_bytes"]
         assert estimate.time.nvme_written_bytes == last[("params", "written")] + last[("optimizer", "written")]
+
+
+def test_kept_shards_cover_the_reductions_backward_leaves_running(tmp_path: Path) -> None:
+    """A unit is stepped once its reduction finishes; with several ranks backward leaves two running,
+    so the shards of the units gathered meanwhile are kept too (oldest given back first)."""
+    from zeroinf.partition.shard_home import NvmeParamFiles
+
+    cfg = _cfg(tmp_path)
+    shapes = [UnitShape.of(spec) for spec in discover_units(build_model(), ())]
+    assert plan_units(shapes, cfg, 1).param_buffers_kept_for_masters == 1  # one CPU process: none in flight
+    world2 = plan_units(shapes, cfg, 2)
+    assert world2.param_buffers_kept_for_masters == 1 + world2.reductions_in_flight == 3
+
+    class Pool:
+        released: list[str] = []
+
+        def release(self, buf: str) -> None:
+            self.released.append(buf)
+
+    files = NvmeParamFiles.__new__(NvmeParamFiles)
+    files.pool, files.keep, files._kept = Pool(), 3, {}  # type: ignore[assignment]
+    for name in ("b3", "b2", "b1"):  # backward's gathers
+        files.keep_loaded(name, f"buf-{name}")  # type: ignore[arg-type]
+    assert files.kept("b3") == "buf-b3" and files.pool.released == []  # type: ignore[attr-defined]
+    files.keep_loaded("b0", "buf-b0")  # type: ignore[arg-type]
+    assert files.kept("b3") is None and files.pool.released == ["buf-b3"]  # type: ignore[attr-defined]
+    assert files.take_kept("b2") == "buf-b2" and files.kept("b2") is None
+    files.drop_kept()
+    assert sorted(files.pool.released) == ["buf-b0", "buf-b1", "buf-b3"]  # type: ignore[attr-defined]

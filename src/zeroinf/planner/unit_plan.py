@@ -380,11 +380,15 @@ class ModelPlan:
 
     @property
     def param_buffers_kept_for_masters(self) -> int:
-        """Staging buffers a unit may keep after its backward gather for its step inside backward to
-        take the masters from (partition/shard_home.py [Note: a shard kept for its masters]): one
-        where the parameter file holds the masters and the step runs inside backward, else none."""
+        """Staging buffers units keep after their backward gather for their steps inside backward to
+        take the masters from (partition/shard_home.py [Note: a shard kept for its masters]), where
+        the parameter file holds the masters and the step runs inside backward, else none. A unit is
+        stepped once its reduction is finished, and backward leaves `reductions_in_flight` running
+        before it finishes the oldest: the units gathered meanwhile keep theirs too, one each."""
         kept = any(self.masters_in_param_file) and step_in_backward_mode(self.cfg) == "final"
-        return int(kept and self.param_cache_slots() < len(self.nvme_param_units))  # a whole cache holds them
+        if not kept or self.param_cache_slots() >= len(self.nvme_param_units):  # a whole cache holds them
+            return 0
+        return 1 + self.reductions_in_flight
 
     @property
     def param_writes_from_master(self) -> bool:

@@ -134,7 +134,7 @@ def open_param_files(plan: ModelPlan, tier: NvmeTier) -> NvmeParamFiles | None:
         staging.count, staging.buffer_bytes, alignment_bytes=SWAP_ALIGN_BYTES, ledger=tier.ledger, tag="param_staging"
     )
     cache = ShardCache(slots, staging.buffer_bytes, SWAP_ALIGN_BYTES, tier.ledger) if slots else None
-    return NvmeParamFiles(swap, swap.engine, pool, tier.timeout_s, cache, keep=plan.param_buffers_kept_for_masters > 0)
+    return NvmeParamFiles(swap, swap.engine, pool, tier.timeout_s, cache, keep=plan.param_buffers_kept_for_masters)
 
 
 def open_grad_files(plan: ModelPlan, tier: NvmeTier) -> NvmeGradFiles:
