@@ -176,11 +176,12 @@ class OffloadConfig:
     aio: AioConfig = field(default_factory=AioConfig)
     """The asynchronous I/O engine's settings for every `nvme` tier (table `[offload.aio]`)."""
     step_in_backward: bool | str = AUTO
-    """Step each unit's optimizer states (on `host` or `nvme`) during backward, as soon as its reduced
-    gradient is complete, instead of after it (optim/adamw.py [Note: the step inside backward]).
-    Exact; with clipping or fp16 it is speculative and undone when the norm says so, which on `host`
-    keeps a copy of the stepped states until `step()`. "auto": on for `nvme` states, and for `host`
-    states when neither clipping nor fp16 needs the norm; true: also host with clipping/fp16."""
+    """Step each unit's optimizer states during backward, as soon as its reduced gradient is complete,
+    instead of after it (optim/adamw.py [Note: the step inside backward]); its gradient is then freed,
+    so no gradient buffer of the model's size exists on any tier. Exact; with clipping or fp16 it is
+    speculative and undone when the norm says so, which on `host` or `device` keeps a copy of the
+    stepped states until `step()`. "auto": on for `nvme` states, and for `host` and `device` states
+    when neither clipping nor fp16 needs the norm; true: also host and device with clipping/fp16."""
 
     def __post_init__(self) -> None:
         if isinstance(self.aio, Mapping):

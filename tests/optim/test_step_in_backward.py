@@ -1,5 +1,5 @@
 """The optimizer step inside backward (optim/adamw.py [Note: the step inside backward]) equals the
-step after backward bitwise in fp32: stage 3 (and 2), states on host and on NVMe, world 1 and 2,
+step after backward bitwise in fp32: stage 3 (and 2), states on the device, on host and on NVMe, world 1 and 2,
 with clipping off, with clipping that triggers, and with an fp16 overflow. One spawned group per
 world size runs every pair of cases; each pair differs only in `offload.step_in_backward`."""
 
@@ -34,6 +34,9 @@ SETUPS = {  # stage, offload
     "s3-pnvme-ohost": (3, {"params": "nvme", "optimizer": "host", "gradients": "host"}),
     "s3-onvme-gdevice": (3, {"optimizer": "nvme"}),
     "s2-ohost-gnvme": (2, {"optimizer": "host", "gradients": "nvme"}),
+    # everything on the device: each unit's gradient shard freed once stepped, below FSDP2's peak
+    "s3-odevice-gdev": (3, {}),
+    "s2-odevice-gdev": (2, {}),
 }
 
 
@@ -136,6 +139,7 @@ def test_modes_and_what_speculation_keeps(tmp_path: Path) -> None:
     mode = step_in_backward_mode
     nvme = {"nvme_dir": str(tmp_path)}
     assert mode(dataclasses.replace(base, offload=OffloadConfig(optimizer="device"))) is None
+    assert mode(zeroinf.Config(stage=3, offload=OffloadConfig(optimizer="device"))) == "final"  # no norm needed
     assert mode(dataclasses.replace(base, offload=OffloadConfig(optimizer="nvme", **nvme))) == "speculative"
     assert mode(dataclasses.replace(base, offload=OffloadConfig(optimizer="host"))) is None  # auto: no RAM copy
     assert mode(dataclasses.replace(base, offload=OffloadConfig(optimizer="host", step_in_backward=True))) == (
@@ -156,8 +160,10 @@ def test_modes_and_what_speculation_keeps(tmp_path: Path) -> None:
     opt.close()
 
 
-def _most_gradient_bytes(tmp_path: Path, gradients: str) -> tuple[dict[str, int], int, dict, zeroinf.AdamW]:
-    offload = OffloadConfig(params="nvme", optimizer="host", gradients=gradients, nvme_dir=str(tmp_path))
+def _most_gradient_bytes(
+    tmp_path: Path, gradients: str, optimizer: str = "host", params: str = "nvme"
+) -> tuple[dict[str, int], int, dict, zeroinf.AdamW]:
+    offload = OffloadConfig(params=params, optimizer=optimizer, gradients=gradients, nvme_dir=str(tmp_path))
     cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload)
     model = zeroinf.shard(Stack(), cfg, Topology.single(torch.device("cpu")))
     opt = zeroinf.AdamW(model, lr=1e-2)
@@ -193,5 +199,20 @@ def test_gradients_stepped_inside_backward_are_freed_one_unit_at_a_time(tmp_path
     params = sum(u.layout.numel for u in engine.all_units)
     assert report["host"]["peak_bytes_per_param"] == report["host"]["peak_bytes"] / params
     assert report["host"]["by_tag"]["optimizer_state"] == 12 * sum(u.owned_numel for u in engine.units)
+    opt.close()
+    engine.close()
+
+
+def test_on_the_device_each_gradient_is_freed_once_stepped(tmp_path: Path) -> None:
+    """Everything on the device: the step inside backward frees each unit's gradient shard, so the
+    device never holds the model's gradients (FSDP2 holds all of them until its step), and the
+    device's live bytes are the fp32 masters held as the shards plus the moments: 12 per parameter."""
+    most, one_unit, report, opt = _most_gradient_bytes(tmp_path, "device", optimizer="device", params="device")
+    engine = opt.engine
+    assert opt.step_mode == "final" and opt.units_stepped_in_backward == len(engine.units)
+    assert most["device"] <= one_unit, most
+    owned = sum(u.owned_numel for u in engine.units)
+    assert report["device"]["by_tag"]["optimizer_state"] == 8 * owned
+    assert report["device"]["live_bytes"] == 12 * owned
     opt.close()
     engine.close()

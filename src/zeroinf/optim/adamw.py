@@ -18,24 +18,27 @@ per sub-group: swap in, fused AdamW on the masters, cast into the compute params
 whole owned range is updated), swap out -> all-gather (stages 1-2).
 
 [Note: the step inside backward]
-With the states on `host` or `nvme` (`offload.step_in_backward`, optim `step_mode`), each unit is
-stepped inside the last micro-step's backward as soon as its reduced gradient is complete (the
-engine calls `_step_unit_in_backward`), while backward goes on with the other units: the state
-swaps overlap backward's compute and I/O, and the reduced gradient is taken where the collective
-left it (unit.py `hand_off`), so with one micro-step it never goes to its tier and back (8 bytes
-per parameter per step when gradients are on NVMe). The states are read ahead along the order
-in which the last step's backward completed the units (`SubGroupStream`); `step()` steps the units
-completed at the end of backward and finishes. The result is bitwise the step after backward:
+Wherever the states are (`offload.step_in_backward`, optim `step_mode`), each unit is stepped
+inside the last micro-step's backward as soon as its reduced gradient is complete (the engine
+calls `_step_unit_in_backward`), while backward goes on with the other units: the state swaps
+overlap backward's compute and I/O, and the reduced gradient is taken where the collective left it
+(unit.py `hand_off`), so with one micro-step it never goes to its tier and back (8 bytes per
+parameter per step when gradients are on NVMe) and is freed once its unit is stepped: on the
+device, too, no gradient of the model's size exists (12 bytes per parameter instead of 16 at the
+peak of a stage-3 run held on the device; FSDP2 keeps every gradient until its step). The states
+are read ahead along the order in which the last step's backward completed the units
+(`SubGroupStream`); `step()` steps the units completed at the end of backward and finishes. The
+result is bitwise the step after backward:
 the same kernel on the same values with the same hyperparameters. Two things need every gradient:
 - Global-norm clipping and the fp16 overflow check. Without them ("final") each unit's step is
   final as it goes. With them ("speculative") units are stepped with coefficient 1 / loss scale,
   and `step()` computes the norm exactly as the step after backward would (every gradient landed
   on its tier first, so the same bits decide). If clipping triggered or fp16 overflowed, the step
   is undone: NVMe states were written to each sub-group's second swap slot, so the first still
-  holds the old ones (disk space x2, no extra bytes moved); host states were copied before each
-  update (12 bytes per stepped element of RAM until `step()`, so `auto` speculates on host only
-  when asked: `step_in_backward = true`). Then the whole step is redone after backward with the
-  clipped gradients (or skipped, the old parameters written back). After a step that clipped,
+  holds the old ones (disk space x2, no extra bytes moved); host and device states were copied
+  before each update (12 bytes per stepped element of memory until `step()`, so `auto` speculates
+  there only when asked: `step_in_backward = true`). Then the whole step is redone after backward
+  with the clipped gradients (or skipped, the old parameters written back). After a step that clipped,
   the next one holds back (steps after backward): clipping tends to persist, and a run that clips
   every step then pays one undo, not one per step.
 - Hyperparameters changed between backward and `step()`: a speculative step is redone with the
@@ -489,13 +492,20 @@ class AdamW(torch.optim.Optimizer):
         grad = raw * session.coef if session.coef != 1.0 else raw  # the original stays for a redo
         grads: list = [None] * len(self.engine.units)
         grads[ui] = grad
-        crossing = _GradsToHost(self.engine.transfers, grads, self.states.sub_groups, self._unit_sub_groups[ui])
+        crossing = (  # states on the device step where the gradient is
+            _GradsToHost(self.engine.transfers, grads, self.states.sub_groups, self._unit_sub_groups[ui])
+            if self.states.tier is not Tier.DEVICE else None
+        )
 
         def grad_of(sg: SubGroup) -> torch.Tensor:
-            host_grad = crossing.get(sg)
+            host_grad = crossing.get(sg) if crossing is not None else None
             return host_grad if host_grad is not None else grad[sg.start : sg.end]
 
-        update = self._update_fn(grad_of, crossing.done, session.handles, session.hyper)
+        def done(sg: SubGroup) -> None:
+            if crossing is not None:
+                crossing.done(sg)
+
+        update = self._update_fn(grad_of, done, session.handles, session.hyper)
         try:
             with phase_scope("zeroinf::optimizer"):
                 for index in self._unit_sub_groups[ui]:

@@ -200,11 +200,12 @@ def step_in_backward_mode(cfg: Config) -> str | None:
     "speculative" inside backward, checked against the global norm in `step()` and undone when
     clipping triggers or fp16 overflows."""
     offload = cfg.offload
-    if offload.optimizer not in ("host", "nvme") or offload.step_in_backward is False:
+    if offload.step_in_backward is False:
         return None
     if cfg.grad_clip_norm is None and cfg.param_dtype != "fp16":
         return "final"
-    # Undoing needs the old states: on nvme a second swap slot (disk only), on host a copy in RAM.
+    # Undoing needs the old states: on nvme a second swap slot (disk only), on host or the device a
+    # copy in memory (12 bytes per stepped element), made only when asked.
     return "speculative" if offload.optimizer == "nvme" or offload.step_in_backward is True else None
 
 
