@@ -79,6 +79,16 @@ def global_batch(step: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tenso
     return data[:, :-1], data[:, 1:]
 
 
+def train_step(model: nn.Module, opt: object, step: int) -> float:
+    """One optimizer step of a sharded TinyGPT on `global_batch(step)`; returns the loss."""
+    x, y = global_batch(step)
+    loss = model(x, y)
+    opt.backward(loss)  # type: ignore[attr-defined]
+    opt.step()  # type: ignore[attr-defined]
+    opt.zero_grad()  # type: ignore[attr-defined]
+    return loss.item()
+
+
 def build_model(name: str = "tiny_gpt", seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "zoo":

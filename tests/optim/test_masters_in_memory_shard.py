@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zeroinf
-from tests._parity import LR, build_model, global_batch
+from tests._parity import LR, build_model, global_batch, train_step
 from zeroinf import OffloadConfig
 from zeroinf.memory import Tier
 from zeroinf.partition.wrap import discover_units
@@ -62,12 +62,7 @@ def _train(cfg: zeroinf.Config, steps: int, folder: Path | None = None) -> dict:
             assert unit.home.shard.dtype == torch.float32
     losses = []
     for step in range(steps):
-        x, y = global_batch(step)
-        loss = model(x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, step))
         if step == 0:
             _edit(model)
     if folder is not None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zeroinf
-from tests._parity import LR, build_model, global_batch
+from tests._parity import LR, build_model, train_step
 from zeroinf import OffloadConfig
 from zeroinf.memory import Tier
 from zeroinf.partition.wrap import discover_units
@@ -54,12 +54,7 @@ def _train(cfg: zeroinf.Config) -> dict:
     losses, traffic = [], []
     for step in range(STEPS):
         before = engine.io_report()["by_kind"]
-        x, y = global_batch(step)
-        loss = model(x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, step))
         for unit in engine.units:  # writes behind still in flight would be counted in the next step
             if hasattr(unit.home, "read_range"):
                 unit.home._finish_own_write()

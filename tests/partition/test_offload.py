@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zeroinf
-from tests._parity import LR, build_model, global_batch
+from tests._parity import LR, build_model, train_step
 from zeroinf import OffloadConfig
 from zeroinf.topology import Topology
 
@@ -21,12 +21,7 @@ def train(offload: OffloadConfig, steps: int = 3) -> list[float]:
     opt = zeroinf.AdamW(model, lr=LR)
     losses = []
     for step in range(steps):
-        x, y = global_batch(step)
-        loss = model(x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, step))
     opt.close()
     zeroinf.engine_of(model).close()
     return losses
