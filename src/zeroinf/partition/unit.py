@@ -166,6 +166,7 @@ class ShardedUnit:
         self._read_buffer: torch.Tensor | None = None  # NVMe shards: pool buffer lent by owned_grad()
         self.grad_sq_norm: float | None = None  # NVMe shards: squared L2 norm, kept at write time
         self._master_source: Callable[[], torch.Tensor] | None = None
+        self._fp32_master_from_shard = False  # fp32 built in place: the master is read from the shard
         if source is None:
             self._build_buffers(param_dtype, keep_fp32_master, realize)
         else:
@@ -262,7 +263,7 @@ class ShardedUnit:
         if self.policy.shard_params:
             start, end = self.layout.shard_range(self.topo.rank)
             self.home = self.home_factory(self.name, self.param_flat[start:end], self.resident)
-            if getattr(self, "_fp32_master_from_shard", False) and not isinstance(self.home, MemoryHome):
+            if self._fp32_master_from_shard and not isinstance(self.home, MemoryHome):
                 # Taking it from the file later would read the whole model once more.
                 self.initial_master = self.param_flat[self.owned_start : self.owned_end].clone()
         self.state = ParamState.UNSHARDED
