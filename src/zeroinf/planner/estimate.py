@@ -564,9 +564,11 @@ def step_time(
     fb_s = max(compute_s + collectives_s, fb_io_s)
     opt_s = max(optimizer_s, opt_io_s)
     if mode is not None and _grads_stay_in_memory(cfg):
-        # Stepped inside backward: the state swaps share backward's window with its I/O; the update
-        # itself overlaps an accelerator's compute, and takes the same cores as a CPU device's.
-        cpu_bound = compute_s + collectives_s + (optimizer_s if profile.device == "cpu" else 0.0)
+        # Stepped inside backward: the state swaps share backward's window with its I/O; a CPU update
+        # overlaps an accelerator's compute, and takes the same cores as a CPU device's; states on the
+        # device are updated by the device itself, between its backward kernels.
+        serial = profile.device == "cpu" or cfg.offload.optimizer == "device"
+        cpu_bound = compute_s + collectives_s + (optimizer_s if serial else 0.0)
         fb_s = max(cpu_bound, optimizer_s, fb_io_s + opt_io_s)
         opt_s = 0.0
     parts = {
