@@ -121,15 +121,20 @@ class _GradOnDisk:
 class _GradsToHost:
     """Gradients reduced on the device for a step on the CPU (optimizer states on host or nvme,
     gradients on the device): each sub-group's gradient slice crosses through a pool buffer of the
-    transfer owner, the next one's copy in flight while this one is updated."""
+    transfer owner, the next one's copy in flight while this one is updated. With the states on the
+    device (`states_tier` DEVICE) nothing crosses: `get` gives None and the update reads the gradient
+    where it is."""
 
-    def __init__(self, transfers: Transfers, grads: list, sub_groups: list[SubGroup], order: list[int]) -> None:
+    def __init__(
+        self, transfers: Transfers, grads: list, sub_groups: list[SubGroup], order: list[int], states_tier: Tier
+    ) -> None:
         self.transfers, self.grads, self.sub_groups, self.order = transfers, grads, sub_groups, order
+        self._crosses = states_tier is not Tier.DEVICE
         self._position = {index: pos for pos, index in enumerate(order)}
         self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor, Landing]] = {}
 
     def _start(self, pos: int) -> None:
-        if pos >= len(self.order) or pos in self._in_flight:
+        if not self._crosses or pos >= len(self.order) or pos in self._in_flight:
             return
         sg = self.sub_groups[self.order[pos]]
         grad = self.grads[sg.unit_index]
@@ -414,7 +419,7 @@ class AdamW(torch.optim.Optimizer):
         handles: list[Handle] = session.handles if session is not None else []
         on_disk: list[_GradOnDisk | None] = [None]
         order = [sg.index for sg in store.sub_groups if grads[sg.unit_index] is not None]
-        crossing = _GradsToHost(transfers, grads, store.sub_groups, order) if store.tier is not Tier.DEVICE else None
+        crossing = _GradsToHost(transfers, grads, store.sub_groups, order, store.tier)
 
         def grad_of(sg: SubGroup) -> torch.Tensor:
             grad = grads[sg.unit_index]
@@ -424,14 +429,10 @@ class AdamW(torch.optim.Optimizer):
                     on_disk[0].drop()  # sub-groups come unit by unit: the previous unit is done
                 on_disk[0] = grad
                 grad = grad.load()
-            host_grad = crossing.get(sg) if crossing is not None else None
+            host_grad = crossing.get(sg)
             return host_grad if host_grad is not None else grad[sg.start : sg.end]
 
-        def done(sg: SubGroup) -> None:
-            if crossing is not None:
-                crossing.done(sg)
-
-        update = self._update_fn(grad_of, done, handles, session.hyper if session is not None else None)
+        update = self._update_fn(grad_of, crossing.done, handles, session.hyper if session is not None else None)
         if session is None:
             store.check("read")
             self._pipeline.run(order, update)
@@ -492,20 +493,15 @@ class AdamW(torch.optim.Optimizer):
         grad = raw * session.coef if session.coef != 1.0 else raw  # the original stays for a redo
         grads: list = [None] * len(self.engine.units)
         grads[ui] = grad
-        crossing = (  # states on the device step where the gradient is
-            _GradsToHost(self.engine.transfers, grads, self.states.sub_groups, self._unit_sub_groups[ui])
-            if self.states.tier is not Tier.DEVICE else None
+        crossing = _GradsToHost(
+            self.engine.transfers, grads, self.states.sub_groups, self._unit_sub_groups[ui], self.states.tier
         )
 
         def grad_of(sg: SubGroup) -> torch.Tensor:
-            host_grad = crossing.get(sg) if crossing is not None else None
+            host_grad = crossing.get(sg)
             return host_grad if host_grad is not None else grad[sg.start : sg.end]
 
-        def done(sg: SubGroup) -> None:
-            if crossing is not None:
-                crossing.done(sg)
-
-        update = self._update_fn(grad_of, done, session.handles, session.hyper)
+        update = self._update_fn(grad_of, crossing.done, session.handles, session.hyper)
         try:
             with phase_scope("zeroinf::optimizer"):
                 for index in self._unit_sub_groups[ui]:

@@ -98,15 +98,17 @@ class MemoryHome:
         self.holds_master = False
 
     def adopt_master(self, master: torch.Tensor) -> None:
-        """Hold the fp32 `master` (in this shard's memory) as the shard, dropping the compute-dtype
-        one: gathers cast it from now on (optim/states.py [Note: masters in the memory shard])."""
+        """Hold the fp32 `master` (in this shard's memory) as the shard: the shard itself when it is
+        fp32 already, else in place of the compute-dtype one, which gathers then cast from (optim/
+        states.py [Note: masters in the memory shard])."""
         if master.device != self.shard.device or master.numel() != self.shard.numel():
             raise ValueError(
                 f"a master of {master.numel()} elements on {master.device} cannot replace a shard of "
                 f"{self.shard.numel()} on {self.shard.device}"
             )
-        self.ledger.release(self.tier, self.shard.numel() * self.shard.element_size(), PARAM_KIND)
-        self.ledger.reserve(self.tier, master.numel() * master.element_size(), PARAM_KIND)
+        if master is not self.shard:
+            self.ledger.release(self.tier, self.shard.numel() * self.shard.element_size(), PARAM_KIND)
+            self.ledger.reserve(self.tier, master.numel() * master.element_size(), PARAM_KIND)
         self.shard, self.holds_master = master, True
 
     def start_load(self) -> None:

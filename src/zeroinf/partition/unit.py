@@ -313,7 +313,7 @@ class ShardedUnit:
                 raise RuntimeError(f"unit {self.name}: the initial master weights were already taken by an optimizer")
             self._master_taken = True
             self.initial_master = self._master_source = None
-            home.holds_master = True
+            home.adopt_master(home.shard)
             return home.shard
         master = self.take_initial_master()
         home.adopt_master(master)
