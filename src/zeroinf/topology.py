@@ -54,11 +54,20 @@ def default_device() -> torch.device:
     return device
 
 
+def cuda_in_use() -> bool:
+    """Whether this process computes on a CUDA device: `ZEROINF_DEVICE` when set, else whether CUDA is
+    available. Host memory is pinned, and plans and profiles are made for the GPU, only then: a run
+    pinned to the CPU on a GPU machine (the test suite's default) never creates a CUDA context."""
+    pinned = os.environ.get(DEVICE_ENV, "").strip()
+    if pinned:
+        return torch.device(pinned).type == "cuda"
+    return torch.cuda.is_available()
+
+
 def check_ranks_fit(nproc: int) -> None:
     """Before launching `nproc` ranks on this machine: each needs a GPU of its own unless the ranks
     run on the CPU (no CUDA, or ZEROINF_DEVICE=cpu). Raises ValueError naming the fix."""
-    pinned = os.environ.get(DEVICE_ENV, "").strip()
-    if (pinned and torch.device(pinned).type == "cpu") or not torch.cuda.is_available():
+    if not cuda_in_use():
         return
     count = torch.cuda.device_count()
     if nproc > count:

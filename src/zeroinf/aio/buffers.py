@@ -20,6 +20,7 @@ import torch
 
 from zeroinf.aio.errors import BufferPoolTimeout
 from zeroinf.memory import Ledger, Tier, format_bytes
+from zeroinf.topology import cuda_in_use
 
 PAGE_BYTES = mmap.PAGESIZE
 
@@ -31,12 +32,13 @@ def round_up(nbytes: int, alignment_bytes: int) -> int:
 def aligned_empty(nbytes: int, alignment_bytes: int = 4096, *, pin: bool | None = None) -> torch.Tensor:
     """A 1-D uint8 CPU tensor of `nbytes` whose data_ptr is a multiple of `alignment_bytes`.
 
-    pin=None pins exactly when CUDA is available. The memory is not zeroed when pinned.
+    pin=None pins exactly when this process computes on CUDA (`topology.cuda_in_use`). The memory is
+    not zeroed when pinned.
     """
     if nbytes <= 0:
         raise ValueError(f"aligned_empty: nbytes={nbytes} must be positive")
     if pin is None:
-        pin = torch.cuda.is_available()
+        pin = cuda_in_use()
     if pin:  # GPU branch: the caching host allocator gives page-locked memory; slice to alignment
         raw = torch.empty(nbytes + alignment_bytes, dtype=torch.uint8, pin_memory=True)
         start = (-raw.data_ptr()) % alignment_bytes

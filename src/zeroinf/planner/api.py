@@ -27,6 +27,7 @@ from zeroinf.planner.estimate import Capacity, Estimate, Workload, describe_plac
 from zeroinf.planner.model_facts import ExampleInputs, ModelFacts, PassFacts, from_hf, from_module, from_preset
 from zeroinf.planner.profile import MachineProfile, available_ram_bytes, load_profile
 from zeroinf.planner.unit_plan import plan_units
+from zeroinf.topology import cuda_in_use
 
 DEFAULT_SEQ_LEN = 2048
 """Tokens per sequence when none is given: the model's context, at most this."""
@@ -152,7 +153,7 @@ def plan(
     seq = seq_len or min(facts.seq_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
     tokens = tokens_per_step or seq * world_size * base.grad_accum_steps
     work = Workload(tokens, seq, world_size, base.grad_accum_steps)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda") if cuda_in_use() else torch.device("cpu")
     pass_facts = facts.pass_facts(work.micro_batch, seq, base.param_dtype, device)
     if pass_facts is None:
         notes.append("activations not measured (the planner cannot call this module: pass example_inputs)")
@@ -248,7 +249,7 @@ def predict_built(
     cfg, world = unit_plan.cfg, unit_plan.world_size
     profile = profile or load_profile()
     work = Workload(tokens_per_step, seq_len, world, cfg.grad_accum_steps)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda") if cuda_in_use() else torch.device("cpu")
     pass_facts = facts.pass_facts(work.micro_batch, seq_len, cfg.param_dtype, device) if facts is not None else None
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     capacity = machine_capacity(profile, cfg.offload.nvme_dir, ranks_here)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from zeroinf.topology import cuda_in_use
+
 PROFILE_VERSION = 3
 MATMUL_SIZES = (64, 128, 256, 512, 1024, 2048)
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # x86 AMX / AVX512-BF16; aarch64 "bf16" (BFMMLA)
@@ -66,7 +68,7 @@ def native_bf16(device_type: str | None = None) -> bool:
     AVX512-BF16 instruction sets (aarch64: the bf16 feature), from /proc/cpuinfo, or PyTorch's
     CPU capability naming AMX. A CPU with AVX2 only (or AVX512 without BF16) emulates bf16.
     """
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or ("cuda" if cuda_in_use() else "cpu")
     if device_type == "cuda":
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
     if cpu_flags() & set(BF16_CPU_FLAGS):
@@ -256,7 +258,7 @@ class MachineProfile:
 
 
 def device_name() -> str:
-    if torch.cuda.is_available():
+    if cuda_in_use():
         return torch.cuda.get_device_name()
     return "cpu"
 
@@ -280,7 +282,7 @@ def default_profile() -> MachineProfile:
     """Conservative figures for this kind of machine, used until `zeroinf plan --measure` runs."""
     n = cores()
     bf16 = native_bf16()
-    if torch.cuda.is_available():
+    if cuda_in_use():
         free, total = torch.cuda.mem_get_info()
         dense = 50e12 if bf16 else 10e12
         matmul = {
@@ -591,7 +593,7 @@ def measure_profile(
     machine (each with its share of the cores) reads its rank's figures (`MachineProfile.for_threads`).
     """
     baseline = rss_bytes()
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda") if cuda_in_use() else torch.device("cpu")
     base = default_profile()
     n = cores()
     with _threads(n):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from zeroinf.memory import Ledger, Tier, format_bytes
+from zeroinf.topology import cuda_in_use
 
 
 class HostCapError(MemoryError):
@@ -25,8 +26,9 @@ class HostCapError(MemoryError):
 
 
 def pin_by_default() -> bool:
-    """Host tensors are pinned exactly when a CUDA device can copy from them asynchronously."""
-    return torch.cuda.is_available()
+    """Host tensors are pinned exactly when this process computes on a CUDA device, which copies
+    from them asynchronously (pinning on a CPU run would only create a CUDA context)."""
+    return cuda_in_use()
 
 
 def host_zeros(
