@@ -192,13 +192,16 @@ class ResidentStateStore:
                 'or use offload.optimizer = "nvme"',
             )
             # One initial master at a time: copied into its states, then dropped (the states and all
-            # the masters never exist together: 12, not 16 bytes per element at the peak).
+            # the masters never exist together: 12, not 16 bytes per element at the peak). Only the
+            # master crosses to the device (updated parameters): the moments are never pinned.
             for i, numel in enumerate(source.numels):
+                moments = [
+                    host_zeros(numel, torch.float32, ledger, "optimizer_state", pin=False) for _ in STATE_KINDS[1:]
+                ]
                 if self._shared[i]:
-                    moments = (host_zeros(numel, torch.float32, ledger, "optimizer_state") for _ in STATE_KINDS[1:])
                     self.states.append(StateViews(source.take(i), *moments))
                     continue
-                views = StateViews(*(host_zeros(numel, torch.float32, ledger, "optimizer_state") for _ in STATE_KINDS))
+                views = StateViews(host_zeros(numel, torch.float32, ledger, "optimizer_state"), *moments)
                 views.master.copy_(source.take(i))
                 self.states.append(views)
         else:
