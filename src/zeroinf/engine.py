@@ -280,6 +280,7 @@ class Engine:
 
     def _root_pre_forward(self, _: nn.Module) -> None:
         assert self.scheduler is not None
+        self.transfers.order_uploads()  # parameters updated by the last step, before any kernel reads them
         self.scheduler.begin_forward(training=torch.is_grad_enabled())
 
     def _root_post_forward(self, _: nn.Module, output: Any) -> None:
@@ -414,6 +415,7 @@ class Engine:
             )
 
     def end_step(self) -> None:
+        self.transfers.order_uploads()  # whatever runs after the step reads the new parameters
         self._mark_io_step()
         self.micro_step = 0
         self.counter.end_step()

@@ -155,3 +155,22 @@ def test_cuda_copy_is_ordered_and_frees_its_source() -> None:
     assert float(total) == pytest.approx(float(torch.arange(1 << 22, dtype=torch.float64).sum()), rel=1e-5)
     assert torch.equal(copy.tensor.cpu(), torch.arange(1 << 22, dtype=torch.float32))
     assert transfers.stats.total["h2d_copies"] == 1 and transfers.stats.total["pageable_copies"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy streams need a CUDA device")
+def test_cuda_upload_is_ordered_before_the_next_reader() -> None:
+    """An upload leaves the compute stream free until `order_uploads` (its next reader); a kernel
+    queued after that sees the new values, cast on the device (fp32 host -> bf16 parameters)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    transfers = Transfers(device, Ledger())
+    out = torch.zeros(1 << 20, dtype=torch.bfloat16, device=device)
+    values = torch.full((1 << 20,), 3.0).pin_memory()
+    transfers.upload(values, out)
+    assert len(transfers._unordered_uploads) == 1  # the compute stream has not been made to wait
+    transfers.order_uploads()
+    assert not transfers._unordered_uploads
+    total = out.float().sum()
+    transfers.wait_uploads()
+    assert float(total) == 3.0 * (1 << 20)
+    assert transfers.stats.total["h2d_copies"] == 1 and transfers.stats.total["pageable_copies"] == 0

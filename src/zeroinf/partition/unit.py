@@ -344,6 +344,7 @@ class ShardedUnit:
             return
         assert self.home is not None
         shard = self.home.finish_load()
+        self.transfers.order_uploads()  # a device shard an optimizer on the host just updated
         storage = self.param_flat.untyped_storage()
         storage.resize_(self.unsharded_bytes)
         self.ledger.reserve(Tier.DEVICE, self.unsharded_bytes, "param_unsharded")
@@ -694,5 +695,6 @@ class ShardedUnit:
             if not self.policy.shard_optimizer:
                 return DoneHandle()
             source = self.param_flat[self.owned_start : self.owned_end]
+        self.transfers.order_uploads()  # the all-gather reads the shard just uploaded
         self.counter.add("all_gather")
         return all_gather_into(self.param_flat, source, self.topo)

@@ -211,6 +211,7 @@ class Transfers:
         self.pool = HostPool(self, pin=self.accelerated and torch.cuda.is_available())
         self._landings: deque[Landing] = deque()  # issued, not yet retired, oldest first
         self._upload_sources: list[torch.Event] = []  # uploads whose host source may still be read
+        self._unordered_uploads: list[torch.Event] = []  # uploads the compute stream does not wait for yet
         self._source_readers: list[Callable[[], None]] = []  # other readers of masters (NVMe writes): waits
 
     # -- events -----------------------------------------------------------------------------------
@@ -259,7 +260,8 @@ class Transfers:
 
     def upload(self, values: torch.Tensor, out: torch.Tensor) -> None:
         """Write `values` (any dtype, host or device) into the device tensor `out` (updated
-        parameters after an optimizer step), ordered before the compute stream's next kernels.
+        parameters after an optimizer step); `order_uploads()` orders it before the compute
+        stream's next kernels (see [Note: uploads are ordered before the next reader, not at once]).
 
         From the host: the bytes cross in `values`' dtype into a device temporary on the h2d stream
         (after the compute stream's queued work, which may still read `out`), then are cast into
@@ -280,8 +282,25 @@ class Transfers:
                 landed.copy_(values, non_blocking=True)
                 out.copy_(landed)
         done = self._record(self.h2d)
-        compute.wait_event(done)
+        self._unordered_uploads.append(done)
         self._upload_sources.append(done)
+
+    # [Note: uploads are ordered before the next reader, not at once]
+    # An optimizer stepping inside backward uploads each unit's new parameters while the backward
+    # kernels of the other units are still being queued. Had the compute stream waited for each
+    # upload as it was issued, those kernels (which never read that unit's parameters: its gradients
+    # are complete) would wait behind every copy, and the copies behind them: compute and copies in
+    # series. The wait is issued where something reads the parameters next instead: a unit's
+    # gather (`ShardedUnit.start_unshard`), the all-gather of an updated shard, the start of the
+    # next forward, and the end of the step (`Engine.end_step`), before anything after it.
+    def order_uploads(self) -> None:
+        """Make the compute stream wait for every upload issued so far (no CPU wait)."""
+        if not self._unordered_uploads:
+            return
+        compute = self._compute_stream()
+        for event in self._unordered_uploads:
+            compute.wait_event(event)
+        self._unordered_uploads.clear()
 
     def reads_source(self, wait: Callable[[], None]) -> None:
         """Something else reads an optimizer's master in the background (the NVMe write of an updated
@@ -382,6 +401,7 @@ class Transfers:
 
     def close(self) -> None:
         """Finish every transfer and free the pool (the engine's close)."""
+        self.order_uploads()
         self.retire()
         self.wait_uploads()
         self.pool.clear()
