@@ -173,6 +173,7 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
         "skipped": skipped,
         "stepped_in_backward": stepped_in_backward,  # units per step (optim/adamw.py)
         "rollbacks": opt.rollbacks,
+        "background_kernels": opt._background.submitted if opt._background is not None else 0,
         "weights": _weights(model, rank),
         "optimizer_state_bytes": report["device"]["by_tag"].get("optimizer_state", 0),
         "host_optimizer_state_bytes": report["host"]["by_tag"].get("optimizer_state", 0),

@@ -182,6 +182,11 @@ class OffloadConfig:
     speculative and undone when the norm says so, which on `host` or `device` keeps a copy of the
     stepped states until `step()`. "auto": on for `nvme` states, and for `host` and `device` states
     when neither clipping nor fp16 needs the norm; true: also host and device with clipping/fp16."""
+    step_thread: bool | str = AUTO
+    """With the step inside backward and the optimizer states on `host`: run each unit's CPU AdamW
+    kernel on a worker thread, so the rest of backward keeps being queued on the accelerator
+    meanwhile (optim/background.py). "auto": on when the compute device is an accelerator (on a CPU
+    device backward and the step share the cores); results are the same either way."""
 
     def __post_init__(self) -> None:
         if isinstance(self.aio, Mapping):
@@ -202,8 +207,9 @@ class OffloadConfig:
                 "offload.nvme_dir", None,
                 f"offload.{nvme_tiers[0]} is 'nvme': set nvme_dir to a local folder for the swap files",
             )
-        if self.step_in_backward not in (True, False, AUTO):
-            raise ConfigError("offload.step_in_backward", self.step_in_backward, f"use true, false or {AUTO!r}")
+        for name in ("step_in_backward", "step_thread"):
+            if getattr(self, name) not in (True, False, AUTO):
+                raise ConfigError(f"offload.{name}", getattr(self, name), f"use true, false or {AUTO!r}")
         _positive_int("offload.sub_group_numel", self.sub_group_numel)
         count = self.buffer_count
         if isinstance(count, bool) or not isinstance(count, int) or count < 2:

@@ -136,6 +136,8 @@ class Engine:
         # Set by zeroinf.AdamW when it steps units inside backward (optim/adamw.py [Note: the step
         # inside backward]): called with a unit's index once its reduced gradient is complete.
         self.backward_step: Callable[[int], None] | None = None
+        # Called before backward's last hook touches the units: the optimizer's background kernels finish.
+        self.backward_step_barrier: Callable[[], None] | None = None
         self._step_in_this_backward = False
         # A checkpoint of this model being written in the background (checkpoint/saving.py
         # PendingSave): what changes parameters outside a step (`zeroinf.gathered` writes) waits for it.
@@ -374,6 +376,8 @@ class Engine:
         hooks.queue_end_of_backward(self._end_backward)
 
     def _end_backward(self) -> None:
+        if self.backward_step_barrier is not None:
+            self.backward_step_barrier()
         self._in_backward = False
         self.micro_step += 1
         for unit in self.units:

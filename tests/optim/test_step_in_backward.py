@@ -37,6 +37,9 @@ SETUPS = {  # stage, offload
     # everything on the device: each unit's gradient shard freed once stepped, below FSDP2's peak
     "s3-odevice-gdev": (3, {}),
     "s2-odevice-gdev": (2, {}),
+    # the CPU kernels on a worker thread (optim/background.py) while backward goes on
+    "s3-ohost-ghost-thread": (3, {"params": "host", "optimizer": "host", "gradients": "host", "step_thread": True}),
+    "s3-ohost-gdev-thread": (3, {"optimizer": "host", "step_thread": True}),
 }
 
 
@@ -44,7 +47,9 @@ def _cases(folder: Path, world: int) -> list[Case]:
     cases = []
     for setup, (stage, tiers) in SETUPS.items():
         for variant, fields in VARIANTS.items():
-            if world == 2 and (setup.startswith("s2") or variant == "clip-idle" or setup.endswith("gdevice")):
+            if world == 2 and (
+                setup.startswith("s2") or variant == "clip-idle" or setup.endswith(("gdevice", "gdev-thread"))
+            ):
                 continue  # world 2: stage 3, states on NVMe and on host, the three decisions (suite time)
             for on in (False, True):
                 name = f"{setup}-{variant}-{'in' if on else 'after'}"
@@ -71,7 +76,10 @@ def _compare(results: dict[str, dict]) -> None:
         # It did step inside backward (not after it under another name), and undid what it had to.
         assert max(got["stepped_in_backward"]) > 0, name
         assert max(ref["stepped_in_backward"]) == 0 and ref["rollbacks"] == 0, name
-        variant = name.split("-", 3)[-1].removesuffix("-in")
+        # The worker thread ran the kernels exactly where asked (offload.step_thread).
+        assert (got["background_kernels"] > 0) == ("-thread-" in name), name
+        stem = name.removesuffix("-in")
+        variant = next(v for v in sorted(VARIANTS, key=len, reverse=True) if stem.endswith("-" + v))
         if variant in ("clip", "fp16-overflow"):
             assert got["rollbacks"] >= 1, name
         else:

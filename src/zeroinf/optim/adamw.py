@@ -44,6 +44,10 @@ the same kernel on the same values with the same hyperparameters. Two things nee
 - Hyperparameters changed between backward and `step()`: a speculative step is redone with the
   new ones; a final step cannot be, so it completes with the backward-time values and `step()`
   raises, naming the groups. LR schedulers change them after `step()`, which is fine.
+With the states in host memory and an accelerator computing backward (`offload.step_thread`),
+each unit's CPU kernel runs on a worker thread (optim/background.py) and the rest of backward
+keeps being queued meanwhile; the unit's upload and the release of its gradient follow on the
+backward thread once its kernel is done, and the engine waits for the worker before backward ends.
 `zero_grad()` between backward and `step()` is refused once units were stepped (the step cannot
 be unmade without speculation). With gradient accumulation at stage 3 the earlier micro-steps'
 shards are already on their tier; those units are stepped in `step()` as before.
@@ -64,9 +68,10 @@ from torch.optim.adamw import adamw as functional_adamw
 from zeroinf.comm import Handle
 from zeroinf.engine import Engine, engine_of
 from zeroinf.memory import Tier
+from zeroinf.optim.background import BackgroundSteps
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
 from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline, SubGroupStream
-from zeroinf.optim.states import MasterHome, MasterSource, build_state_store
+from zeroinf.optim.states import MasterHome, MasterSource, ResidentStateStore, build_state_store
 from zeroinf.partition.unit import GradState, ShardedUnit
 from zeroinf.planner.unit_plan import step_in_backward_mode
 from zeroinf.precision import DynamicLossScaler
@@ -238,6 +243,7 @@ class AdamW(torch.optim.Optimizer):
         self.rollbacks = 0  # speculative steps undone (clipping triggered, fp16 overflow, changed lr)
         self.units_stepped_in_backward = 0  # in the last step
         self._hold_back = False  # the last step clipped: this one steps after backward (likely clips again)
+        self._background: BackgroundSteps | None = None  # kernels stepped inside backward on a worker thread
         if self.step_mode is not None:
             if self.engine.backward_step is not None:
                 raise RuntimeError(
@@ -251,6 +257,16 @@ class AdamW(torch.optim.Optimizer):
                     bound(ui)
 
             self.engine.backward_step = step_unit
+            if self._wants_step_thread():
+                self._background = BackgroundSteps()
+                barrier = weakref.WeakMethod(self._background.drain)
+
+                def drain() -> None:
+                    bound = barrier()
+                    if bound is not None:
+                        bound()
+
+                self.engine.backward_step_barrier = drain
         self.engine.optimizer_io = (self.states, self._pipeline)  # for the engine's I/O report
         # Per sub-group: (param group, [(slot, start, end) relative to the sub-group]) per group it meets.
         self._sub_group_runs: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
@@ -271,6 +287,15 @@ class AdamW(torch.optim.Optimizer):
         # The fused kernel increments the step tensors it is given; these are set to each parameter's
         # count before every call (one tensor per cut: a parameter split over sub-groups is counted once).
         self._step_tensors: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def _wants_step_thread(self) -> bool:
+        """`offload.step_thread`: states wholly in host memory (a CPU kernel, nothing to swap), and
+        an accelerator computing backward beside it (or asked for explicitly)."""
+        setting = self.engine.cfg.offload.step_thread
+        resident_host = isinstance(self.states, ResidentStateStore) and self.states.tier is Tier.HOST
+        if setting is False or not resident_host:
+            return False
+        return setting is True or self.engine.topo.device.type != "cpu"
 
     # -- the training-loop protocol ------------------------------------------------------------------
     @property
@@ -305,6 +330,8 @@ class AdamW(torch.optim.Optimizer):
         if self.pending_save is not None:  # see zeroinf/checkpoint/saving.py [Note: saving without stopping ...]
             self.pending_save.wait()
         engine = self.engine
+        if self._background is not None:
+            self._background.drain()
         self.states.require_healthy()  # an I/O error inside backward's step tells first
         engine.require_step_boundary()
         # Gradients still on their way to the host arrive (their NVMe norms are set), and the last
@@ -396,19 +423,37 @@ class AdamW(torch.optim.Optimizer):
         done: Callable[[SubGroup], None],
         handles: list[Handle],
         hyper: list[dict[str, Any]] | None = None,
+        background: BackgroundSteps | None = None,
+        then: Callable[[], None] | None = None,
     ) -> Callable[[Staged], None]:
-        """The update of one staged sub-group: AdamW, then the unit's new params once its master is whole."""
+        """The update of one staged sub-group: AdamW, then the unit's new params once its master is whole,
+        then `then()`. With `background`, the AdamW kernel runs on its worker and the rest once it is done."""
         units, store, transfers = self.engine.units, self.states, self.engine.transfers
 
         def update(staged: Staged) -> None:
             sg = staged.sub_group
-            self._adamw(sg, staged.views, grad_of(sg), hyper)
-            done(sg)
-            master = store.collect_master(staged)
-            if master is not None:  # a resident master (no staging buffer) stays as it is until wait_uploads
-                handles.append(units[sg.unit_index].start_update_params(master, stable=staged.buffer is None))
-                if staged.buffer is not None:  # a staging buffer, reused soon: uploads must have read it
-                    transfers.wait_uploads()
+            grad = grad_of(sg)
+
+            def complete() -> None:
+                done(sg)
+                master = store.collect_master(staged)
+                if master is not None:  # a resident master (no staging buffer) stays as it is until wait_uploads
+                    handles.append(units[sg.unit_index].start_update_params(master, stable=staged.buffer is None))
+                    if staged.buffer is not None:  # a staging buffer, reused soon: uploads must have read it
+                        transfers.wait_uploads()
+                if then is not None:
+                    then()
+
+            if background is not None:  # only the kernel runs there; `complete` back on this thread
+
+                def kernel() -> None:
+                    with torch.no_grad():  # grad mode is per thread: the worker's starts enabled
+                        self._adamw(sg, staged.views, grad, hyper)
+
+                background.submit(kernel, complete)
+                return
+            self._adamw(sg, staged.views, grad, hyper)
+            complete()
 
         return update
 
@@ -501,19 +546,33 @@ class AdamW(torch.optim.Optimizer):
             host_grad = crossing.get(sg)
             return host_grad if host_grad is not None else grad[sg.start : sg.end]
 
-        update = self._update_fn(grad_of, crossing.done, session.handles, session.hyper)
+        indices = self._unit_sub_groups[ui]
+        background = self._background
+
+        def after_unit() -> None:  # once every sub-group of the unit is updated: its gradient is done with
+            if session.speculative:
+                unit.land_handed_off()
+            else:
+                unit.release_handed_off()
+
+        remaining = [len(indices)]
+
+        def after_sub_group() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                after_unit()
+
+        update = self._update_fn(grad_of, crossing.done, session.handles, session.hyper, background, after_sub_group)
         try:
+            if background is not None:
+                background.complete_finished()  # earlier units' uploads and releases, without waiting
             with phase_scope("zeroinf::optimizer"):
-                for index in self._unit_sub_groups[ui]:
+                for index in indices:
                     session.stream.update(index, update)
         except BaseException:
             self._session = None  # the stream is aborted and the store marked: every later step refuses
             raise
         session.stepped.append(ui)
-        if session.speculative:
-            unit.land_handed_off()
-        else:
-            unit.release_handed_off()
 
     def _undo(self, session: _BackwardStep, restore_params: bool) -> None:
         """Roll a speculative step back: the states before it; with `restore_params`, the parameters too
@@ -636,4 +695,8 @@ class AdamW(torch.optim.Optimizer):
             self.pending_save.wait()
         if self.step_mode is not None:
             self.engine.backward_step = None
+        if self._background is not None:
+            self.engine.backward_step_barrier = None
+            self._background.close()
+            self._background = None
         self.states.close()
