@@ -1,0 +1,40 @@
+"""`zeroinf.init()` on a GPU (`pytest -m gpu`): construction under it gives the model that eager
+construction on that device gives from the same seed, bit for bit (the CPU matrix is
+tests/partition/test_construction.py). Parameters on the device and on the host, fp32, world 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeroinf
+from tests.partition._construction import build
+from tests.partition.test_construction import _cfg, _differences, _snapshot
+from zeroinf.topology import Topology
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="construction on CUDA needs a CUDA device"),
+]
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+@pytest.mark.parametrize("model_name", ["gpt", "llama", "gpt2", "custom"])
+def test_init_builds_the_eager_cuda_model_bitwise(model_name: str, tier: str, tmp_path: Path) -> None:
+    topo = Topology.single(CUDA)
+    cfg = _cfg(tier, "fp32", str(tmp_path))
+    with torch.device(CUDA):  # eager construction on the device: the CUDA generator draws the values
+        eager = build(model_name)
+    zeroinf.shard(eager, cfg, topo)
+    expected = _snapshot(eager)
+    zeroinf.engine_of(eager).close()
+    with zeroinf.init(cfg, topology=topo):
+        built = build(model_name)
+    zeroinf.shard(built, cfg, topo)
+    got = _snapshot(built)
+    zeroinf.engine_of(built).close()
+    assert not _differences(expected, got), _differences(expected, got)
