@@ -23,6 +23,11 @@ installed, or cannot hold a placement, are listed as skipped with the reason.
   python benchmarks/vs_peers.py --preset 1b --seq 2048 --batch 4 --placements device,opt-host,host
   python benchmarks/vs_peers.py --model gpt --preset 98m --ranks 2 --threads 1 --seq 128 --batch 1 \
       --engines zeroinf,deepspeed --placements device,opt-host,nvme
+  python benchmarks/vs_peers.py --preset 3b --seq 2048 --batch 4 --ckpt --engines zeroinf,fsdp2 \
+      --placements device --repeats 1        # the GPU issue's memory row: activation checkpointing
+
+`--ckpt`: activation checkpointing in every engine (zeroinf: `Config(activation_checkpointing=True)`;
+the others: Hugging Face's `gradient_checkpointing_enable()`, Llama only).
 
 Prints one JSON object: the machine (CPU model included), the arguments, per (engine, placement) the
 median s/step, TFLOP/s, peak GPU memory, peak RSS per rank, bytes moved per step between host and
@@ -80,7 +85,7 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def skip_reason(engine: str, placement: str, model: str, ranks: int) -> str | None:
+def skip_reason(engine: str, placement: str, model: str, ranks: int, ckpt: bool = False) -> str | None:
     """Why `engine` cannot run `placement` here, or None."""
     if model == "llama" and importlib.util.find_spec("transformers") is None:
         return "transformers is not installed (pip install transformers)"
@@ -97,6 +102,8 @@ def skip_reason(engine: str, placement: str, model: str, ranks: int) -> str | No
             return "FSDP2 offloads parameters, gradients and optimizer states together (placement host)"
         if placement == "nvme":
             return "FSDP2 has no NVMe tier"
+    if ckpt and model == "gpt" and engine not in ("zeroinf", "zeroinf-cache"):
+        return "--ckpt uses Hugging Face's gradient_checkpointing_enable() for the peers: --model llama"
     if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed is not installed (pip install deepspeed; apt-get install libaio-dev for NVMe)"
     return None
@@ -212,6 +219,8 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
     """(step(x) -> loss, zeroinf-sharded module or None) for engine `a.engine` at `a.placement`."""
     low = dtype != torch.float32
     hf = a.model == "llama"
+    if a.ckpt and a.engine not in ("zeroinf", "zeroinf-cache"):
+        model.gradient_checkpointing_enable()
     if a.engine == "plain":
         model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
@@ -233,7 +242,9 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
         offload = zeroinf.OffloadConfig(
             params=params, optimizer=optimizer, gradients=gradients, nvme_dir=a.nvme_dir, param_cache_bytes=cache
         )
-        cfg = zeroinf.Config(stage=3, param_dtype="bf16" if low else "fp32", offload=offload)
+        cfg = zeroinf.Config(
+            stage=3, param_dtype="bf16" if low else "fp32", offload=offload, activation_checkpointing=a.ckpt
+        )
         if a.ranks > 1:
             join_world(device)
         topo = zeroinf.Topology.current(device=device) if a.ranks > 1 else zeroinf.Topology.single(device)
@@ -371,7 +382,7 @@ def launch(a: argparse.Namespace, engine: str, placement: str, dtype: str, nvme_
         sys.executable, os.path.abspath(__file__), "--worker", "--engine", engine, "--placement", placement,
         "--dtype", dtype, "--model", a.model, "--preset", a.preset, "--seq", str(a.seq), "--batch", str(a.batch),
         "--steps", str(a.steps), "--warmup", str(a.warmup), "--nvme-dir", nvme_dir, "--ranks", str(a.ranks),
-        "--threads", str(a.threads or 0), "--param-cache", str(a.param_cache),
+        "--threads", str(a.threads or 0), "--param-cache", str(a.param_cache), *(["--ckpt"] if a.ckpt else []),
     ]
     env = dict(os.environ)
     if a.threads:
@@ -444,7 +455,7 @@ def side_by_side(a: argparse.Namespace) -> dict[str, Any]:
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for engine in engines:
         for placement in placements:
-            reason = skip_reason(engine, placement, a.model, a.ranks)
+            reason = skip_reason(engine, placement, a.model, a.ranks, a.ckpt)
             if reason is not None:
                 results[(engine, placement)] = {"status": "skipped", "reason": reason}
             else:
@@ -523,6 +534,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 on CUDA or a bf16 CPU, else fp32")
     p.add_argument("--nvme-root", help="folder for the nvme placement's files (default: the temp folder)")
     p.add_argument("--run-timeout-s", type=float, default=1800.0)
+    p.add_argument("--ckpt", action="store_true", help="activation checkpointing in every engine")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
