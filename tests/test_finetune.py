@@ -79,11 +79,25 @@ def runs(workspace: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return full, resumed
 
 
-def test_loss_decreases(runs: tuple[dict[str, Any], dict[str, Any]]) -> None:
+def test_loss_decreases(workspace: Path, runs: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     losses = runs[0]["losses"]
     assert len(losses) == 12
     # a fresh batch every step: compare means of three, not single steps
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    # and without the batch-to-batch noise: the tuned model against the base on the same documents
+    # (12 LoRA steps on a random model move the loss by ~0.08 nats here; the margin is a sanity bound,
+    # since how far it moves depends on the machine's kernels and the transformers release)
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "tuned")
+    docs = [json.loads(line)["text"] for line in (workspace / "data.jsonl").read_text().splitlines()[:16]]
+    ids = torch.stack([torch.tensor(tokenizer(doc)["input_ids"][:32]) for doc in docs])
+    held = {}
+    for name in ("base", "tuned"):
+        model = AutoModelForCausalLM.from_pretrained(workspace / name, dtype=torch.float32)
+        with torch.no_grad():
+            held[name] = model(ids, labels=ids).loss.item()
+    assert held["tuned"] < held["base"] - 0.02, held
 
 
 def test_resume_continues_bitwise(runs: tuple[dict[str, Any], dict[str, Any]]) -> None:
