@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU checks of the GPU issue, one part per call of a lent machine (each part fits its 10-minute
+# limit on an H100 with 16 cores; a session gets about 30 minutes of device time in all):
+#
+#   bash benchmarks/gpu_batch.sh tests     # `pytest -m gpu`, then the whole suite (CPU ranks) with xdist
+#   bash benchmarks/gpu_batch.sh bench-1b  # 1.1B Llama, bf16, 4 x 2048 tokens: plain, zeroinf, FSDP2 x placements
+#   bash benchmarks/gpu_batch.sh bench-3b  # 3.4B: optimizer on host; on device with activation checkpointing
+#   bash benchmarks/gpu_batch.sh bench-7b  # 6.7B, optimizer on host (the largest-model issue's row)
+#   bash benchmarks/gpu_batch.sh nvme      # 1.1B with parameters and optimizer on NVMe
+#   bash benchmarks/gpu_batch.sh smoke     # a tiny run of the benchmark part, to check this script anywhere
+#
+# Logs and JSON go under $OUT (the device tool's output folder; ./gpu_out elsewhere). DeepSpeed joins the
+# benchmarks when importable (carry its wheel, see ../shared/gpu/README.md; TORCH_CUDA_ARCH_LIST=9.0 on Hopper).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part="${1:?usage: gpu_batch.sh tests|bench-1b|bench-3b|bench-7b|nvme|smoke}"
+out="${OUT:-$PWD/gpu_out}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+{ nvidia-smi -L; lscpu | grep "Model name"; nproc; free -g | head -2; df -h "${TMPDIR:-/tmp}" | tail -1
+  python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"
+} > "$out/machine.txt" 2>&1
+engines="plain,zeroinf,fsdp2"
+python3 -c "import deepspeed" 2>/dev/null && engines="$engines,deepspeed"
+peers() {  # name, then vs_peers.py arguments
+    local name="$1"; shift
+    timeout 560 python3 benchmarks/vs_peers.py --seq 2048 --batch 4 --steps 4 --warmup 2 --repeats 1 \
+        --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
+    echo "$name: rc=$?"; python3 - "$out/$name.json" <<'EOF'
+import json, sys
+try:
+    doc = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    sys.exit(f"  no JSON: {e}")
+for r in doc["results"]:
+    gib = lambda b: "-" if b is None else f"{b / 2**30:.1f}"
+    if r["status"] == "ok":
+        print(f"  {r['engine']:>9} {r['placement']:>8} {r['s_per_step']:.3f} s/step  "
+              f"GPU {gib(r['peak_gpu_bytes'])} GiB  RSS {gib(r['peak_rss_bytes'])} GiB")
+    else:
+        print(f"  {r['engine']:>9} {r['placement']:>8} {r['status']}: {r.get('reason', r.get('error', ''))[:200]}")
+EOF
+}
+case "$part" in
+    tests)
+        # -m gpu first; then the default suite. --dist loadfile keeps a module's spawned matrix in one
+        # worker (module-scoped fixtures would otherwise run once per worker); one thread per rank.
+        timeout 200 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests > "$out/gpu_tests.log" 2>&1
+        echo "gpu tests: rc=$?"; tail -3 "$out/gpu_tests.log"
+        OMP_NUM_THREADS=1 timeout 380 python3 -m pytest -q -rfE -p no:cacheprovider -n 8 --dist loadfile \
+            --durations=25 tests > "$out/suite.log" 2>&1
+        echo "suite: rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/suite.log" | tail -25 ;;
+    bench-1b) peers 1b --preset 1b --engines "$engines" --placements device,opt-host,host ;;
+    bench-3b)
+        peers 3b_offload --preset 3b --engines "${engines/plain,/}" --placements opt-host,host
+        peers 3b_ckpt --preset 3b --ckpt --engines zeroinf,fsdp2 --placements device ;;
+    bench-7b) peers 7b --preset 7b --steps 3 --engines zeroinf --placements opt-host ;;
+    smoke) peers smoke --preset tiny --seq 64 --batch 2 --steps 2 --warmup 1 --engines plain,zeroinf \
+        --placements device,host ;;  # the script itself, on any machine in a minute
+    nvme) peers 1b_nvme --preset 1b --engines "${engines/plain,/}" --placements nvme ;;
+    *) echo "unknown part: $part" >&2; exit 2 ;;
+esac
