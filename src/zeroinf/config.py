@@ -159,8 +159,10 @@ class OffloadConfig:
     """Folder for the swap files, required when any tier is `nvme`; created if missing, checked for room."""
     sub_group_numel: int = 2**22
     """Most elements per optimizer sub-group on `nvme`; staging takes 12 B/element (48 MiB per buffer)."""
-    buffer_count: int = 3
-    """Host staging buffers for `nvme` sub-groups (>= 2); 3 overlap reading k+1 and writing k-1 with k."""
+    buffer_count: int | str = AUTO
+    """Host staging buffers for `nvme` sub-groups (>= 2); 3 overlap reading k+1 and writing k-1 with k.
+    "auto": room to read a unit's states while its backward runs as the previous unit's are written
+    (2 units' sub-groups + 2, within 1 GiB of staging), or 3 under `max_host_bytes`."""
     max_host_bytes: int | None = None
     """Cap on host bytes for offload (staging, or the states on `host`), e.g. "16GiB"; None: no cap. With
     an `nvme_dir`, what exceeds it goes to NVMe, split by unit and spread along the step order:
@@ -212,8 +214,10 @@ class OffloadConfig:
                 raise ConfigError(f"offload.{name}", getattr(self, name), f"use true, false or {AUTO!r}")
         _positive_int("offload.sub_group_numel", self.sub_group_numel)
         count = self.buffer_count
-        if isinstance(count, bool) or not isinstance(count, int) or count < 2:
-            raise ConfigError("offload.buffer_count", count, "use an integer >= 2 (3 overlaps reads, writes)")
+        if count != AUTO and (isinstance(count, bool) or not isinstance(count, int) or count < 2):
+            raise ConfigError(
+                "offload.buffer_count", count, f"use an integer >= 2 (3 overlaps reads, writes) or {AUTO!r}"
+            )
         for name in ("max_host_bytes", "param_cache_bytes"):
             value = getattr(self, name)
             if isinstance(value, str):

@@ -136,6 +136,9 @@ class Engine:
         # Set by zeroinf.AdamW when it steps units inside backward (optim/adamw.py [Note: the step
         # inside backward]): called with a unit's index once its reduced gradient is complete.
         self.backward_step: Callable[[int], None] | None = None
+        # Called with a unit's index when its backward begins (the unit is gathered): the optimizer
+        # starts reading that unit's states, so they arrive while its backward computes.
+        self.backward_prepare: Callable[[int], None] | None = None
         # Called before backward's last hook touches the units: the optimizer's background kernels finish.
         self.backward_step_barrier: Callable[[], None] | None = None
         self._step_in_this_backward = False
@@ -332,6 +335,8 @@ class Engine:
             self._begin_backward()
         assert self.scheduler is not None
         self.scheduler.pre_backward(index)
+        if self._step_in_this_backward and self.backward_prepare is not None and index < len(self.units):
+            self.backward_prepare(index)
 
     def _external_pre_backward(self, units: list[int]) -> None:
         if not self._in_backward:

@@ -241,3 +241,81 @@ def test_removing_the_swap_folder_during_a_step_fails_that_step(
     assert isinstance(error, AioError) and error.op == "write", error
     assert "zeroinf-rank0-optimizer_" in error.path
     opt.close()
+
+
+# -- reads started ahead by a hint (the step inside backward: a unit's states while its backward runs) ------
+class _Unfinished:
+    """A write still in flight: the hint must never wait for it."""
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        raise AssertionError("prefetch waited for a write in flight")
+
+
+def test_prefetch_fills_free_slots_only_and_never_waits() -> None:
+    store, trace = FakeStore(8, 5), []
+    stream = SubGroupPipeline(store, timeout_s=5, trace=trace).open(range(8), lookahead=1)
+    assert stream.prefetch([0, 1, 2, 3, 4, 5, 6]) == 5  # five slots: five reads, the rest on update
+    assert store.lent == 5 and [e for e in trace if e[0] == "swap_in"] == [("swap_in", k) for k in range(5)]
+    assert stream.prefetch([5, 6]) == 0  # no free slot: nothing waits, nothing is dropped
+    stream.update(0, lambda staged: None)  # its read was already there
+    assert trace.count(("swap_in", 0)) == 1
+    # a write still in flight keeps its slot: the hint passes over it rather than waiting
+    real = store.start_swap_out
+    store.start_swap_out = lambda staged: Pending("swap_out", staged, [_Unfinished()])  # type: ignore[method-assign]
+    stream.update(1, lambda staged: None)
+    store.start_swap_out = real  # type: ignore[method-assign]
+    assert stream.prefetch([7]) == 1  # sub-group 0's write had finished: its slot is reclaimed
+    assert stream.prefetch([6]) == 0 and len(stream._writes) == 1  # 1's write is still in flight
+    stream._writes[-1][1].handles.clear()  # that write lands
+    stream._writes[-1][1].release_when_done = False
+    store.lent -= 1  # (the fake store's count of lent buffers)
+    for k in range(2, 8):
+        stream.update(k, lambda staged: None)
+    stream.finish()
+    assert [e for e in trace if e[0] == "update"] == [("update", k) for k in range(8)]
+    assert store.max_lent <= 5 and not [e for e in trace if e[0] == "dropped"]
+
+
+def test_prefetch_reclaims_finished_writes_without_waiting() -> None:
+    store = FakeStore(6, 3)
+    stream = SubGroupPipeline(store, timeout_s=5).open(range(6), lookahead=1)
+    for k in range(3):
+        stream.update(k, lambda staged: None)  # three writes done but holding slots until reclaimed
+    assert stream.prefetch([3, 4, 5]) >= 2  # the finished writes gave their slots back
+    for k in range(3, 6):
+        stream.update(k, lambda staged: None)
+    stream.finish()
+    assert store.lent == 0
+
+
+def test_a_units_states_are_read_while_its_backward_runs(tmp_path: Path) -> None:
+    """Fully on NVMe at stage 3: every sub-group of a unit stepped inside backward was read before the
+    unit's first update (started when its backward began), and the masters came from the gathered
+    shards, not from the parameter file (28 bytes per parameter a step, as with reads on demand)."""
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=zeroinf.OffloadConfig(
+        params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=str(tmp_path), sub_group_numel=1024,
+    ))
+    model = zeroinf.shard(Stack(6), cfg, Topology.single(torch.device("cpu")))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    _OPEN.append(opt)
+    for _ in range(2):  # the first step traces the order
+        _train_step(model, opt)
+    trace: list[tuple[str, int]] = []
+    opt._pipeline.trace = trace
+    _train_step(model, opt)
+    groups = opt.states.sub_groups
+    per_unit: dict[int, list[int]] = {}
+    for sg in groups:
+        per_unit.setdefault(sg.unit_index, []).append(sg.index)
+    assert max(len(v) for v in per_unit.values()) >= 4  # several sub-groups per unit
+    at = {event: i for i, event in enumerate(trace)}
+    stepped = [ui for ui, ks in per_unit.items() if ("update", ks[0]) in at]
+    assert len(stepped) == len(per_unit)
+    read_before = sum(at[("swap_in", k)] < at[("update", per_unit[ui][0])] for ui in stepped for k in per_unit[ui])
+    assert read_before == len(groups), f"{read_before} of {len(groups)} sub-groups read before their unit's update"
+    assert opt.states.staging_slots >= 2 * max(len(v) for v in per_unit.values())  # "auto"
+    io = zeroinf.memory_report(model)["io"]["last_step"]
+    assert 27.0 < io["bytes_per_param"] <= 28.5, io

@@ -38,7 +38,7 @@ def test_host_units_are_spread_along_the_order_and_fill_the_budget() -> None:
 
 
 # Small staging, so that a tiny model's states (~0.5 MB) outweigh the NVMe part's buffers.
-SMALL_IO = {"sub_group_numel": 2048, "aio": {"workers": 1, "block_bytes": 16384, "queue_depth": 1}}
+SMALL_IO = {"sub_group_numel": 2048, "buffer_count": 3, "aio": {"workers": 1, "block_bytes": 16384, "queue_depth": 1}}
 
 
 def _plan(offload: OffloadConfig, world: int, stage: int = 3, **cfg: object):

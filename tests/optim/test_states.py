@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +163,11 @@ def test_ledger_and_traffic_per_tier(tmp_path: Path) -> None:
                 >= state_bytes
             )
             assert "optimizer_state" not in on["device"] and "optimizer_state" not in on["host"]
-            # 3 buffers x 3 states x 1000 fp32 (each state 4 KiB aligned)
-            assert on["host"]["optimizer_staging"] == 3 * 3 * 4096
+            # buffer_count "auto": two units' sub-groups and two more, each buffer 3 states x 1000 fp32
+            # (each state 4 KiB aligned)
+            per_unit = max(Counter(sg.unit_index for sg in opt.states.sub_groups).values())
+            assert opt.states.staging_slots == max(3, 2 * per_unit + 2)
+            assert on["host"]["optimizer_staging"] == opt.states.staging_slots * 3 * 4096
         else:
             assert on[tier]["optimizer_state"] == state_bytes
         assert dict(opt.states.traffic.last_step) == {

@@ -191,9 +191,10 @@ class SubGroupPipeline:
         if self.trace is not None:
             self.trace.append((event, index))
 
-    def open(self, expected: Sequence[int]) -> SubGroupStream:
-        """A stream that will update (some of) `expected`, most likely in that order."""
-        return SubGroupStream(self, expected)
+    def open(self, expected: Sequence[int], lookahead: int | None = None) -> SubGroupStream:
+        """A stream that will update (some of) `expected`, most likely in that order; it reads
+        `lookahead` sub-groups ahead (default: every slot but the two of the update and a write)."""
+        return SubGroupStream(self, expected, self.lookahead if lookahead is None else max(1, lookahead))
 
     def run(self, order: Sequence[int], update: Callable[[Staged], None]) -> None:
         """Update the sub-groups `order` (indices into store.sub_groups) in that order."""
@@ -212,8 +213,8 @@ class SubGroupStream:
     every transfer in flight has finished.
     """
 
-    def __init__(self, pipeline: SubGroupPipeline, expected: Sequence[int]) -> None:
-        self.pipeline, self.store = pipeline, pipeline.store
+    def __init__(self, pipeline: SubGroupPipeline, expected: Sequence[int], lookahead: int) -> None:
+        self.pipeline, self.store, self.lookahead = pipeline, pipeline.store, lookahead
         self.expected = list(expected)
         self._rank = {index: pos for pos, index in enumerate(self.expected)}
         self._cursor = 0  # expected[:cursor] are all done
@@ -270,14 +271,40 @@ class SubGroupStream:
             self._cursor += 1
         found: list[int] = []
         pos = self._cursor
-        while pos < len(self.expected) and len(found) < self.pipeline.lookahead:
+        while pos < len(self.expected) and len(found) < self.lookahead:
             index = self.expected[pos]
             if index not in self.done and index != after and self.store.swaps(index):
                 found.append(index)
             pos += 1
         return found
 
+    def _reap_writes(self) -> None:
+        """Give back the slots of swap-outs that have finished, oldest first, without waiting."""
+        while self._writes and all(h.done() for h in self._writes[0][1].handles):
+            self._finish_oldest_write()
+
     # -- the protocol -------------------------------------------------------------------------------------
+    def prefetch(self, indices: Sequence[int]) -> int:
+        """Start reading `indices` now, in that order, into slots that are free without waiting (a
+        hint: what finds no slot is read when it is updated). Returns how many reads it started."""
+        if self.closed:
+            return 0
+        started = 0
+        try:
+            self._reap_writes()
+            slots = self.store.staging_slots
+            for index in indices:
+                if index in self.done or index in self._reads or not self.store.swaps(index):
+                    continue
+                if slots is not None and self._held >= slots:
+                    break
+                self._issue_read(index)
+                started += 1
+        except BaseException as error:
+            self.abort(error, None)
+            raise
+        return started
+
     def update(self, index: int, fn: Callable[[Staged], None]) -> None:
         """Swap sub-group `index` in (or take its prefetched read), run `fn`, start its swap-out."""
         if self.closed:

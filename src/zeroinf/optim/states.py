@@ -343,13 +343,13 @@ class NvmeStateStore:
         aio = aio or cfg.aio
         plan = plan_optimizer_staging(source.numels, cfg, aio)  # the sizes zeroinf.plan predicts
         self.sub_groups = list(plan.sub_groups)
-        self.staging_slots = cfg.buffer_count
+        self.staging_slots = plan.pool.count
         self._state_bytes = plan.state_bytes
         assembly_numel = plan.assembly_numel
         check_host_cap(
             plan.host_bytes + aio.workers * aio.block_bytes,
             cfg.max_host_bytes,
-            f"the optimizer's nvme staging ({cfg.buffer_count} buffers of {3 * self._state_bytes} bytes, "
+            f"the optimizer's nvme staging ({plan.pool.count} buffers of {3 * self._state_bytes} bytes, "
             f"a {assembly_numel * _FP32_BYTES}-byte assembly buffer, {aio.workers} I/O buffers)",
             "raise the cap, or lower offload.sub_group_numel or offload.buffer_count",
         )

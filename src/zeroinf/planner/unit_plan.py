@@ -13,6 +13,7 @@ Sizes are per rank: every rank's shard of a unit has the same size (the flat buf
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -24,7 +25,7 @@ import torch
 
 from zeroinf.aio.buffers import round_up
 from zeroinf.aio.config import AioConfig
-from zeroinf.config import DTYPES, Config, OffloadConfig
+from zeroinf.config import AUTO, DTYPES, Config, OffloadConfig
 from zeroinf.memory import Tier
 from zeroinf.optim.pipeline import SubGroup, plan_sub_groups
 from zeroinf.partition.flat_buffer import FlatLayout
@@ -211,17 +212,31 @@ def step_in_backward_mode(cfg: Config) -> str | None:
 
 def plan_optimizer_staging(owned_numels: Sequence[int], offload: OffloadConfig, aio: AioConfig) -> OptimizerStaging:
     """Sub-groups of at most `offload.sub_group_numel` and the pool that stages them (pure)."""
-    return _optimizer_staging(tuple(owned_numels), offload.sub_group_numel, offload.buffer_count, aio.alignment_bytes)
+    count = offload.buffer_count
+    if count == AUTO:
+        count = 0 if offload.max_host_bytes is None else AUTO_STAGING_UNDER_CAP
+    return _optimizer_staging(tuple(owned_numels), offload.sub_group_numel, int(count), aio.alignment_bytes)
+
+
+AUTO_STAGING_BYTES = 2**30
+"""At most this much staging when `offload.buffer_count` is "auto" (and no `max_host_bytes`)."""
+AUTO_STAGING_UNDER_CAP = 3
+"""`offload.buffer_count` "auto" under `max_host_bytes`: the fewest that overlap reads and writes."""
 
 
 @functools.lru_cache(maxsize=16)  # a plan weighs many placements of the same units
 def _optimizer_staging(
     owned_numels: tuple[int, ...], sub_group_numel: int, buffer_count: int, alignment: int
 ) -> OptimizerStaging:
+    """`buffer_count` 0: "auto", room for two units' sub-groups and two more within AUTO_STAGING_BYTES
+    (optim/adamw.py [Note: states read while their unit's backward runs])."""
     sub_groups = tuple(plan_sub_groups(list(owned_numels), sub_group_numel))
     slot_numel = max((sg.numel for sg in sub_groups), default=1)
     state_bytes = round_up(slot_numel * FP32_BYTES, alignment)
     assembly_numel = max((sg.unit_numel for sg in sub_groups if not sg.whole_unit), default=0)
+    if buffer_count == 0:
+        per_unit = max(collections.Counter(sg.unit_index for sg in sub_groups).values(), default=1)
+        buffer_count = max(3, min(2 * per_unit + 2, AUTO_STAGING_BYTES // (3 * state_bytes)))
     return OptimizerStaging(sub_groups, state_bytes, StagingPlan(buffer_count, 3 * state_bytes), assembly_numel)
 
 
