@@ -113,8 +113,10 @@ class Engine:
         self.units = built[: len(specs)]
         self.frozen_units = built[len(specs) :]
         self.all_units = built  # trainable first: a trainable unit's index is the same in both lists
-        if offloaded:
-            reuse_step_buffers()
+        # Training from here: also after a build under zeroinf.init without offload, whose 1 MiB
+        # building threshold would otherwise stay and fault every large buffer in afresh each step
+        # (98M GPT in memory, bf16, 2 ranks: 1.27 s/step against 0.93 built eagerly).
+        reuse_step_buffers()
         module.to(topo.device)  # buffers and frozen parameters; unit parameters are already there
         # Frozen parameters and floating-point buffers take the compute dtype in place (as
         # `module.to(param_dtype)` would), so mixed-dtype arithmetic does not upcast activations.

@@ -41,17 +41,43 @@ def _measure() -> None:
     print(json.dumps({"mapped": mapped, "reused": reused}))
 
 
+def _measure_after_init_and_shard() -> None:
+    """A model built under zeroinf.init and sharded with everything in memory (no offload): the
+    engine leaves the building threshold behind, so training reuses its buffers."""
+    import zeroinf
+    from zeroinf.models.gpt import GPT, GPTConfig
+    from zeroinf.topology import Topology
+
+    cfg = zeroinf.Config(stage=3)
+    with zeroinf.init(cfg):
+        model = GPT(GPTConfig.preset("tiny"))
+    zeroinf.shard(model, cfg, Topology.single(torch.device("cpu")))
+    print(json.dumps({"trained": _faults_reallocating()}))
+
+
+def _counts(*args: str) -> dict[str, int]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.tiers.test_host_allocator", *args], capture_output=True, text=True,
+        timeout=120, cwd=Path(__file__).resolve().parents[2], check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(host._libc("mallopt") is None, reason="needs glibc")
 def test_building_returns_large_buffers_and_training_reuses_them() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.tiers.test_host_allocator"], capture_output=True, text=True, timeout=120,
-        cwd=Path(__file__).resolve().parents[2], check=True,
-    )
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = _counts()
     mapped, reused = counts["mapped"], counts["reused"]
     assert mapped >= ROUNDS  # faulted in afresh every round (page by page, or by huge pages)
     assert reused < mapped // 8
 
 
+@pytest.mark.skipif(host._libc("mallopt") is None, reason="needs glibc")
+def test_an_engine_built_under_init_without_offload_trains_with_the_step_threshold() -> None:
+    # against the building threshold's count in a fresh process: before the fix the two were equal
+    # (16392 faults here); now at most the first round faults (2048)
+    mapped = _counts()["mapped"]
+    assert _counts("after-init-shard")["trained"] < mapped // 4, mapped
+
+
 if __name__ == "__main__":
-    _measure()
+    _measure_after_init_and_shard() if sys.argv[1:] == ["after-init-shard"] else _measure()

@@ -102,7 +102,7 @@ def check_host_cap(needed_bytes: int, max_host_bytes: int | None, what: str, fix
 # - Building, under `zeroinf.init` and while an offloaded engine builds its units: parameters are
 #   built, parked or sharded, and freed one after another, and each must go back to the OS
 #   (`map_large_buffers`: 1 MiB, plus `return_freed_memory` after each unit).
-# - Training (`reuse_step_buffers`, set by an offloaded engine once its units are built): a step frees and
+# - Training (`reuse_step_buffers`, set by every engine once its units are built): a step frees and
 #   reallocates the same buffers every time (a unit's gathered parameters and gradients, activations
 #   and their gradients on a CPU device). At 1 MiB every one of them was faulted in afresh each step:
 #   98M GPT, optimizer on host, 2 ranks, 3.38 s/step against 2.19 with the setting below. A fixed
@@ -147,7 +147,7 @@ def map_large_buffers() -> None:
 
 
 def reuse_step_buffers() -> None:
-    """While training with offload: buffers up to 32 MiB are reused from the heap step after step
+    """While training: buffers up to 32 MiB are reused from the heap step after step
     ([Note: glibc's thresholds while building and while training])."""
     mallopt = _libc("mallopt")
     if mallopt is not None:
