@@ -48,6 +48,8 @@ CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] +
     Case("s3-fp32-accum2", 3, accum=2, overrides=S3),
     Case("s3-bf16-clip-live2", 3, "bf16", clip=0.05, overrides=S3 + (("max_live_bytes", 2 * BLOCK_BYTES),)),
     Case("s3-fp16-overflow", 3, "fp16", overflow_step=4, overrides=S3),
+    # no prefetch: only the last block of forward stays gathered into backward
+    Case("s3-fp32-prefetch0", 3, overrides=S3 + (("prefetch_bytes", 0),)),
     # models we did not write (tests/_zoo.py): cross-unit ties, reuse, external module use, unused
     # and frozen parameters, buffers, nested depths, kwargs and dict outputs
     Case("zoo-s2-fp32", 2, model="zoo"),
@@ -116,8 +118,10 @@ def test_stage2_shards_optimizer_states(world_results: tuple[int, dict]) -> None
 
 def test_collective_counts(world_results: tuple[int, dict]) -> None:
     """Per step: stage 2 reduce-scatters and all-gathers each unit once; stages 0-1 all-reduce;
-    stage 3 gathers each block once in forward and once in backward, and the resident root once
-    (refreshed after the optimizer step), and reduce-scatters every unit once per micro-step."""
+    stage 3 gathers each block once in forward and again in backward unless the forward kept it
+    gathered for the backward (runtime/prefetch.py `kept_for_backward`: here all three blocks fit the
+    default prefetch budget; without prefetch only the last), the resident root once (refreshed after
+    the optimizer step), and reduce-scatters every unit once per micro-step."""
     world, results = world_results
     units = 4  # 3 blocks + the root unit
     s2 = results["s2-fp32"][0]["collectives_last_step"]
@@ -131,6 +135,8 @@ def test_collective_counts(world_results: tuple[int, dict]) -> None:
     assert sync.get("reduce_scatter") == 2 * units
     blocks = units - 1
     s3 = results["s3-fp32"][0]["collectives_last_step"]
-    assert s3.get("all_gather") == 2 * blocks + 1 and s3.get("reduce_scatter") == units
+    assert s3.get("all_gather") == blocks + 1 and s3.get("reduce_scatter") == units
     s3acc = results["s3-fp32-accum2"][0]["collectives_last_step"]
-    assert s3acc.get("all_gather") == 2 * 2 * blocks + 1 and s3acc.get("reduce_scatter") == 2 * units
+    assert s3acc.get("all_gather") == 2 * blocks + 1 and s3acc.get("reduce_scatter") == 2 * units
+    s3p0 = results["s3-fp32-prefetch0"][0]["collectives_last_step"]
+    assert s3p0.get("all_gather") == blocks + (blocks - 1) + 1 and s3p0.get("reduce_scatter") == units

@@ -269,7 +269,8 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Placement of model states across tiers."""
     prefetch_bytes: int = 256 * 2**20
-    """Stage 3: unsharded bytes all-gathered ahead of use (beyond the unit running now)."""
+    """Stage 3: unsharded bytes all-gathered ahead of use (beyond the unit running now); the forward's
+    last units within it stay gathered for the backward that starts with them."""
     max_live_bytes: int | None = None
     """Stage 3: cap on unsharded bytes of non-resident units alive at once; None means no cap."""
     persist_threshold_bytes: int = 2**18

@@ -15,12 +15,13 @@ with `release_lag` 1 the unit whose release is still pending is live too. Every 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
 import pytest
 
-from zeroinf.runtime.prefetch import PrefetchPlan, plan_prefetch
+from zeroinf.runtime.prefetch import PrefetchPlan, kept_for_backward, plan_prefetch
 
 UNLIMITED = 2**62
 
@@ -35,12 +36,13 @@ class Replay:
 
 def replay(
     plan: PrefetchPlan, order: list[int], sizes: dict[int, int], resident: set[int], max_live_bytes: int,
-    release_lag: int,
+    release_lag: int, live_at_start: frozenset[int] = frozenset(),
 ) -> Replay:
-    """Replay `plan` the way the runtime executes it; measure live bytes, gathers and budget violations."""
+    """Replay `plan` the way the runtime executes it; measure live bytes, gathers and budget violations.
+    `live_at_start`: units the previous pass left gathered (a prefetch of one of them is a no-op)."""
     assert list(plan.order) == list(order), "the plan must have one step per traced event, in order"
     out = Replay()
-    live: set[int] = set()
+    live: set[int] = set(live_at_start)
     ahead: set[int] = set()  # prefetched, not yet run
     pending: list[tuple[int, int]] = []  # (unit, step at which its release takes effect)
 
@@ -69,6 +71,8 @@ def replay(
             if u != unit:  # released and immediately needed again: it simply stays
                 live.discard(u)
         for u in step.prefetch:
+            if u in live_at_start and u in live:
+                continue
             assert u not in live, f"step {i}: prefetches unit {u}, which is already unsharded"
             assert u not in resident, f"step {i}: prefetches resident unit {u}"
             out.gathers.append((i, u, "prefetch"))
@@ -237,3 +241,53 @@ def test_forward_over_24_blocks_with_three_blocks_budget(release_lag: int) -> No
     # only the first block is gathered on demand; the pipeline keeps running ahead until the end
     assert [u for _, u, how in run.gathers if how == "demand"] == [order[0]]
     assert sorted(u for _, u, _ in run.gathers) == list(range(24))
+
+
+# -- (f) units kept gathered from the end of forward into backward ---------------------------------------
+def _kept_replays(case: dict) -> tuple[frozenset[int], list[Replay]]:
+    """A training step's two passes over distinct units (backward: the reverse), replayed plainly and
+    with the forward keeping `kept_for_backward` gathered into the backward."""
+    order, sizes, resident = case["order"], case["sizes"], case["resident"]
+    budgets = (case["prefetch_bytes"], case["max_live_bytes"], case["reuse_window"])
+    forward = plan_prefetch(order, sizes, resident, *budgets, release_lag=0)
+    backward = plan_prefetch(order[::-1], sizes, resident, *budgets, release_lag=1)
+    kept = kept_for_backward(forward, backward, resident)
+    last = {u: i for i, u in enumerate(order)}
+    keeping = dataclasses.replace(forward, steps=tuple(
+        dataclasses.replace(step, release_after=step.release_after and not (step.unit in kept and last[step.unit] == i))
+        for i, step in enumerate(forward.steps)
+    ))
+    live = case["max_live_bytes"]
+    return kept, [
+        replay(forward, order, sizes, resident, live, 0), replay(backward, order[::-1], sizes, resident, live, 1),
+        replay(keeping, order, sizes, resident, live, 0),
+        replay(backward, order[::-1], sizes, resident, live, 1, live_at_start=kept),
+    ]
+
+
+DISTINCT = [c for c in CASES if len(set(c["order"])) == len(c["order"])]
+
+
+@pytest.mark.parametrize("case", DISTINCT, ids=[f"distinct{i}" for i in range(len(DISTINCT))])
+def test_units_kept_for_backward_add_no_peak_and_save_their_gathers(case: dict) -> None:
+    kept, (forward, backward, keeping, kept_backward) = _kept_replays(case)
+    assert not kept & case["resident"]
+    # while the forward's tail runs only tail units are live, all of them within what the backward's
+    # first step gathers anyway: no peak beyond the two plain passes'
+    assert keeping.peak <= max(forward.peak, backward.peak)
+    assert kept_backward.peak == backward.peak and not kept_backward.violations
+    assert len(kept_backward.gathers) == len(backward.gathers) - len(kept)
+    assert len(keeping.gathers) == len(forward.gathers)
+
+
+def test_the_forwards_tail_within_the_backwards_first_prefetch_is_kept() -> None:
+    order, sizes = [0, 1, 2, 3, 4], {u: 10 for u in range(5)}
+    def kept(prefetch_bytes: int, max_live_bytes: int = UNLIMITED, resident: frozenset[int] = frozenset()) -> set:
+        args = (sizes, set(resident), prefetch_bytes, max_live_bytes)
+        forward, backward = plan_prefetch(order, *args), plan_prefetch(order[::-1], *args, release_lag=1)
+        return set(kept_for_backward(forward, backward, set(resident)))
+    assert kept(UNLIMITED) == {0, 1, 2, 3, 4}
+    assert kept(0) == {4}  # the unit that ends the forward starts the backward: always kept
+    assert kept(20) == {2, 3, 4}  # the first backward unit and the 20 bytes it prefetches
+    assert kept(UNLIMITED, max_live_bytes=30) == {2, 3, 4}
+    assert kept(20, resident=frozenset({4})) == {1, 2, 3}  # a resident unit is never planned

@@ -58,7 +58,7 @@ from zeroinf.planner.unit_plan import (
     OptimizerSplit,
     step_in_backward_mode,
 )
-from zeroinf.runtime.prefetch import plan_prefetch
+from zeroinf.runtime.prefetch import kept_for_backward, plan_prefetch
 from zeroinf.runtime.streams import STAGING_TAG
 from zeroinf.tiers.shard_cache import simulate_reads
 
@@ -191,13 +191,26 @@ def _swap_file_bytes(slots: dict[tuple[str, str], int]) -> int:
     return sum(round_up(max(nbytes, 1), SWAP_ALIGN_BYTES) for nbytes in slots.values())
 
 
-def _gathered_bytes(prefetch: Any, units: tuple[Any, ...]) -> list[int]:
+def _gathered_bytes(prefetch: Any, units: tuple[Any, ...], kept: frozenset[int] = frozenset()) -> list[int]:
     """Unsharded bytes alive while each step's unit runs. A prefetched shard on NVMe is read during
     the step and gathered at the next event (runtime/schedule.py), so its unsharded buffer does not
-    exist yet; one in memory is gathered at once."""
+    exist yet, unless the forward kept it gathered for the backward (`kept`); one in memory is
+    gathered at once."""
     return [
-        live - sum(units[u].unsharded_bytes for u in step.prefetch if units[u].param_tier is Tier.NVME)
+        live - sum(
+            units[u].unsharded_bytes for u in step.prefetch if units[u].param_tier is Tier.NVME and u not in kept
+        )
         for step, live in zip(prefetch.steps, prefetch.live_bytes, strict=True)
+    ]
+
+
+def _kept_so_far(forward: Any, units: tuple[Any, ...], kept: frozenset[int]) -> list[int]:
+    """Per forward step, the unsharded bytes of the units the forward already ran and keeps for the
+    backward (runtime/prefetch.py `kept_for_backward`), which its plan counts as released."""
+    last = {step.unit: i for i, step in enumerate(forward.steps)}
+    return [
+        sum(units[u].unsharded_bytes for u in kept if last[u] < i and forward.steps[last[u]].release_after)
+        for i in range(len(forward.steps))
     ]
 
 
@@ -303,8 +316,10 @@ def _stage3_timeline(plan: ModelPlan) -> tuple[tuple[int, dict[str, int]], ...]:
     if plans is None:
         return ((_FORWARD, {"param_unsharded": resident_params}),)
     forward, backward = plans
-    gathered = resident_params + max(_gathered_bytes(forward, units), default=0)
-    live = dict(zip((step.unit for step in backward.steps), _gathered_bytes(backward, units), strict=True))
+    kept = kept_for_backward(forward, backward, {i for i, u in enumerate(units) if u.resident})
+    during = zip(_gathered_bytes(forward, units), _kept_so_far(forward, units, kept), strict=True)
+    gathered = resident_params + max((now + held for now, held in during), default=0)
+    live = dict(zip((step.unit for step in backward.steps), _gathered_bytes(backward, units, kept), strict=True))
     order = [units[step.unit] for step in backward.steps if not units[step.unit].frozen]
     resident = [u for u in units if u.resident and not u.frozen]
     moments: list[tuple[int, dict[str, int]]] = []

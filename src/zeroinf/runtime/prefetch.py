@@ -12,6 +12,9 @@ all-gathering now, ahead of use, and whether u_i may be released after it runs. 
   the next unit has been gathered.
 - a unit that encloses nested units (a block around its TiledLinear's tiles) stays gathered while
   the nested units that follow it run: its release takes effect only after the last of them.
+- across the boundary of a training step's two passes, the forward's last units that the backward
+  plan gathers at its first step anyway (its unit and that step's prefetches) are kept gathered
+  instead of released and gathered again (`kept_for_backward`).
 The runtime only executes the plan, so the memory bound is a property of this function, tested
 without processes: the simulated live bytes never exceed `max_live_bytes`, except that the unit
 about to run is always allowed (a single unit larger than the budget still runs, alone).
@@ -108,3 +111,27 @@ def plan_prefetch(
         for done in closing.pop(i, []):  # its last nested unit ran: the enclosing unit's post-forward
             live.discard(done)
     return PrefetchPlan(tuple(steps), peak, tuple(running))
+
+
+def kept_for_backward(forward: PrefetchPlan, backward: PrefetchPlan, resident: set[int]) -> frozenset[int]:
+    """Units whose last forward use keeps them gathered into the backward: the longest tail of the
+    forward order lying within what the backward plan holds at its first step (its unit and that
+    step's prefetches). The backward would gather exactly these at once, so keeping them adds no
+    peak: while the tail runs, the live units are tail units (kept before, running, prefetched
+    after), bounded like the backward's first step by one unit plus `prefetch_bytes` and by
+    `max_live_bytes`. It saves one all-gather (and on `nvme`, one read) of each (98M GPT, 2 ranks:
+    all 12 blocks with the default 256 MiB)."""
+    if not backward.steps:
+        return frozenset()
+    first = next((s for s in backward.steps if s.unit not in resident), None)
+    if first is None:
+        return frozenset()
+    window = {first.unit, *first.prefetch}
+    kept: set[int] = set()
+    for step in reversed(forward.steps):
+        if step.unit in resident:
+            continue
+        if step.unit not in window:
+            break
+        kept.add(step.unit)
+    return frozenset(kept)

@@ -6,7 +6,9 @@ backward) and the plans built from them once both are recorded.
 
 Forward: the root pre-forward begins a pass; each unit's pre-forward waits for the unit (gathering
 it on demand if the plan did not prefetch it), then starts the plan's prefetches; its post-forward
-releases it unless the plan keeps it for a reuse soon. Backward: each unit's pre-backward (a hook
+releases it unless the plan keeps it for a reuse soon, or, in a training pass, for the backward that
+starts with it (the forward's last units that the backward's first prefetch would gather again
+anyway; runtime/prefetch.py `kept_for_backward`). Backward: each unit's pre-backward (a hook
 on its forward outputs) waits for it and prefetches ahead; the unit is released once all its
 gradients have arrived (the engine calls `release`). A pass that departs from its trace fetches
 on demand and releases right after use. Passes without grad (eval, each decoding step of
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from zeroinf.partition.unit import ParamState, ShardedUnit
-from zeroinf.runtime.prefetch import PrefetchPlan, plan_prefetch
+from zeroinf.runtime.prefetch import PrefetchPlan, kept_for_backward, plan_prefetch
 from zeroinf.runtime.trace import PassTrace, TraceState
 
 
@@ -46,6 +48,8 @@ class UnshardScheduler:
         self.inference_plan: PrefetchPlan | None = None
         self._forward_step_of: dict[int, int | None] = {}
         self._training_pass = False
+        self.kept_for_backward: frozenset[int] = frozenset()
+        self._last_forward_position: dict[int, int] = {}
         self._to_gather: list[int] = []  # read from NVMe at the previous event, gathered at the next
         # Told the traced order of a training step (forward, then backward) once both passes are traced:
         # the NVMe parameter cache evicts along it (tiers/shard_cache.py).
@@ -69,8 +73,13 @@ class UnshardScheduler:
         args = self._plan_args()
         self.forward_plan = plan_prefetch(self.forward_trace.order, release_lag=0, **args)  # type: ignore[arg-type]
         self.backward_plan = plan_prefetch(self.backward_trace.order, release_lag=1, **args)  # type: ignore[arg-type]
-        if self.on_traced is not None:
-            self.on_traced(list(self.forward_trace.order) + list(self.backward_trace.order))
+        self.kept_for_backward = kept_for_backward(self.forward_plan, self.backward_plan, self.resident)
+        self._last_forward_position = {unit: i for i, unit in enumerate(self.forward_trace.order)}
+        if self.on_traced is not None:  # the reads a step makes: the backward's kept units are not read
+            backward = list(self.backward_trace.order)
+            for unit in self.kept_for_backward:
+                backward.remove(unit)
+            self.on_traced(list(self.forward_trace.order) + backward)
 
     def _prefetch(self, plan: PrefetchPlan | None, position: int | None) -> None:
         """Start the plan's prefetches. A shard on NVMe is read now and gathered at the next event:
@@ -128,6 +137,10 @@ class UnshardScheduler:
         position = self._forward_step_of.pop(index, None)
         _, plan = self._pass()
         keep = position is not None and plan is not None and not plan.steps[position].release_after
+        keep = keep or (
+            self._training_pass and position is not None and index in self.kept_for_backward
+            and self._last_forward_position.get(index) == position
+        )
         if not keep:
             self.units[index].reshard()
 
