@@ -152,6 +152,16 @@ def describe_placement(cfg: Config) -> str:
 
 
 # -- memory -------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _kept_units(plan: ModelPlan) -> frozenset[int]:
+    """Stage 3: the units (indices into `plan.units`) the forward keeps gathered for the backward
+    (runtime/prefetch.py `kept_for_backward`): gathered, and on NVMe read, once a micro-step, not twice."""
+    plans = _prefetch_plans(plan) if plan.cfg.stage == 3 else None
+    if plans is None:
+        return frozenset()
+    return kept_for_backward(*plans, {i for i, u in enumerate(plan.units) if u.resident})
+
+
 def _prefetch_plans(plan: ModelPlan) -> tuple[Any, Any] | None:
     """The engine's prefetch plans for the forward order (module order) and the backward (its reverse)."""
     cfg = plan.cfg
@@ -316,7 +326,7 @@ def _stage3_timeline(plan: ModelPlan) -> tuple[tuple[int, dict[str, int]], ...]:
     if plans is None:
         return ((_FORWARD, {"param_unsharded": resident_params}),)
     forward, backward = plans
-    kept = kept_for_backward(forward, backward, {i for i, u in enumerate(units) if u.resident})
+    kept = _kept_units(plan)
     during = zip(_gathered_bytes(forward, units), _kept_so_far(forward, units, kept), strict=True)
     gathered = resident_params + max((now + held for now, held in during), default=0)
     live = dict(zip((step.unit for step in backward.steps), _gathered_bytes(backward, units, kept), strict=True))
@@ -499,13 +509,23 @@ def pass_seconds(facts: PassFacts | None, dtype: str, profile: MachineProfile, u
     return seconds + other / profile.memory_bps
 
 
+def _read_once(plan: ModelPlan) -> tuple[Any, ...]:
+    """The kept units whose NVMe shard is read once a micro-step, not twice. Where the parameter
+    file holds a kept unit's masters, its step reads them from there instead of taking them from the
+    backward's staged shard: the same load, through the same cache, moved to the step."""
+    in_file = {u.key for u, held in zip(plan.trainable_units, plan.masters_in_param_file, strict=True) if held}
+    return tuple(plan.units[i] for i in sorted(_kept_units(plan)) if plan.units[i].key not in in_file)
+
+
 def _param_read_share(plan: ModelPlan) -> float:
-    """The share of NVMe parameter shard loads (forward and backward) that read the disk in a steady
-    step: 1 without a cache; with `param_cache_bytes`, what tiers/shard_cache.py's policy misses."""
+    """The share of NVMe parameter shard loads (forward, and backward but for the kept units) that
+    read the disk in a steady step: 1 without a cache; with `param_cache_bytes`, what
+    tiers/shard_cache.py's policy misses."""
     slots, names = plan.param_cache_slots(), [u.key for u in plan.nvme_param_units]
     if not slots:
         return 1.0
-    order = names + names[::-1]
+    once = {u.key for u in _read_once(plan)}
+    order = names + [n for n in names[::-1] if n not in once]
     return simulate_reads(order, slots, steps=2)[-1] / len(order)
 
 
@@ -528,12 +548,13 @@ def step_time(
     params_b = sum(u.unsharded_bytes for u in plan.units)
     grads_b = sum(u.grad_unsharded_bytes for u in plan.trainable_units)
     sharded_b = sum(u.unsharded_bytes for u in plan.sharded_units)
+    kept = [plan.units[i] for i in _kept_units(plan)]  # gathered (and read) for forward only
     if cfg.stage == 3:
-        per_micro = 2 * sharded_b + grads_b  # gather forward and backward, reduce-scatter every micro-step
+        # gather forward and backward but for the kept units, reduce-scatter every micro-step
+        per_micro = 2 * sharded_b - sum(u.unsharded_bytes for u in kept) + grads_b
         coll_b = accum * per_micro + (params_b - sharded_b)  # resident units refreshed after the step
-        calls = accum * (2 * len(plan.sharded_units) + len(plan.trainable_units)) + len(plan.units) - len(
-            plan.sharded_units
-        )
+        gathers = 2 * len(plan.sharded_units) - len(kept)
+        calls = accum * (gathers + len(plan.trainable_units)) + len(plan.units) - len(plan.sharded_units)
     else:
         syncs = accum if cfg.sync_every_micro_step else 1
         grad_factor = 2 if cfg.stage < 2 else 1  # all-reduce moves twice a reduce-scatter's bytes
@@ -547,7 +568,8 @@ def step_time(
     owned = plan.owned_numel
     fb_read = fb_write = opt_read = opt_write = 0
     if cfg.stage == 3 and shard_b:
-        fb_read += 2 * accum * shard_b * _param_read_share(plan)
+        once_b = sum(u.shard_bytes for u in _read_once(plan) if u.param_tier is Tier.NVME)
+        fb_read += accum * (2 * shard_b - once_b) * _param_read_share(plan)
         opt_write += shard_b
     mode = step_in_backward_mode(cfg)
     if cfg.stage >= 2 and o.gradients == "nvme":
@@ -559,7 +581,8 @@ def step_time(
     split = plan.optimizer_split()
     on_nvme = owned if o.optimizer == "nvme" else split.nvme_numel if split is not None else 0
     # Masters in the parameter file are written with the parameters (counted above), and read only
-    # when no host buffer holds the shard at the step: a whole cache, or the shard kept from backward.
+    # when no host buffer holds the shard at the step: a whole cache, or the shard kept from backward
+    # (for a unit kept gathered from forward, the load that read is counted above, see `_read_once`).
     held = zip(plan.trainable_units, plan.masters_in_param_file, strict=True)
     in_params = sum(u.owned_numel for u, in_file in held if in_file)
     in_memory = plan.param_cache_slots() >= len(plan.nvme_param_units) or plan.param_buffers_kept_for_masters

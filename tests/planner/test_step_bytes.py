@@ -1,0 +1,46 @@
+"""The estimate's NVMe read bytes per step against the engine's counters, where the forward keeps
+its units gathered for the backward (runtime/prefetch.py `kept_for_backward`): a kept unit's shard is
+read once a step, not twice, and the estimate says so (it said twice: 2x the bytes read here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeroinf
+from zeroinf.models.gpt import GPT, GPTConfig
+from zeroinf.planner.api import plan
+from zeroinf.planner.model_facts import from_gpt_config
+
+GPT_CFG = GPTConfig(n_layer=4, d_model=64, n_head=2, seq_len=16)
+SHARD = 199936  # one block's fp32 shard on NVMe, aligned
+
+
+@pytest.mark.parametrize(
+    ("dtype", "optimizer", "cache"),
+    [("fp32", "host", 0), ("bf16", "nvme", 0), ("fp32", "host", 2 * SHARD + 8192)],
+    ids=["params-nvme", "all-nvme-bf16", "params-nvme-half-cache"],
+)
+def test_predicted_nvme_reads_per_step_match_the_engine(tmp_path: Path, dtype: str, optimizer: str, cache: int) -> None:
+    offload = zeroinf.OffloadConfig(params="nvme", optimizer=optimizer, nvme_dir=str(tmp_path), param_cache_bytes=cache)
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, param_dtype=dtype, offload=offload)
+    torch.manual_seed(0)
+    model = zeroinf.shard(GPT(GPT_CFG), cfg)
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    engine = zeroinf.engine_of(model)
+    assert len(engine.scheduler.kept_for_backward) == 0  # nothing traced yet
+    read = []
+    for _ in range(3):
+        before = zeroinf.memory_report(model)["io"]["nvme_read_bytes"]
+        data = torch.randint(0, 256, (2, GPT_CFG.seq_len + 1))
+        opt.backward(model(data[:, :-1], data[:, 1:]))
+        opt.step()
+        opt.zero_grad()
+        read.append(zeroinf.memory_report(model)["io"]["nvme_read_bytes"] - before)
+    assert len(engine.scheduler.kept_for_backward) == GPT_CFG.n_layer  # every block fits the prefetch budget
+    estimate = plan(from_gpt_config(GPT_CFG), cfg, world_size=1, seq_len=GPT_CFG.seq_len, tokens_per_step=32)
+    assert read[1] == read[2] == estimate.estimates[0].time.nvme_read_bytes, read
+    engine.close()
+    opt.states.close()
