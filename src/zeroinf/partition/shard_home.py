@@ -36,6 +36,9 @@ oldest back, so the pool, planned that many buffers larger
 at two ranks, 0.83 of every shard was read a third time (98M GPT, 2 ranks: 30.4 bytes per
 parameter a step instead of 28). A store drops the unit's kept buffer (its values are then old); a
 load of a kept shard takes it without reading (the last unit of forward is the first of backward).
+Units the forward keeps gathered for the backward (runtime/prefetch.py `kept_for_backward`) are not
+loaded in backward at all; beyond the shards still kept here, their steps read the masters from the
+file: the bytes of the load they skipped.
 """
 
 from __future__ import annotations
