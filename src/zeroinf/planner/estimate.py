@@ -162,8 +162,10 @@ def _kept_units(plan: ModelPlan) -> frozenset[int]:
     return kept_for_backward(*plans, {i for i, u in enumerate(plan.units) if u.resident})
 
 
+@functools.lru_cache(maxsize=16)
 def _prefetch_plans(plan: ModelPlan) -> tuple[Any, Any] | None:
-    """The engine's prefetch plans for the forward order (module order) and the backward (its reverse)."""
+    """The engine's prefetch plans for the forward order (module order) and the backward (its reverse).
+    Cached: the memory timeline and the kept units both read them (the plans are frozen)."""
     cfg = plan.cfg
     order = sorted((i for i, u in enumerate(plan.units) if not u.resident), key=lambda i: _module_order(plan.units[i]))
     if not order:
