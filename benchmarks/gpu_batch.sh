@@ -7,13 +7,14 @@
 #   bash benchmarks/gpu_batch.sh bench-3b  # 3.4B: optimizer on host; on device with activation checkpointing
 #   bash benchmarks/gpu_batch.sh bench-7b  # 6.7B, optimizer on host (the largest-model issue's row)
 #   bash benchmarks/gpu_batch.sh nvme      # 1.1B with parameters and optimizer on NVMe
+#   bash benchmarks/gpu_batch.sh profile   # 1.1B and 3.4B offload: phases and operator profiles (step_phases.py)
 #   bash benchmarks/gpu_batch.sh smoke     # a tiny run of the benchmark part, to check this script anywhere
 #
 # Logs and JSON go under $OUT (the device tool's output folder; ./gpu_out elsewhere). DeepSpeed joins the
 # benchmarks when importable (carry its wheel, see ../shared/gpu/README.md; TORCH_CUDA_ARCH_LIST=9.0 on Hopper).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?usage: gpu_batch.sh tests|bench-1b|bench-3b|bench-7b|nvme|smoke}"
+part="${1:?usage: gpu_batch.sh tests|bench-1b|bench-3b|bench-7b|nvme|profile|smoke}"
 out="${OUT:-$PWD/gpu_out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
@@ -55,6 +56,13 @@ case "$part" in
         peers 3b_offload --preset 3b --engines "${engines/plain,/}" --placements opt-host,host
         peers 3b_ckpt --preset 3b --ckpt --engines zeroinf,fsdp2 --placements device ;;
     bench-7b) peers 7b --preset 7b --steps 3 --engines zeroinf --placements opt-host ;;
+    profile)  # the optimizer-on-host placement was slower than everything-on-host at 1.1B (0.845 vs 0.634)
+        for run in "1b opt-host" "1b host" "3b opt-host"; do
+            set -- $run
+            timeout 170 python3 benchmarks/step_phases.py --preset "$1" --placement "$2" --seq 2048 --batch 4 \
+                --steps 3 --out "$out/phases_$1_$2" > "$out/phases_$1_$2.log" 2>&1
+            echo "phases $1 $2: rc=$?"; tail -1 "$out/phases_$1_$2.log"
+        done ;;
     smoke) peers smoke --preset tiny --seq 64 --batch 2 --steps 2 --warmup 1 --engines plain,zeroinf \
         --placements device,host ;;  # the script itself, on any machine in a minute
     nvme) peers 1b_nvme --preset 1b --engines "${engines/plain,/}" --placements nvme ;;

@@ -3,7 +3,8 @@ against the kernel's (`/proc/self/io`), with the disk-busy share of each step.
 
     python benchmarks/step_io.py --nvme-dir /tmp/zi-io [--preset 125m] [--seq-len 64] [--steps 3] [--param-cache 2GiB]
 
-Stage 3, world 1, fp32 (the issue's setting), parameters, gradients and optimizer states on NVMe.
+Stage 3, world 1, fp32 (the issue's setting; `--dtype bf16` computes in bf16 with fp32 masters, for a
+CPU with bf16 hardware), parameters, gradients and optimizer states on NVMe.
 Prints one JSON object: per step `memory_report()["io"]["last_step"]` (bytes per kind, bytes per
 parameter, disk-busy share) beside the /proc/self/io read_bytes/write_bytes deltas of the same
 window (what reached the block layer: O_DIRECT transfers, plus anything else the process did).
@@ -34,10 +35,11 @@ def main() -> None:
     add_offload_args(parser, preset="125m", seq_len=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--param-cache", default="0", help="offload.param_cache_bytes, e.g. 2GiB (0: none)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="param_dtype (compute)")
     a = parser.parse_args()
     os.makedirs(a.nvme_dir, exist_ok=True)
     gpt = GPTConfig.preset(a.preset, seq_len=a.seq_len)
-    cfg = zeroinf.Config(stage=3, param_dtype="fp32", offload=zeroinf.OffloadConfig(
+    cfg = zeroinf.Config(stage=3, param_dtype=a.dtype, offload=zeroinf.OffloadConfig(
         params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=a.nvme_dir, param_cache_bytes=a.param_cache))
     run = build(gpt, cfg, a.batch)
     steps = []
