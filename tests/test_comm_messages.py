@@ -1,7 +1,8 @@
 """The gloo all-gather and reduce-scatter sent as point-to-point messages (comm.py [Note: gloo's
 all-gather and reduce-scatter as point-to-point messages]) against torch.distributed's own, at
 worlds 2 and 3: the same values (bitwise at world 2), overlapping collectives kept apart by their
-tags, in-place and dtype-casting gathers, and the inputs left unchanged."""
+tags, in-place and dtype-casting gathers, reduce-scatters of bf16/fp16 inputs into fp32 shards bit
+for bit equal to casting first, and the inputs left unchanged."""
 
 from __future__ import annotations
 
@@ -63,7 +64,37 @@ def _collectives(rank: int, world: int) -> dict[str, bool]:
     reduce_scatter_into(total, ints, topo, average=False, async_op=False)
     scale = world * (world + 1) / 2
     out["sum"] = torch.equal(total, torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) * scale)
+
+    # A bf16/fp16 input reduced into an fp32 shard: the narrow bytes are sent and summed in fp32, bit
+    # for bit what the fp32 path gives for the input cast first (values across many binades, so a sum
+    # rounded in the narrow dtype anywhere would differ); two in flight at once, waited in reverse.
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = [(torch.randn(n * world, generator=gen) * 2.0 ** torch.randint(-8, 8, (n * world,), generator=gen))
+                  .to(dtype) for _ in range(2)]
+        before = [g.clone() for g in narrow]
+        wide = [torch.empty(n) for _ in range(2)]
+        pending = [
+            reduce_scatter_into(w, g, topo, average=avg) for w, g, avg in zip(wide, narrow, (True, False), strict=True)
+        ]
+        out[f"{dtype}_messages"] = all(isinstance(h, PeerHandle) for h in pending)
+        for h in reversed(pending):
+            h.wait()
+        for w, g, avg in zip(wide, narrow, (True, False), strict=True):
+            expected = torch.empty(n)
+            reduce_scatter_into(expected, g.float(), topo, average=avg, async_op=False)
+            out[f"{dtype}_{avg}_bitwise"] = torch.equal(w, expected)
+            out[f"{dtype}_{avg}_not_narrow_sum"] = world == 2 or not torch.equal(
+                w, _narrow_sum(g, topo, avg).float()
+            )
+        out[f"{dtype}_inputs_unchanged"] = all(torch.equal(g, b) for g, b in zip(narrow, before, strict=True))
     return out
+
+
+def _narrow_sum(g: torch.Tensor, topo: Topology, average: bool) -> torch.Tensor:
+    """The same reduce-scatter summed in the input's own dtype (what the widening must not do)."""
+    out = torch.empty(g.numel() // topo.world_size, dtype=g.dtype)
+    dist.reduce_scatter_tensor(out, g.clone())
+    return out.div_(topo.world_size) if average else out
 
 
 @pytest.mark.parametrize("world", [2, 3])

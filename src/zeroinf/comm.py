@@ -14,7 +14,10 @@ copies in gloo's threads, 100k page faults per step). Here each rank sends its s
 and receives each peer's shard into its own slot of the output; a reduce-scatter sends each peer the
 chunk it owns, receives the first peer's contribution straight into the output shard and adds its
 own chunk and the other peers' (scratch, world > 2) in `wait()`, always in the same order: the
-result is deterministic, and with two ranks a + b = b + a exactly, as gloo's sum. Each collective
+result is deterministic, and with two ranks a + b = b + a exactly, as gloo's sum. A reduce-scatter
+of a bf16/fp16 input into an fp32 shard sends the input's bytes and sums in fp32 on arrival (the
+peers' chunks land in scratch of the input dtype): bit for bit what casting the input to fp32
+first would give, with half the bytes sent (planner/unit_plan.py `gradient_buffer_dtype`). Each collective
 gets its own tag from a counter that advances identically on every rank (every rank issues the
 same collectives in the same order), so messages of overlapping collectives never match each other.
 The inputs are read until `wait()`, as with gloo's asynchronous collectives: callers keep them
@@ -155,16 +158,22 @@ def _gather_by_messages(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topo
 def _reduce_scatter_by_messages(
     shard: torch.Tensor, unsharded: torch.Tensor, topo: Topology, divisor: int
 ) -> PeerHandle:
-    """The first peer's chunk lands in `shard` itself; further peers' (world > 2) in scratch."""
+    """The first peer's chunk lands in `shard` itself (in scratch when the input has a narrower
+    dtype than the shard); further peers' (world > 2) in scratch of the input's dtype."""
     world, rank = topo.world_size, topo.rank
     chunks = unsharded.view(world, shard.numel())
     peers = [p for p in range(world) if p != rank]
-    landing = {peers[0]: shard}
-    if world > 2:
-        landing.update(zip(peers[1:], torch.empty((world - 2, shard.numel()), dtype=shard.dtype), strict=True))
+    widened = unsharded.dtype != shard.dtype
+    scratch = torch.empty((world - 1 if widened else world - 2, shard.numel()), dtype=unsharded.dtype)
+    if widened:
+        landing = dict(zip(peers, scratch, strict=True))
+    else:
+        landing = {peers[0]: shard, **dict(zip(peers[1:], scratch, strict=True))}
     works = _exchange(topo, lambda peer: chunks[peer], lambda peer: landing[peer])
 
     def finish() -> None:
+        if widened:  # the sums run in the shard's dtype, in the order below, as if cast before sending
+            shard.copy_(landing[peers[0]])
         shard.add_(chunks[rank])
         for peer in peers[1:]:
             shard.add_(landing[peer])
@@ -212,12 +221,18 @@ def reduce_scatter_into(
         if unsharded.data_ptr() != shard.data_ptr():
             shard.copy_(unsharded)
         return DoneHandle()
-    if _peer_messages(topo, shard, unsharded) and shard.dtype == unsharded.dtype and _disjoint(shard, unsharded):
+    widening = unsharded.dtype.itemsize < shard.dtype.itemsize
+    if (
+        _peer_messages(topo, shard, unsharded) and (shard.dtype == unsharded.dtype or widening)
+        and _disjoint(shard, unsharded)
+    ):
         with naming_failures("reduce-scatter", unsharded.numel(), topo):
             handle: Handle = _reduce_scatter_by_messages(shard, unsharded, topo, topo.world_size if average else 1)
         if not async_op:
             handle.wait()
         return handle
+    if unsharded.dtype != shard.dtype:  # the collective wants one dtype
+        unsharded = unsharded.to(shard.dtype)
     with naming_failures("reduce-scatter", unsharded.numel(), topo):
         work = dist.reduce_scatter_tensor(shard, unsharded, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
     handle = WorkHandle(

@@ -33,13 +33,13 @@ from torch import nn
 from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing
 from zeroinf.aio.engine import DISK_ACTIVITY
 from zeroinf.comm import all_reduce
-from zeroinf.config import Config
+from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.init import InitFn, materialize_and_build, needs_materializing
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
-from zeroinf.planner.unit_plan import UnitShape, plan_units
+from zeroinf.planner.unit_plan import UnitShape, gradient_buffer_dtype, plan_units
 from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.runtime.streams import Transfers
@@ -212,6 +212,7 @@ class Engine:
             frozen=spec.frozen,
             transfers=self.transfers,
             realize=realize,
+            grad_buffer_dtype=DTYPES[gradient_buffer_dtype(self.cfg, self.topo.world_size, self.topo.device.type)],
         )
 
     def _setup_activation_checkpointing(self) -> None:

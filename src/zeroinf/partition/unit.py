@@ -21,6 +21,11 @@ Autograd writes each parameter's gradient into `param.grad` in the compute dtype
 post-accumulate-grad hook adds it into the unit's unsharded gradient buffer in `reduce_dtype`
 (fp32 by default) and drops `param.grad`. So accumulation over micro-steps happens in fp32 even
 for bf16 compute, and the unit knows exactly when all its gradients of a backward have arrived.
+Where the buffer only ever holds one backward's gradients and the reduce-scatter sums them into the
+fp32 shard itself (gloo between CPU ranks, comm.py), it keeps the compute dtype instead
+(planner/unit_plan.py `gradient_buffer_dtype`): the same sums bit for bit, without casting every
+gradient and with half the bytes on the wire. A second gradient for a slot of such a buffer (which
+would be added in the compute dtype) is an error, never a silent rounding.
 
 [Note: where a reduced gradient lands]
 Stages 2-3 reduce-scatter a unit's gradient into its shard. The first reduced micro-step of a step
@@ -141,16 +146,20 @@ class ShardedUnit:
         frozen: bool = False,
         transfers: Transfers | None = None,
         realize: Callable[[nn.Parameter, torch.Tensor], bool] | None = None,
+        grad_buffer_dtype: torch.dtype | None = None,
     ) -> None:
         """`realize(p, dest)`: write a parameter parked by `zeroinf.init` straight into `dest`, its
         range of the flat buffer being built (True), or do nothing for one that holds its values
-        (False): building then holds the flat buffer and no second copy of any parameter."""
+        (False): building then holds the flat buffer and no second copy of any parameter.
+        `grad_buffer_dtype`: the unsharded gradient buffer's dtype, `reduce_dtype` when None (see
+        [Note: gradient accumulation buffer])."""
         self.name = name or "<root>"
         self.frozen = frozen  # parameters without gradients: gathered like the rest, never stepped
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.topo, self.policy, self.ledger = topo, policy, ledger
         self.reduce_dtype, self.bucket_bytes, self.counter = reduce_dtype, bucket_bytes, counter
+        self.grad_buffer_dtype = grad_buffer_dtype or reduce_dtype
         self.layout = FlatLayout.build([(n, p.shape) for n, p in params], topo.world_size)
         self.owned_start, self.owned_end = (
             self.layout.shard_range(topo.rank) if policy.shard_optimizer else (0, self.layout.padded_numel)
@@ -392,7 +401,8 @@ class ShardedUnit:
         if self.grad_flat is None:
             # Uninitialized: each slot's first gradient is copied in, not added to zeros (zero-filling
             # the buffer cost ~5% of a bf16 backward here); padding and unwritten slots are zeroed later.
-            self.grad_flat = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.topo.device)
+            numel, device = self.layout.padded_numel, self.topo.device
+            self.grad_flat = torch.empty(numel, dtype=self.grad_buffer_dtype, device=device)
             self.grad_flat[self.layout.numel :].zero_()
             self._slot_written = [False] * len(self.params)
             self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
@@ -415,6 +425,12 @@ class ShardedUnit:
         slot = self.layout.slots[index]
         target = self._ensure_grad_flat()[slot.offset : slot.end].view(slot.shape)
         if self._slot_written[index]:
+            if self.grad_buffer_dtype != self.reduce_dtype:
+                raise RuntimeError(
+                    f"unit {self.name}: a second gradient for {self.param_names[index]} before the reduction, "
+                    f"in a {self.grad_buffer_dtype} gradient buffer that is only exact for one (a bug: "
+                    "gradient_buffer_dtype should have chosen reduce_dtype); please report it"
+                )
             target.add_(param.grad)
         else:
             target.copy_(param.grad)

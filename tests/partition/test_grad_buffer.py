@@ -1,0 +1,126 @@
+"""The unsharded gradient buffer in the compute dtype (unit.py [Note: gradient accumulation
+buffer]): between gloo ranks on the CPU, a bf16/fp16 model whose buffers hold one backward's
+gradients keeps them in its own dtype and trains bit for bit as with fp32 buffers; a buffer that
+accumulates micro-steps keeps fp32."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import zeroinf
+import zeroinf.engine
+from tests._harness import run_ranks
+from tests._parity import GLOBAL_BATCH, LR, build_model, global_batch
+from zeroinf.topology import Topology
+
+CASES = {  # name: (Config fields, the buffer dtype the rule must choose)
+    "stage3-bf16": (dict(stage=3, param_dtype="bf16"), torch.bfloat16),
+    "stage3-fp16": (dict(stage=3, param_dtype="fp16"), torch.float16),
+    "stage3-bf16-accum2": (dict(stage=3, param_dtype="bf16", grad_accum_steps=2), torch.bfloat16),
+    "stage2-bf16": (dict(stage=2, param_dtype="bf16"), torch.bfloat16),
+    "stage2-bf16-accum2": (dict(stage=2, param_dtype="bf16", grad_accum_steps=2), torch.float32),
+    "stage1-bf16": (dict(stage=1, param_dtype="bf16"), torch.float32),
+}
+
+
+def _train(cfg: zeroinf.Config, rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], set]:
+    model = zeroinf.shard(build_model(), cfg, Topology.current(device=torch.device("cpu")))
+    engine = zeroinf.engine_of(model)
+    allocated: set[torch.dtype] = set()
+    for unit in engine.units:  # record the dtype of every gradient buffer a backward allocates
+        ensure = unit._ensure_grad_flat
+
+        def recording(ensure: Any = ensure) -> torch.Tensor:
+            flat = ensure()
+            allocated.add(flat.dtype)
+            return flat
+
+        unit._ensure_grad_flat = recording  # type: ignore[method-assign]
+    opt = zeroinf.AdamW(model, lr=LR)
+    losses = []
+    accum = cfg.grad_accum_steps
+    per = GLOBAL_BATCH // world // accum  # the global batch split over ranks, then over micro-steps
+    for step in range(3):
+        x, y = global_batch(step)
+        x, y = x[rank * per * accum : (rank + 1) * per * accum], y[rank * per * accum : (rank + 1) * per * accum]
+        for micro in range(accum):
+            loss = model(x[micro * per : (micro + 1) * per], y[micro * per : (micro + 1) * per])
+            opt.backward(loss / accum)
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.close()
+    engine.close()
+    return losses, weights, allocated
+
+
+def _compare(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, (fields, expected) in CASES.items():
+        cfg = zeroinf.Config(**fields)
+        losses, weights, allocated = _train(cfg, rank, world)
+        original = zeroinf.engine.gradient_buffer_dtype
+        zeroinf.engine.gradient_buffer_dtype = lambda cfg, world, device: cfg.reduce_dtype  # type: ignore[assignment]
+        try:
+            ref_losses, ref_weights, ref_allocated = _train(cfg, rank, world)
+        finally:
+            zeroinf.engine.gradient_buffer_dtype = original
+        out[name] = {
+            "allocated": allocated, "expected": {expected}, "reference_allocated": ref_allocated,
+            "losses_equal": losses == ref_losses,
+            "weights_bitwise": weights.keys() == ref_weights.keys()
+            and all(torch.equal(weights[k], ref_weights[k]) for k in weights),
+        }
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compute_dtype_gradient_buffers_train_bitwise_as_fp32_ones(world: int) -> None:
+    for rank, cases in enumerate(run_ranks(_compare, world)):
+        for name, r in cases.items():
+            assert r["allocated"] == r["expected"], (rank, name, r)
+            assert r["reference_allocated"] == {torch.float32}, (rank, name, r)
+            assert r["losses_equal"] and r["weights_bitwise"], (rank, name, r)
+
+
+def test_the_plan_counts_the_buffer_the_engine_allocates() -> None:
+    from zeroinf.planner.unit_plan import UnitShape, gradient_buffer_dtype, plan_units
+
+    shape = UnitShape("blocks.0", (("blocks.0.w", (64, 64)),))
+    for fields, world, device, expected in [
+        (dict(stage=3, param_dtype="bf16"), 2, "cpu", "bf16"),
+        (dict(stage=3, param_dtype="bf16"), 2, "cuda", "fp32"),  # NCCL wants one dtype: cast first
+        (dict(stage=3, param_dtype="bf16"), 1, "cpu", "fp32"),  # world 1 adopts the buffer as the shard
+        (dict(stage=3, param_dtype="fp32"), 2, "cpu", "fp32"),
+        (dict(stage=3, param_dtype="bf16", reduce_dtype="bf16"), 2, "cpu", "bf16"),
+        (dict(stage=2, param_dtype="bf16", grad_accum_steps=2), 2, "cpu", "fp32"),
+        (dict(stage=2, param_dtype="bf16", grad_accum_steps=2, sync_every_micro_step=True), 2, "cpu", "bf16"),
+        (dict(stage=1, param_dtype="fp16"), 2, "cpu", "fp32"),
+    ]:
+        cfg = zeroinf.Config(**fields)
+        assert gradient_buffer_dtype(cfg, world, device) == expected, (fields, world, device)
+        unit = plan_units([shape], cfg, world, device).units[0]
+        itemsize = {"bf16": 2, "fp32": 4}[expected]
+        assert unit.grad_unsharded_bytes == unit.layout.padded_numel * itemsize, (fields, world, device)
+
+
+def test_a_second_gradient_into_a_compute_dtype_buffer_is_an_error() -> None:
+    """Never a silent rounding: the rule chose the compute dtype, so a second add would be a bug."""
+    from zeroinf.memory import Ledger
+    from zeroinf.partition.unit import ShardedUnit, ShardingPolicy
+    from zeroinf.telemetry import CollectiveCounter
+
+    p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    unit = ShardedUnit(
+        "u", [("w", p)], Topology.single(torch.device("cpu")), ShardingPolicy(3), torch.bfloat16, torch.float32,
+        Ledger(), 2**20, CollectiveCounter(), resident=True, grad_buffer_dtype=torch.bfloat16,
+    )
+    p.grad = torch.ones(8, dtype=torch.bfloat16)
+    unit.accumulate_grad(0)
+    p.grad = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="second gradient for w"):
+        unit.accumulate_grad(0)
