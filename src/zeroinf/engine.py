@@ -39,7 +39,7 @@ from zeroinf.partition.init import InitFn, materialize_and_build, needs_material
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
-from zeroinf.planner.unit_plan import UnitShape, gradient_buffer_dtype, plan_units
+from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.runtime.streams import Transfers
@@ -212,7 +212,7 @@ class Engine:
             frozen=spec.frozen,
             transfers=self.transfers,
             realize=realize,
-            grad_buffer_dtype=DTYPES[gradient_buffer_dtype(self.cfg, self.topo.world_size, self.topo.device.type)],
+            grad_buffer_dtype=DTYPES[self.unit_plan.grad_buffer_dtype],
         )
 
     def _setup_activation_checkpointing(self) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zeroinf
-import zeroinf.engine
+import zeroinf.planner.unit_plan as unit_plan
 from tests._harness import run_ranks
 from tests._parity import GLOBAL_BATCH, LR, build_model, global_batch
 from zeroinf.topology import Topology
@@ -63,12 +63,12 @@ def _compare(rank: int, world: int) -> dict[str, dict[str, Any]]:
     for name, (fields, expected) in CASES.items():
         cfg = zeroinf.Config(**fields)
         losses, weights, allocated = _train(cfg, rank, world)
-        original = zeroinf.engine.gradient_buffer_dtype
-        zeroinf.engine.gradient_buffer_dtype = lambda cfg, world, device: cfg.reduce_dtype  # type: ignore[assignment]
+        original = unit_plan.gradient_buffer_dtype  # the reference: every buffer in fp32, as before the rule
+        unit_plan.gradient_buffer_dtype = lambda cfg, world, device: cfg.reduce_dtype  # type: ignore[assignment]
         try:
             ref_losses, ref_weights, ref_allocated = _train(cfg, rank, world)
         finally:
-            zeroinf.engine.gradient_buffer_dtype = original
+            unit_plan.gradient_buffer_dtype = original
         out[name] = {
             "allocated": allocated, "expected": {expected}, "reference_allocated": ref_allocated,
             "losses_equal": losses == ref_losses,
@@ -88,7 +88,7 @@ def test_compute_dtype_gradient_buffers_train_bitwise_as_fp32_ones(world: int) -
 
 
 def test_the_plan_counts_the_buffer_the_engine_allocates() -> None:
-    from zeroinf.planner.unit_plan import UnitShape, gradient_buffer_dtype, plan_units
+    from zeroinf.planner.unit_plan import UnitShape
 
     shape = UnitShape("blocks.0", (("blocks.0.w", (64, 64)),))
     for fields, world, device, expected in [
@@ -102,8 +102,9 @@ def test_the_plan_counts_the_buffer_the_engine_allocates() -> None:
         (dict(stage=1, param_dtype="fp16"), 2, "cpu", "fp32"),
     ]:
         cfg = zeroinf.Config(**fields)
-        assert gradient_buffer_dtype(cfg, world, device) == expected, (fields, world, device)
-        unit = plan_units([shape], cfg, world, device).units[0]
+        plan = unit_plan.plan_units([shape], cfg, world, device)
+        assert plan.grad_buffer_dtype == expected, (fields, world, device)
+        unit = plan.units[0]
         itemsize = {"bf16": 2, "fp32": 4}[expected]
         assert unit.grad_unsharded_bytes == unit.layout.padded_numel * itemsize, (fields, world, device)
 

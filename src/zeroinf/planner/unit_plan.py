@@ -347,6 +347,11 @@ class ModelPlan:
     """The accelerator's kind ("cuda", ...) or "cpu" when the CPU computes."""
 
     @property
+    def grad_buffer_dtype(self) -> str:
+        """The dtype of every unit's unsharded gradient buffer (`gradient_buffer_dtype`)."""
+        return gradient_buffer_dtype(self.cfg, self.world_size, self.device_type)
+
+    @property
     def reductions_in_flight(self) -> int:
         """Gradient reductions backward leaves running before it finishes the oldest (engine.py). One
         CPU process has nothing to overlap a reduction with (it is done when started): finishing each
