@@ -371,7 +371,9 @@ class Engine:
             raise RuntimeError(
                 f"backward pass {self.micro_step + 1} since the last optimizer step, but grad_accum_steps is "
                 f"{self.cfg.grad_accum_steps}: call optimizer.step() (and zero_grad()) every "
-                f"{self.cfg.grad_accum_steps} backward passes, or change grad_accum_steps"
+                f"{self.cfg.grad_accum_steps} backward passes, or change grad_accum_steps. (A backward run inside "
+                "another also counts: reentrant activation checkpointing, use_reentrant=True, is not supported; "
+                "use use_reentrant=False, Hugging Face's default, or Config.activation_checkpointing)"
             )
         self._in_backward = True
         last = self.micro_step + 1 == self.cfg.grad_accum_steps

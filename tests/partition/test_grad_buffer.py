@@ -1,7 +1,7 @@
 """The unsharded gradient buffer in the compute dtype (unit.py [Note: gradient accumulation
 buffer]): between gloo ranks on the CPU, a bf16/fp16 model whose buffers hold one backward's
 gradients keeps them in its own dtype and trains bit for bit as with fp32 buffers; a buffer that
-accumulates micro-steps keeps fp32."""
+accumulates micro-steps keeps fp32, and one that gets a second gradient in a backward is widened."""
 
 from __future__ import annotations
 
@@ -87,6 +87,34 @@ def test_compute_dtype_gradient_buffers_train_bitwise_as_fp32_ones(world: int) -
             assert r["losses_equal"] and r["weights_bitwise"], (rank, name, r)
 
 
+class SharedAcrossSegments(torch.nn.Module):
+    """One weight used in two reentrant checkpoint segments, each running a backward of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(2)])
+        self.shared = torch.nn.Parameter(torch.randn(16, 16) * 0.1)
+
+    def segment(self, x: torch.Tensor, block: torch.nn.Module) -> torch.Tensor:
+        return torch.tanh(block(x) @ self.shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(self.segment, x, block, use_reentrant=True)
+        return x.float().pow(2).mean()
+
+
+def test_reentrant_checkpointing_fails_with_the_fix_named() -> None:
+    """A backward inside the backward ends the engine's pass early; the error says so."""
+    model = zeroinf.shard(SharedAcrossSegments(), zeroinf.Config(stage=3), Topology.single(torch.device("cpu")))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    loss = model(torch.randn(4, 16, requires_grad=True))
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        opt.backward(loss)
+    opt.close()
+    zeroinf.engine_of(model).close()
+
+
 def test_the_plan_counts_the_buffer_the_engine_allocates() -> None:
     from zeroinf.planner.unit_plan import UnitShape
 
@@ -109,19 +137,28 @@ def test_the_plan_counts_the_buffer_the_engine_allocates() -> None:
         assert unit.grad_unsharded_bytes == unit.layout.padded_numel * itemsize, (fields, world, device)
 
 
-def test_a_second_gradient_into_a_compute_dtype_buffer_is_an_error() -> None:
-    """Never a silent rounding: the rule chose the compute dtype, so a second add would be a bug."""
+def test_a_second_gradient_widens_the_buffer_and_adds_in_fp32() -> None:
+    """A weight shared across reentrant checkpoint segments gets two gradients in one backward: the
+    buffer is widened to fp32 before the second is added, so the sum is the fp32 one, not bf16's."""
     from zeroinf.memory import Ledger
     from zeroinf.partition.unit import ShardedUnit, ShardingPolicy
     from zeroinf.telemetry import CollectiveCounter
 
     p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    ledger = Ledger()
     unit = ShardedUnit(
         "u", [("w", p)], Topology.single(torch.device("cpu")), ShardingPolicy(3), torch.bfloat16, torch.float32,
-        Ledger(), 2**20, CollectiveCounter(), resident=True, grad_buffer_dtype=torch.bfloat16,
+        ledger, 2**20, CollectiveCounter(), resident=True, grad_buffer_dtype=torch.bfloat16,
     )
-    p.grad = torch.ones(8, dtype=torch.bfloat16)
+    first = torch.full((8,), 1.0, dtype=torch.bfloat16)
+    second = torch.full((8,), 2.0**-9, dtype=torch.bfloat16)  # below half a bf16 ulp of 1: lost if added in bf16
+    p.grad = first.clone()
     unit.accumulate_grad(0)
-    p.grad = torch.ones(8, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="second gradient for w"):
-        unit.accumulate_grad(0)
+    assert unit.grad_flat is not None and unit.grad_flat.dtype == torch.bfloat16
+    p.grad = second.clone()
+    unit.accumulate_grad(0)
+    assert unit.grad_flat.dtype == torch.float32
+    assert torch.equal(unit.grad_flat[:8], first.float() + second.float())
+    assert (first + second).float()[0] == 1.0  # what a bf16 add would have kept
+    live = ledger.snapshot()["device"]["by_tag"]["grad_unsharded"]
+    assert live == unit.grad_flat.numel() * 4  # the ledger follows the widened buffer

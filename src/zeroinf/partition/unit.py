@@ -24,8 +24,9 @@ for bf16 compute, and the unit knows exactly when all its gradients of a backwar
 Where the buffer only ever holds one backward's gradients and the reduce-scatter sums them into the
 fp32 shard itself (gloo between CPU ranks, comm.py), it keeps the compute dtype instead
 (planner/unit_plan.py `gradient_buffer_dtype`): the same sums bit for bit, without casting every
-gradient and with half the bytes on the wire. A second gradient for a slot of such a buffer (which
-would be added in the compute dtype) is an error, never a silent rounding.
+gradient and with half the bytes on the wire. Autograd delivers a leaf's gradient once per
+backward; should a slot get a second one anyway, it would be added in the compute dtype, so the
+buffer is widened to `reduce_dtype` first (exact) and that reduction takes the fp32 path.
 
 [Note: where a reduced gradient lands]
 Stages 2-3 reduce-scatter a unit's gradient into its shard. The first reduced micro-step of a step
@@ -423,14 +424,10 @@ class ShardedUnit:
         # After a reduction (sync_every_micro_step), stages 0-1 keep adding onto the reduced buffer: its
         # content is identical on every rank, so the next mean adds exactly the new local gradients.
         slot = self.layout.slots[index]
+        if self.grad_flat is not None and self.grad_flat.dtype != self.reduce_dtype and self._slot_written[index]:
+            self._widen_grad_flat()  # a second gradient: add it in reduce_dtype, never in the compute dtype
         target = self._ensure_grad_flat()[slot.offset : slot.end].view(slot.shape)
         if self._slot_written[index]:
-            if self.grad_buffer_dtype != self.reduce_dtype:
-                raise RuntimeError(
-                    f"unit {self.name}: a second gradient for {self.param_names[index]} before the reduction, "
-                    f"in a {self.grad_buffer_dtype} gradient buffer that is only exact for one (a bug: "
-                    "gradient_buffer_dtype should have chosen reduce_dtype); please report it"
-                )
             target.add_(param.grad)
         else:
             target.copy_(param.grad)
@@ -440,6 +437,13 @@ class ShardedUnit:
         self._arrived[index] = True
         self.param_had_grad[index] = True
         return all(self._arrived)
+
+    def _widen_grad_flat(self) -> None:
+        """Turn a compute-dtype gradient buffer into a `reduce_dtype` one (an exact cast)."""
+        assert self.grad_flat is not None
+        narrow, self.grad_flat = self.grad_flat, self.grad_flat.to(self.reduce_dtype)
+        self.ledger.release(Tier.DEVICE, _nbytes(narrow), "grad_unsharded")
+        self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
 
     def materialize_zero_grad(self) -> None:
         """Join a reduction with zeros: another rank has gradients for this unit, this one has none."""
