@@ -152,6 +152,9 @@ class Engine:
             for ui, unit in enumerate(self.units)
             for h in hooks.register_grad_ready_hooks(unit.params, lambda pi, ui=ui: self._on_grad_ready(ui, pi))
         ]
+        # The pass begins in the outermost backward, where the model's output gets its gradient (see
+        # `_begin_backward_at_output`).
+        self._hook_handles.append(module.register_forward_hook(self._begin_backward_at_output))
         self.scheduler: UnshardScheduler | None = None
         if self.policy.shard_params:
             self._setup_stage3()
@@ -352,6 +355,14 @@ class Engine:
         if not self._in_backward:
             self._begin_backward()
         unit = self.units[unit_index]
+        if unit.arrived(param_index) and unit.grad_state in (GradState.REDUCING, GradState.REDUCED):
+            raise RuntimeError(
+                f"{unit.param_names[param_index]} got a second gradient in one backward, after its unit "
+                f"{unit.name} was reduced (and perhaps stepped). Autograd delivers a weight's gradient once "
+                "per backward unless backwards run inside it: reentrant activation checkpointing "
+                "(use_reentrant=True) with the weight used in several segments. Use use_reentrant=False "
+                "(Hugging Face's default) or Config.activation_checkpointing"
+            )
         if unit.accumulate_grad(param_index) and self._sync_this_backward:
             unit.start_reduce_grads()
             if self.scheduler is not None:
@@ -366,14 +377,24 @@ class Engine:
                 if self._step_in_this_backward and self.backward_step is not None:
                     self.backward_step(reduced)
 
+    def _begin_backward_at_output(self, _: nn.Module, _args: Any, output: Any) -> None:
+        """Begin the engine's backward pass when the model's output gets its gradient. The first
+        gradient hook would begin it too, but with reentrant activation checkpointing that hook can
+        run inside a backward nested in a segment's backward, and the end of the nested one would
+        end the pass (and count a micro-step) while the outer backward still runs."""
+        if torch.is_grad_enabled() and not self._in_backward:
+            hooks.register_pre_backward(output, self._begin_backward_once)
+
+    def _begin_backward_once(self) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+
     def _begin_backward(self) -> None:
         if self.micro_step >= self.cfg.grad_accum_steps:
             raise RuntimeError(
                 f"backward pass {self.micro_step + 1} since the last optimizer step, but grad_accum_steps is "
                 f"{self.cfg.grad_accum_steps}: call optimizer.step() (and zero_grad()) every "
-                f"{self.cfg.grad_accum_steps} backward passes, or change grad_accum_steps. (A backward run inside "
-                "another also counts: reentrant activation checkpointing, use_reentrant=True, is not supported; "
-                "use use_reentrant=False, Hugging Face's default, or Config.activation_checkpointing)"
+                f"{self.cfg.grad_accum_steps} backward passes, or change grad_accum_steps"
             )
         self._in_backward = True
         last = self.micro_step + 1 == self.cfg.grad_accum_steps

@@ -1,7 +1,9 @@
 """The unsharded gradient buffer in the compute dtype (unit.py [Note: gradient accumulation
 buffer]): between gloo ranks on the CPU, a bf16/fp16 model whose buffers hold one backward's
 gradients keeps them in its own dtype and trains bit for bit as with fp32 buffers; a buffer that
-accumulates micro-steps keeps fp32, and one that gets a second gradient in a backward is widened."""
+accumulates micro-steps keeps fp32, and one that gets a second gradient in a backward is widened.
+That happens with reentrant activation checkpointing (a backward per segment inside the backward),
+which these tests also check against non-reentrant checkpointing and plain PyTorch."""
 
 from __future__ import annotations
 
@@ -88,10 +90,14 @@ def test_compute_dtype_gradient_buffers_train_bitwise_as_fp32_ones(world: int) -
 
 
 class SharedAcrossSegments(torch.nn.Module):
-    """One weight used in two reentrant checkpoint segments, each running a backward of its own."""
+    """One weight used in two reentrant checkpoint segments, each running a backward of its own: the
+    weight's gradient arrives twice in one backward. With `first` its unit (the root) also holds
+    the input layer, whose gradient comes last, so both arrive before the unit is reduced."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: bool = True, reentrant: bool = True) -> None:
         super().__init__()
+        self.reentrant = reentrant
+        self.first = torch.nn.Linear(16, 16) if first else torch.nn.Identity()
         self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(2)])
         self.shared = torch.nn.Parameter(torch.randn(16, 16) * 0.1)
 
@@ -99,20 +105,103 @@ class SharedAcrossSegments(torch.nn.Module):
         return torch.tanh(block(x) @ self.shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
         for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(self.segment, x, block, use_reentrant=True)
+            x = torch.utils.checkpoint.checkpoint(self.segment, x, block, use_reentrant=self.reentrant)
         return x.float().pow(2).mean()
 
 
-def test_reentrant_checkpointing_fails_with_the_fix_named() -> None:
-    """A backward inside the backward ends the engine's pass early; the error says so."""
-    model = zeroinf.shard(SharedAcrossSegments(), zeroinf.Config(stage=3), Topology.single(torch.device("cpu")))
+def _reentrant(rank: int, world: int) -> dict[str, Any]:
+    """World 1, fp32, stages 2 and 3: reentrant checkpointing trains bit for bit as non-reentrant,
+    and like plain PyTorch within the parity matrix's fp32 tolerances (tests/test_parity.py). World
+    2, bf16: a compute-dtype buffer widened by the shared weight's second gradient trains bit for bit
+    as fp32 buffers."""
+    topo = Topology.current(device=torch.device("cpu"))
+
+    def batch(step: int) -> torch.Tensor:
+        return torch.randn(4 * world, 16, generator=torch.Generator().manual_seed(100 + step))[rank * 4 : rank * 4 + 4]
+
+    def train(cfg: zeroinf.Config | None, reentrant: bool = True) -> tuple[list[float], dict[str, torch.Tensor], set]:
+        torch.manual_seed(0)
+        model = SharedAcrossSegments(reentrant=reentrant)
+        widened: set[torch.dtype] = set()
+        if cfg is None:  # plain PyTorch, one process
+            opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        else:
+            model = zeroinf.shard(model, cfg, topo)
+            opt = zeroinf.AdamW(model, lr=1e-2)
+            for unit in zeroinf.engine_of(model).units:
+                widen = unit._widen_grad_flat
+
+                def recording(widen: Any = widen) -> None:
+                    widen()
+                    widened.add(torch.float32)
+
+                unit._widen_grad_flat = recording  # type: ignore[method-assign]
+        losses = []
+        for step in range(3):
+            x = batch(step)
+            loss = model(x if cfg is None or cfg.param_dtype == "fp32" else x.bfloat16())
+            if cfg is None:
+                loss.backward()
+            else:
+                opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        weights = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+        if cfg is not None:
+            opt.close()
+            zeroinf.engine_of(model).close()
+        return losses, weights, widened
+
+    out: dict[str, Any] = {}
+    if world == 1:
+        ref_losses, ref_weights, _ = train(None)
+        for stage in (2, 3):
+            losses, weights, _ = train(zeroinf.Config(stage=stage))
+            plain_losses, plain_weights, _ = train(zeroinf.Config(stage=stage), reentrant=False)
+            out[f"stage{stage}_bitwise_as_non_reentrant"] = losses == plain_losses and all(
+                torch.equal(weights[k], plain_weights[k]) for k in weights
+            )
+            out[f"stage{stage}_close_to_plain_pytorch"] = losses == pytest.approx(ref_losses, rel=1e-5) and all(
+                torch.allclose(weights[k], ref_weights[k], rtol=1e-5, atol=5e-5) for k in ref_weights
+            )
+        return out
+    cfg = zeroinf.Config(stage=3, param_dtype="bf16")
+    losses, weights, widened = train(cfg)
+    original = unit_plan.gradient_buffer_dtype
+    unit_plan.gradient_buffer_dtype = lambda cfg, world, device: cfg.reduce_dtype  # type: ignore[assignment]
+    try:
+        ref_losses, ref_weights, _ = train(cfg)
+    finally:
+        unit_plan.gradient_buffer_dtype = original
+    out["widened"] = widened == {torch.float32}
+    out["bitwise_as_fp32_buffers"] = losses == ref_losses and all(
+        torch.equal(weights[k], ref_weights[k]) for k in ref_weights
+    )
+    return out
+
+
+def test_a_gradient_after_its_unit_was_reduced_names_the_cause() -> None:
+    """Without `first` the shared weight's unit is complete (reduced, stepped) after the first
+    segment's backward: the second gradient is refused with the fix named, not added or lost."""
+    cpu = Topology.single(torch.device("cpu"))
+    model = zeroinf.shard(SharedAcrossSegments(first=False), zeroinf.Config(stage=3), cpu)
     opt = zeroinf.AdamW(model, lr=1e-2)
     loss = model(torch.randn(4, 16, requires_grad=True))
-    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+    with pytest.raises(RuntimeError, match="shared got a second gradient in one backward.*use_reentrant=False"):
         opt.backward(loss)
     opt.close()
     zeroinf.engine_of(model).close()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_reentrant_checkpointing_trains_like_plain_pytorch(world: int) -> None:
+    """Each reentrant segment runs a backward of its own inside the outer one: the engine's pass
+    spans the outer backward, and the weight shared by both segments gets two gradients."""
+    for rank, result in enumerate(run_ranks(_reentrant, world)):
+        assert result and all(result.values()), (rank, result)
 
 
 def test_the_plan_counts_the_buffer_the_engine_allocates() -> None:

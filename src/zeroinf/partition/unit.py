@@ -451,6 +451,10 @@ class ShardedUnit:
         self._zero_unwritten_slots()
         self.grad_state = GradState.ACCUMULATING
 
+    def arrived(self, index: int) -> bool:
+        """Param `index`'s gradient already arrived in this backward."""
+        return self._arrived[index]
+
     def end_backward(self) -> None:
         """Forget which gradients arrived (the next backward starts counting again)."""
         self._arrived = [False] * len(self.params)
