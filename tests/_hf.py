@@ -39,6 +39,7 @@ class Case:
     dtype: str = "fp32"
     steps: int = 8
     generate_after: int | None = None  # steps before the mid-training generation (None: no generation)
+    reentrant_checkpointing: bool = False  # Hugging Face's gradient checkpointing with use_reentrant=True
 
 
 def build(arch: str, seed: int = 0) -> torch.nn.Module:
@@ -88,12 +89,22 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, synced: bool | None = None
         )
 
 
+def _checkpointing(model: torch.nn.Module, case: Case) -> None:
+    if case.reentrant_checkpointing:  # a backward per decoder layer, run inside the outer backward
+        kwargs = {"use_reentrant": True}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name is deprecated
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def train_reference(
     case: Case, buffer_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`buffer_dtypes`: the dtypes zeroinf gave the floating buffers (default: `.to(bfloat16)` casts all)."""
     master = build(case.arch)
     master.train()
+    _checkpointing(master, case)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
     compute = copy.deepcopy(master).to(torch.bfloat16) if case.dtype == "bf16" else master
     if compute is not master:
@@ -198,6 +209,7 @@ def train_zeroinf(case: Case, rank: int, world: int) -> dict[str, Any]:
     from zeroinf.engine import engine_of
 
     model = build(case.arch)
+    _checkpointing(model, case)
     cls, keys = type(model), list(model.state_dict().keys())
     cfg = zeroinf.Config(stage=case.stage, param_dtype=case.dtype, persist_threshold_bytes=0)
     model = zeroinf.shard(model, cfg)

@@ -32,6 +32,7 @@ CASES = [
     Case("llama-s3-bf16", "llama", dtype="bf16"),
     Case("llama-tied-s3-fp32", "llama-tied"),
     Case("gpt2-s2-fp32", "gpt2", stage=2),
+    Case("llama-s3-fp32-reentrant", "llama", steps=4, reentrant_checkpointing=True),
 ]
 GENERATE_CASES = [c for c in CASES if c.generate_after is not None]
 S3_CASES = [c for c in CASES if c.stage == 3]
