@@ -7,7 +7,8 @@ Stage 3, world 1, fp32 (the issue's setting; `--dtype bf16` computes in bf16 wit
 CPU with bf16 hardware), parameters, gradients and optimizer states on NVMe.
 Prints one JSON object: per step `memory_report()["io"]["last_step"]` (bytes per kind, bytes per
 parameter, disk-busy share) beside the /proc/self/io read_bytes/write_bytes deltas of the same
-window (what reached the block layer: O_DIRECT transfers, plus anything else the process did).
+window (what reached the block layer: O_DIRECT transfers, plus anything else the process did), and
+the step's minor page faults (memory mapped afresh: buffers above glibc's 32 MiB mmap ceiling).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -44,15 +46,17 @@ def main() -> None:
     run = build(gpt, cfg, a.batch)
     steps = []
     for step in range(a.steps):
-        before = proc_io()
+        before, faults = proc_io(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         seconds, loss = train_step(run, step)
-        after = proc_io()
+        after, faults = proc_io(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         last = zeroinf.memory_report(run.model)["io"]["last_step"]
         kernel = {k: after[k] - before[k] for k in ("read_bytes", "write_bytes")}
         engine_bytes = last["read_bytes"] + last["written_bytes"]
         steps.append({
             "step_s": seconds, "loss": loss, "engine": last, "proc_self_io": kernel,
             "engine_over_kernel": engine_bytes / max(1, kernel["read_bytes"] + kernel["write_bytes"]),
+            # pages touched for the first time in the step (freshly mapped buffers): each costs a fault
+            "minor_faults": faults, "fresh_page_bytes": faults * resource.getpagesize(),
         })
     params = sum(u.layout.numel for u in zeroinf.engine_of(run.model).all_units)
     close(run)
