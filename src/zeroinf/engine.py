@@ -337,23 +337,20 @@ class Engine:
             self.all_units[u].reshard()
 
     def _pre_backward(self, index: int) -> None:
-        if not self._in_backward:
-            self._begin_backward()
+        self._begin_backward_once()
         assert self.scheduler is not None
         self.scheduler.pre_backward(index)
         if self._step_in_this_backward and self.backward_prepare is not None and index < len(self.units):
             self.backward_prepare(index)
 
     def _external_pre_backward(self, units: list[int]) -> None:
-        if not self._in_backward:
-            self._begin_backward()
+        self._begin_backward_once()
         for u in units:
             self.all_units[u].wait_unshard()
 
     # -- backward -------------------------------------------------------------------------------------
     def _on_grad_ready(self, unit_index: int, param_index: int) -> None:
-        if not self._in_backward:
-            self._begin_backward()
+        self._begin_backward_once()
         unit = self.units[unit_index]
         if unit.arrived(param_index) and unit.grad_state in (GradState.REDUCING, GradState.REDUCED):
             raise RuntimeError(

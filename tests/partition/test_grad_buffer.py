@@ -7,6 +7,8 @@ which these tests also check against non-reentrant checkpointing and plain PyTor
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +28,17 @@ CASES = {  # name: (Config fields, the buffer dtype the rule must choose)
     "stage2-bf16-accum2": (dict(stage=2, param_dtype="bf16", grad_accum_steps=2), torch.float32),
     "stage1-bf16": (dict(stage=1, param_dtype="bf16"), torch.float32),
 }
+
+
+@contextlib.contextmanager
+def _fp32_buffers() -> Iterator[None]:
+    """The reference: every gradient buffer in `reduce_dtype`, as before the rule."""
+    original = unit_plan.gradient_buffer_dtype
+    unit_plan.gradient_buffer_dtype = lambda cfg, world, device: cfg.reduce_dtype  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        unit_plan.gradient_buffer_dtype = original
 
 
 def _train(cfg: zeroinf.Config, rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], set]:
@@ -65,12 +78,8 @@ def _compare(rank: int, world: int) -> dict[str, dict[str, Any]]:
     for name, (fields, expected) in CASES.items():
         cfg = zeroinf.Config(**fields)
         losses, weights, allocated = _train(cfg, rank, world)
-        original = unit_plan.gradient_buffer_dtype  # the reference: every buffer in fp32, as before the rule
-        unit_plan.gradient_buffer_dtype = lambda cfg, world, device: cfg.reduce_dtype  # type: ignore[assignment]
-        try:
+        with _fp32_buffers():
             ref_losses, ref_weights, ref_allocated = _train(cfg, rank, world)
-        finally:
-            unit_plan.gradient_buffer_dtype = original
         out[name] = {
             "allocated": allocated, "expected": {expected}, "reference_allocated": ref_allocated,
             "losses_equal": losses == ref_losses,
@@ -170,12 +179,8 @@ def _reentrant(rank: int, world: int) -> dict[str, Any]:
         return out
     cfg = zeroinf.Config(stage=3, param_dtype="bf16")
     losses, weights, widened = train(cfg)
-    original = unit_plan.gradient_buffer_dtype
-    unit_plan.gradient_buffer_dtype = lambda cfg, world, device: cfg.reduce_dtype  # type: ignore[assignment]
-    try:
+    with _fp32_buffers():
         ref_losses, ref_weights, _ = train(cfg)
-    finally:
-        unit_plan.gradient_buffer_dtype = original
     out["widened"] = widened == {torch.float32}
     out["bitwise_as_fp32_buffers"] = losses == ref_losses and all(
         torch.equal(weights[k], ref_weights[k]) for k in ref_weights
