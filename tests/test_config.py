@@ -156,6 +156,7 @@ def test_non_numeric_values_raise_config_error(data: dict[str, Any], field_name:
         ({"grad_clip_norm": True}, "grad_clip_norm"),
         ({"collective_timeout_s": True}, "collective_timeout_s"),
         ({"sync_every_micro_step": "yes"}, "sync_every_micro_step"),
+        ({"reuse_step_memory": "yes"}, "reuse_step_memory"),
     ],
 )
 def test_bool_mixups_raise_config_error(data: dict[str, Any], field_name: str) -> None:

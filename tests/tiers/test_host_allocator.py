@@ -1,6 +1,7 @@
 """glibc's thresholds (tiers/host.py [Note: glibc's thresholds while building and while training]):
 while building, a freed large buffer goes back to the OS, so the next one faults its pages in again;
-while training, a buffer freed and reallocated every step is reused without page faults."""
+while training, a buffer freed and reallocated every step is reused without page faults, and from
+the second step (`Config.reuse_step_memory`) so is one above glibc's 32 MiB mmap ceiling."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ import torch
 from zeroinf.tiers import host
 
 NBYTES = 8 << 20  # a unit's gradient or gathered parameters at small scale: between the two thresholds
+LARGE_NBYTES = 48 << 20  # a 350M GPT's unit gradient buffer: above the 32 MiB ceiling
 ROUNDS = 8
 
 
-def _faults_reallocating() -> int:
+def _faults_reallocating(nbytes: int = NBYTES) -> int:
     """Minor page faults while a buffer is allocated, written, and freed ROUNDS times."""
-    torch.empty(NBYTES, dtype=torch.uint8).fill_(1)  # the first round may fault anywhere
+    torch.empty(nbytes, dtype=torch.uint8).fill_(1)  # the first round may fault anywhere
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(ROUNDS):
-        buf = torch.empty(NBYTES, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
         buf.fill_(1)
         del buf
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
@@ -38,7 +40,10 @@ def _measure() -> None:
     mapped = _faults_reallocating()
     host.reuse_step_buffers()
     reused = _faults_reallocating()
-    print(json.dumps({"mapped": mapped, "reused": reused}))
+    large_mapped = _faults_reallocating(LARGE_NBYTES)
+    assert host.keep_step_memory()
+    large_kept = _faults_reallocating(LARGE_NBYTES)
+    print(json.dumps({"mapped": mapped, "reused": reused, "large_mapped": large_mapped, "large_kept": large_kept}))
 
 
 def _measure_after_init_and_shard() -> None:
@@ -53,6 +58,25 @@ def _measure_after_init_and_shard() -> None:
         model = GPT(GPTConfig.preset("tiny"))
     zeroinf.shard(model, cfg, Topology.single(torch.device("cpu")))
     print(json.dumps({"trained": _faults_reallocating()}))
+
+
+def _measure_after_first_step(setting: str) -> None:
+    """An engine's first optimizer step decides `reuse_step_memory`: large buffers are then reused."""
+    import zeroinf
+    from zeroinf.models.gpt import GPT, GPTConfig
+    from zeroinf.topology import Topology
+
+    cfg = zeroinf.Config(stage=3, reuse_step_memory=json.loads(setting))
+    torch.manual_seed(0)
+    model = zeroinf.shard(GPT(GPTConfig.preset("tiny")), cfg, Topology.single(torch.device("cpu")))
+    opt = zeroinf.AdamW(model, lr=1e-3)
+    idx = torch.randint(0, 256, (2, 16))
+    before = _faults_reallocating(LARGE_NBYTES)
+    model(idx, idx).backward()
+    opt.step()
+    opt.zero_grad()
+    kept = zeroinf.memory_report(model)["keeps_step_memory"]
+    print(json.dumps({"before": before, "after": _faults_reallocating(LARGE_NBYTES), "kept": kept}))
 
 
 def _counts(*args: str) -> dict[str, int]:
@@ -81,5 +105,39 @@ def test_an_engine_built_under_init_without_offload_trains_with_the_step_thresho
     assert _counts("after-init-shard")["trained"] < mapped // 4, mapped
 
 
+@pytest.mark.skipif(host._libc("mallopt") is None, reason="needs glibc")
+def test_kept_step_memory_reuses_buffers_above_the_mmap_ceiling() -> None:
+    counts = _counts()
+    assert counts["large_mapped"] >= ROUNDS * (LARGE_NBYTES // (2 << 20)), counts  # afresh every round
+    assert counts["large_kept"] < counts["large_mapped"] // 4, counts
+
+
+@pytest.mark.skipif(host._libc("mallopt") is None, reason="needs glibc")
+def test_the_first_step_decides_reuse_step_memory() -> None:
+    on, off = _counts("after-first-step", "true"), _counts("after-first-step", "false")
+    assert on["kept"] is True and off["kept"] is False
+    assert on["after"] < on["before"] // 4, on  # the step switched the process to kept memory
+    assert off["after"] >= off["before"] // 2, off  # unchanged: still mapped afresh
+
+
+def test_auto_keeps_step_memory_on_a_cpu_with_as_much_memory_left_as_the_process_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from zeroinf.planner import profile
+
+    assert host.wants_kept_step_memory(True, "cuda") and not host.wants_kept_step_memory(False, "cpu")
+    monkeypatch.setattr(profile, "rss_bytes", lambda: 40)
+    monkeypatch.setattr(profile, "available_ram_bytes", lambda: 40)
+    assert host.wants_kept_step_memory("auto", "cpu")
+    assert not host.wants_kept_step_memory("auto", "cuda")  # the step's buffers are device memory there
+    monkeypatch.setattr(profile, "available_ram_bytes", lambda: 39)
+    assert not host.wants_kept_step_memory("auto", "cpu")  # a run sized to the machine: the leaner peak
+
+
 if __name__ == "__main__":
-    _measure_after_init_and_shard() if sys.argv[1:] == ["after-init-shard"] else _measure()
+    if sys.argv[1:2] == ["after-init-shard"]:
+        _measure_after_init_and_shard()
+    elif sys.argv[1:2] == ["after-first-step"]:
+        _measure_after_first_step(sys.argv[2])
+    else:
+        _measure()
