@@ -9,6 +9,7 @@ fresh process (peak RSS is a process's high-water mark):
 - `split`: optimizer on the host with `offload.max_host_bytes` set to two thirds of what the states
   need (they exceed the budget by half), the rest spilled to NVMe;
 - `nvme`: optimizer states on NVMe.
+`--reuse-step-memory true|false` overrides `Config.reuse_step_memory` ("auto" by default).
 Per variant: the RSS before the model is built (the baseline), the peak RSS (VmHWM, the same as
 ru_maxrss) over build and steps, (peak - baseline) / parameters, the engine's host and device
 ledger peaks per parameter, median seconds per step (first step dropped), the losses, and where
@@ -43,7 +44,10 @@ def child(a: argparse.Namespace) -> dict:
     if a.child == "split":
         budget = int(STATE_BYTES_PER_PARAM * gpt.param_count / 1.5)
     offload = zeroinf.OffloadConfig(params="nvme", optimizer=optimizer, nvme_dir=folder, max_host_bytes=budget)
-    cfg = zeroinf.Config(stage=3, param_dtype=a.dtype, persist_threshold_bytes=0, offload=offload)
+    cfg = zeroinf.Config(
+        stage=3, param_dtype=a.dtype, persist_threshold_bytes=0, offload=offload,
+        reuse_step_memory={"auto": "auto", "true": True, "false": False}[a.reuse_step_memory],
+    )
     baseline = rss_bytes()
     t0 = time.perf_counter()
     run = build(gpt, cfg, a.batch)
@@ -88,6 +92,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="fp32", help="compute dtype of the parameters (fp32, bf16)")
     parser.add_argument("--variants", default="host,split,nvme")
+    parser.add_argument(
+        "--reuse-step-memory", default="auto", choices=["auto", "true", "false"],
+        help="Config.reuse_step_memory",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.child:

@@ -38,10 +38,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--param-cache", default="0", help="offload.param_cache_bytes, e.g. 2GiB (0: none)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="param_dtype (compute)")
+    parser.add_argument(
+        "--reuse-step-memory", default="auto", choices=["auto", "true", "false"],
+        help="Config.reuse_step_memory",
+    )
     a = parser.parse_args()
     os.makedirs(a.nvme_dir, exist_ok=True)
     gpt = GPTConfig.preset(a.preset, seq_len=a.seq_len)
-    cfg = zeroinf.Config(stage=3, param_dtype=a.dtype, offload=zeroinf.OffloadConfig(
+    reuse = {"auto": "auto", "true": True, "false": False}[a.reuse_step_memory]
+    cfg = zeroinf.Config(stage=3, param_dtype=a.dtype, reuse_step_memory=reuse, offload=zeroinf.OffloadConfig(
         params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=a.nvme_dir, param_cache_bytes=a.param_cache))
     run = build(gpt, cfg, a.batch)
     steps = []
