@@ -44,7 +44,7 @@ from zeroinf.runtime import hooks
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.runtime.streams import Transfers
 from zeroinf.telemetry import CollectiveCounter, get_logger
-from zeroinf.tiers.host import keep_step_memory, map_large_buffers, reuse_step_buffers, wants_kept_step_memory
+from zeroinf.tiers.host import StepMemory, map_large_buffers, reuse_step_buffers
 from zeroinf.tiers.nvme_tier import NvmeTier, open_grad_files, open_param_files
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
@@ -131,8 +131,7 @@ class Engine:
                     sub._buffers[name] = b.to(cfg.param_torch_dtype)
         self._unit_of_param = {id(p): ui for ui, u in enumerate(self.all_units) for p in u.params}
         self.micro_step = 0  # backward passes since the last optimizer step
-        self.steps_done = 0  # optimizer steps taken
-        self.keeps_step_memory = False  # Config.reuse_step_memory in force (set after the first step)
+        self.step_memory = StepMemory(cfg.reuse_step_memory, topo.device.type)  # decided after the first step
         self._in_backward = False
         self._sync_this_backward = False
         self._reducing: deque[int] = deque()
@@ -450,9 +449,7 @@ class Engine:
 
     def end_step(self) -> None:
         self.transfers.order_uploads()  # whatever runs after the step reads the new parameters
-        if self.steps_done == 0 and wants_kept_step_memory(self.cfg.reuse_step_memory, self.topo.device.type):
-            self.keeps_step_memory = keep_step_memory()
-        self.steps_done += 1
+        self.step_memory.after_step()
         self._mark_io_step()
         self.micro_step = 0
         self.counter.end_step()
@@ -561,7 +558,7 @@ class Engine:
         report["units"] = len(self.all_units)
         report["frozen_units"] = len(self.frozen_units)
         report["resident_units"] = sum(u.resident for u in self.all_units)
-        report["keeps_step_memory"] = self.keeps_step_memory  # Config.reuse_step_memory, once decided
+        report["step_memory"] = self.step_memory.report()  # Config.reuse_step_memory, as decided
         if self.scheduler is not None:
             traces = (self.scheduler.forward_trace, self.scheduler.backward_trace)
             report["trace_departures"] = sum(t.departures for t in traces)

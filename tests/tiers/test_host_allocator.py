@@ -75,7 +75,7 @@ def _measure_after_first_step(setting: str) -> None:
     model(idx, idx).backward()
     opt.step()
     opt.zero_grad()
-    kept = zeroinf.memory_report(model)["keeps_step_memory"]
+    kept = zeroinf.memory_report(model)["step_memory"] == "kept"
     print(json.dumps({"before": before, "after": _faults_reallocating(LARGE_NBYTES), "kept": kept}))
 
 
@@ -132,6 +132,35 @@ def test_auto_keeps_step_memory_on_a_cpu_with_as_much_memory_left_as_the_process
     assert not host.wants_kept_step_memory("auto", "cuda")  # the step's buffers are device memory there
     monkeypatch.setattr(profile, "available_ram_bytes", lambda: 39)
     assert not host.wants_kept_step_memory("auto", "cpu")  # a run sized to the machine: the leaner peak
+
+
+def test_auto_gives_kept_memory_back_once_memory_runs_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zeroinf.planner import profile
+
+    available = [100]
+    calls: list[str] = []
+    monkeypatch.setattr(profile, "rss_bytes", lambda: 50)
+    monkeypatch.setattr(profile, "available_ram_bytes", lambda: available[0])
+    monkeypatch.setattr(host, "keep_step_memory", lambda: calls.append("keep") or True)
+    monkeypatch.setattr(host, "reuse_step_buffers", lambda: calls.append("reuse"))
+    monkeypatch.setattr(host, "return_freed_memory", lambda: calls.append("trim"))
+    auto, forced = host.StepMemory("auto", "cpu"), host.StepMemory(True, "cpu")
+    assert auto.report() == "returned"  # nothing decided before the first step
+    for memory in (auto, forced):
+        memory.after_step()
+    assert auto.report() == forced.report() == "kept" and calls == ["keep", "keep"]
+    available[0] = 50  # as much left as the process holds: still room
+    for memory in (auto, forced):
+        memory.after_step()
+    assert auto.report() == "kept" and calls == ["keep", "keep"]
+    available[0] = 49
+    for memory in (auto, forced):
+        memory.after_step()
+    assert auto.report() == "undone" and calls == ["keep", "keep", "reuse", "trim"]
+    assert forced.report() == "kept"  # asked for explicitly: kept whatever memory is left
+    available[0] = 1000
+    auto.after_step()
+    assert auto.report() == "undone" and len(calls) == 4  # for good
 
 
 if __name__ == "__main__":

@@ -110,21 +110,22 @@ def check_host_cap(needed_bytes: int, max_host_bytes: int | None, what: str, fix
 #   does once warmed up, and, being fixed, keeps it from drifting: fully offloaded, peak RSS grew 1.11x
 #   from 38M to 152M parameters (1.02x at 1 MiB, 1.21x with glibc's moving default). Larger buffers
 #   are still mapped and returned when freed.
-# - Training, from the second step where `Config.reuse_step_memory` says so (`keep_step_memory`):
-#   no allocation is mapped any more, and the heap keeps what it frees (its top is trimmed only
-#   beyond 1 GiB). A unit's gathered parameters and gradient buffers above 32 MiB, and the weight
-#   gradients autograd computes for them, were otherwise mapped and faulted in afresh every step:
-#   350M GPT fully on NVMe, bf16, 270-320k minor faults a step (1.1-1.3 GB); with it, none. The
-#   price is the heap's fragments: the step's working set settles a little above the mapped peak
-#   (measured in docs/design.md). From the second step, not the first: the optimizer's states, made
-#   in the first step and kept for the run, stay mapped and never interleave with the step's
-#   buffers on the heap (from the start, peak RSS was 5.6 bytes per parameter higher).
+# - Training, from the second step where `Config.reuse_step_memory` says so (`StepMemory`):
+#   nothing is mapped any more and the heap's top is never trimmed, so what a step frees stays for
+#   the next. A unit's gathered parameters and gradient buffer above 32 MiB, and the weight gradients
+#   autograd computes for them, were otherwise mapped and faulted in afresh every step (1.31B GPT
+#   fully on NVMe, bf16: 2.1-2.4M faults, 8.7 GB a step, 20.3 against 18.1 s/step). With a 1 GiB trim
+#   threshold a 1.0B GPT's step freed more than that at the top and faulted it back in. The price
+#   is the heap's fragments: the step's buffers take 1.5-3x what they hold at once (docs/design.md).
+#   From the second step, not the first: the optimizer's states, made in the first step and kept for
+#   the run, stay mapped and never interleave with the step's buffers on the heap (switched at
+#   build, peak RSS was 5.6 bytes per parameter higher).
 #
 # All are process-wide and need glibc; elsewhere they do nothing.
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc mallopt parameters
 DEFAULT_MMAP_MAX = 65536  # glibc's default count of mapped chunks
-KEEP_TRIM_THRESHOLD_BYTES = 1 << 30
+KEEP_TRIM_THRESHOLD = -1  # never trim the heap's top (glibc: -1 disables trimming)
 BUILD_MMAP_THRESHOLD_BYTES = 1 << 20
 STEP_MMAP_THRESHOLD_BYTES = 32 << 20
 STEP_TRIM_THRESHOLD_BYTES = 64 << 20
@@ -174,7 +175,7 @@ def keep_step_memory() -> bool:
     mallopt = _libc("mallopt")
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD_BYTES))
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD))
 
 
 def wants_kept_step_memory(setting: bool | str, device_type: str) -> bool:
@@ -187,3 +188,33 @@ def wants_kept_step_memory(setting: bool | str, device_type: str) -> bool:
     from zeroinf.planner.profile import available_ram_bytes, rss_bytes
 
     return device_type == "cpu" and available_ram_bytes() >= rss_bytes()
+
+
+AUTO_SETTING = "auto"  # Config's AUTO
+
+
+class StepMemory:
+    """`Config.reuse_step_memory` over one engine's run: decided once its first step is done and,
+    under "auto", given back for good once the machine has less memory available than the process
+    holds. The heap's fragments can grow for a while after the switch (0.5B GPT fp32, parameters on
+    NVMe: peak RSS 2.1 GB after the first step, 4.0 GB by step 17 and flat after, against 2.75 GB
+    mapped): the speed is taken while there is room for that, not at a run's memory limit."""
+
+    def __init__(self, setting: bool | str, device_type: str) -> None:
+        self.setting, self.device_type = setting, device_type
+        self.steps = 0
+        self.kept = False
+        self.undone = False  # kept, then given back: memory ran short
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            self.kept = wants_kept_step_memory(self.setting, self.device_type) and keep_step_memory()
+        elif self.kept and self.setting == AUTO_SETTING and not wants_kept_step_memory(AUTO_SETTING, "cpu"):
+            reuse_step_buffers()
+            return_freed_memory()
+            self.kept, self.undone = False, True
+
+    def report(self) -> str:
+        """What `memory_report()` shows: "kept", "returned", or "undone" (kept, then given back)."""
+        return "kept" if self.kept else "undone" if self.undone else "returned"
