@@ -39,7 +39,9 @@ def test_predicted_nvme_reads_per_step_match_the_engine(tmp_path: Path, dtype: s
         opt.step()
         opt.zero_grad()
         read.append(zeroinf.memory_report(model)["io"]["nvme_read_bytes"] - before)
-    assert len(engine.scheduler.kept_for_backward) == GPT_CFG.n_layer  # every block fits the prefetch budget
+    # every block fits the prefetch budget; on NVMe the backward's first prefetches are gathered only once
+    # its first unit is released, so the kept tail is one unit short of them all
+    assert len(engine.scheduler.kept_for_backward) == GPT_CFG.n_layer - 1
     estimate = plan(from_gpt_config(GPT_CFG), cfg, world_size=1, seq_len=GPT_CFG.seq_len, tokens_per_step=32)
     assert read[1] == read[2] == estimate.estimates[0].time.nvme_read_bytes, read
     engine.close()

@@ -291,3 +291,23 @@ def test_the_forwards_tail_within_the_backwards_first_prefetch_is_kept() -> None
     assert kept(20) == {2, 3, 4}  # the first backward unit and the 20 bytes it prefetches
     assert kept(UNLIMITED, max_live_bytes=30) == {2, 3, 4}
     assert kept(20, resident=frozenset({4})) == {1, 2, 3}  # a resident unit is never planned
+
+
+def test_a_staged_tail_stays_within_what_the_plain_backward_holds_at_once() -> None:
+    """Shards on NVMe prefetched by the backward's first step are read there and gathered at the next
+    event, once its first unit is released: the kept tail holds at most the larger of the two."""
+    order = [0, 1, 2, 3, 4]
+    def kept(prefetch_bytes: int, sizes: dict[int, int], staged: frozenset[int]) -> set:
+        args = (sizes, set(), prefetch_bytes, UNLIMITED)
+        forward, backward = plan_prefetch(order, *args), plan_prefetch(order[::-1], *args, release_lag=1)
+        return set(kept_for_backward(forward, backward, set(), staged, sizes))
+    even, everything = {u: 10 for u in range(5)}, frozenset(range(5))
+    assert kept(10, even, everything) == {4}  # one prefetch: the first unit alone, as the plain backward
+    assert kept(10, even, frozenset()) == {3, 4}  # in memory the prefetch is gathered at once
+    assert kept(40, even, everything) == {1, 2, 3, 4}  # the four prefetched units follow the first
+    assert kept(UNLIMITED, even, everything) == {1, 2, 3, 4}
+    assert kept(0, even, everything) == {4}  # no prefetch: nothing staged to wait for
+    assert kept(20, {0: 10, 1: 10, 2: 10, 3: 10, 4: 30}, everything) == {4}  # the large first unit fills it
+    # a host/NVMe split: an unstaged prefetch is gathered at once beside the first unit, kept or not
+    assert kept(20, even, frozenset({0, 1, 2})) == {3, 4}
+    assert kept(20, even, frozenset({3})) == {4}  # keeping 3 would hold 4, 3 and the gathered 2 at once

@@ -159,7 +159,10 @@ def _kept_units(plan: ModelPlan) -> frozenset[int]:
     plans = _prefetch_plans(plan) if plan.cfg.stage == 3 else None
     if plans is None:
         return frozenset()
-    return kept_for_backward(*plans, {i for i, u in enumerate(plan.units) if u.resident})
+    units = plan.units
+    staged = {i for i, u in enumerate(units) if not u.resident and u.param_tier is Tier.NVME}
+    sizes = {i: u.unsharded_bytes for i, u in enumerate(units)}
+    return kept_for_backward(*plans, {i for i, u in enumerate(units) if u.resident}, staged, sizes)
 
 
 @functools.lru_cache(maxsize=16)
