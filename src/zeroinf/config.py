@@ -289,7 +289,7 @@ class Config:
     buffers above 32 MiB back to the OS, which the next step faults in again page by page (glibc;
     tiers/host.py [Note: glibc's thresholds while building and while training]): what an
     accelerator's caching allocator does for device memory, for a CPU device. Faster where the CPU
-    computes (350M GPT fully on NVMe, bf16: 4.5 against 5.5 s/step) for a peak RSS that can be
+    computes (1.31B GPT fully on NVMe, bf16: 18.1 against 20.3 s/step) for a peak RSS that can be
     higher (the heap keeps fragments: from 0 to +45% in docs/design.md's runs). "auto": on when the
     device is the CPU and, after the first step, the machine has as much memory available as the
     process holds; given back for good if that stops holding. false: the leanest peak."""

@@ -210,7 +210,7 @@ class StepMemory:
         self.steps += 1
         if self.steps == 1:
             self.kept = wants_kept_step_memory(self.setting, self.device_type) and keep_step_memory()
-        elif self.kept and self.setting == AUTO_SETTING and not wants_kept_step_memory(AUTO_SETTING, "cpu"):
+        elif self.kept and self.setting == AUTO_SETTING and not wants_kept_step_memory(AUTO_SETTING, self.device_type):
             reuse_step_buffers()
             return_freed_memory()
             self.kept, self.undone = False, True
