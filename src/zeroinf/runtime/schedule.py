@@ -74,8 +74,9 @@ class UnshardScheduler:
         self.forward_plan = plan_prefetch(self.forward_trace.order, release_lag=0, **args)  # type: ignore[arg-type]
         self.backward_plan = plan_prefetch(self.backward_trace.order, release_lag=1, **args)  # type: ignore[arg-type]
         staged = {i for i, u in enumerate(self.units) if u.loads_from_storage}  # prefetches gathered an event later
-        sizes = {i: u.unsharded_bytes for i, u in enumerate(self.units)}
-        self.kept_for_backward = kept_for_backward(self.forward_plan, self.backward_plan, self.resident, staged, sizes)
+        self.kept_for_backward = kept_for_backward(
+            self.forward_plan, self.backward_plan, self.resident, staged, args["sizes"]  # type: ignore[arg-type]
+        )
         self._last_forward_position = {unit: i for i, unit in enumerate(self.forward_trace.order)}
         if self.on_traced is not None:  # the reads a step makes: the backward's kept units are not read
             backward = list(self.backward_trace.order)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from zeroinf.config import AUTO
 from zeroinf.memory import Ledger, Tier, format_bytes
 from zeroinf.topology import cuda_in_use
 
@@ -190,8 +191,6 @@ def wants_kept_step_memory(setting: bool | str, device_type: str) -> bool:
     return device_type == "cpu" and available_ram_bytes() >= rss_bytes()
 
 
-AUTO_SETTING = "auto"  # Config's AUTO
-
 
 class StepMemory:
     """`Config.reuse_step_memory` over one engine's run: decided once its first step is done and,
@@ -210,7 +209,7 @@ class StepMemory:
         self.steps += 1
         if self.steps == 1:
             self.kept = wants_kept_step_memory(self.setting, self.device_type) and keep_step_memory()
-        elif self.kept and self.setting == AUTO_SETTING and not wants_kept_step_memory(AUTO_SETTING, self.device_type):
+        elif self.kept and self.setting == AUTO and not wants_kept_step_memory(AUTO, self.device_type):
             reuse_step_buffers()
             return_freed_memory()
             self.kept, self.undone = False, True
