@@ -196,6 +196,12 @@ def test_torch_dtypes() -> None:
     assert cfg.param_torch_dtype is torch.bfloat16 and cfg.reduce_torch_dtype is torch.float32
 
 
+def test_resolved_stage_is_the_number_and_refuses_auto() -> None:
+    assert [Config(stage=s).resolved_stage for s in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="stage.*'auto'.*zeroinf.plan"):
+        _ = Config(stage="auto").resolved_stage
+
+
 def test_unit_classes_list_becomes_tuple() -> None:
     assert Config(unit_classes=["Block"]).unit_classes == ("Block",)  # type: ignore[arg-type]
 

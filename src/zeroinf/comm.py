@@ -137,12 +137,14 @@ def _exchange(
 ) -> list[dist.Work]:
     """Post, for every peer, a send of `send(peer)` and a receive into `receive(peer)` (one tag)."""
     tag = next(_peer_tags) % _TAG_SPAN
-    works = []
+    works: list[dist.Work] = []
     for peer in range(topo.world_size):
         if peer == topo.rank:
             continue
-        works.append(dist.isend(send(peer), group=topo.group, group_dst=peer, tag=tag))
-        works.append(dist.irecv(receive(peer), group=topo.group, group_src=peer, tag=tag))
+        sent = dist.isend(send(peer), group=topo.group, group_dst=peer, tag=tag)
+        received = dist.irecv(receive(peer), group=topo.group, group_src=peer, tag=tag)
+        assert sent is not None and received is not None  # None only for a rank outside the group: not this one
+        works += (sent, received)
     return works
 
 

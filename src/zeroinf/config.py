@@ -351,7 +351,7 @@ class Config:
             raise ConfigError(
                 "offload.params", self.offload.params, "parameters move to host/nvme only when sharded: use stage 3"
             )
-        if self.offload.gradients != "device" and self.stage < 2:
+        if self.offload.gradients != "device" and self.resolved_stage < 2:
             raise ConfigError(
                 "offload.gradients", self.offload.gradients, "gradient shards exist from stage 2 on: use stage 2 or 3"
             )
@@ -366,6 +366,14 @@ class Config:
         """Whether a placement field (stage, an offload tier, activation checkpointing) is still "auto"."""
         o = self.offload
         return AUTO in (self.stage, o.params, o.optimizer, o.gradients) or self.activation_checkpointing == AUTO
+
+    @property
+    def resolved_stage(self) -> int:
+        """`stage` as a number, once it is chosen; a ValueError while it is still "auto" (`zeroinf.plan`,
+        `zeroinf.shard` and `zeroinf train` resolve it first)."""
+        if isinstance(self.stage, int):
+            return self.stage
+        raise ValueError(f'config field `stage` is {self.stage!r}: choose a placement with zeroinf.plan first')
 
     @property
     def param_torch_dtype(self) -> torch.dtype:

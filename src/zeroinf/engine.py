@@ -25,10 +25,11 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing
 from zeroinf.aio.engine import DISK_ACTIVITY
@@ -49,6 +50,12 @@ from zeroinf.tiers.nvme_tier import NvmeTier, open_grad_files, open_param_files
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
 
+if TYPE_CHECKING:
+    from zeroinf.optim.pipeline import SubGroupPipeline
+    from zeroinf.optim.states import OptimizerStateStore
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
 _ATTR = "_zeroinf_engine"
 IO_KINDS = ("params", "grads", "optimizer")  # the NVMe traffic io_report tells apart
 
@@ -62,7 +69,7 @@ class Engine:
         self.ledger = ledger or Ledger()
         self.counter = CollectiveCounter()
         self.transfers = Transfers(topo.device, self.ledger)  # every host<->device copy (runtime/streams.py)
-        self.policy = ShardingPolicy(cfg.stage)
+        self.policy = ShardingPolicy(cfg.resolved_stage)
         for name, p in module.named_parameters():
             if not p.is_floating_point():
                 raise TypeError(f"zeroinf shards floating-point parameters only; {name} is {p.dtype}")
@@ -144,6 +151,8 @@ class Engine:
         self.backward_prepare: Callable[[int], None] | None = None
         # Called before backward's last hook touches the units: the optimizer's background kernels finish.
         self.backward_step_barrier: Callable[[], None] | None = None
+        # Set by zeroinf.AdamW: its state store and sub-group pipeline, for `optimizer_states` and `io_report`.
+        self.optimizer_io: tuple[OptimizerStateStore, SubGroupPipeline] | None = None
         self._step_in_this_backward = False
         # A checkpoint of this model being written in the background (checkpoint/saving.py
         # PendingSave): what changes parameters outside a step (`zeroinf.gathered` writes) waits for it.
@@ -151,7 +160,7 @@ class Engine:
         self._hook_handles = [
             h
             for ui, unit in enumerate(self.units)
-            for h in hooks.register_grad_ready_hooks(unit.params, lambda pi, ui=ui: self._on_grad_ready(ui, pi))
+            for h in hooks.register_grad_ready_hooks(unit.params, functools.partial(self._on_grad_ready, ui))
         ]
         # The pass begins in the outermost backward, where the model's output gets its gradient (see
         # `_begin_backward_at_output`).
@@ -172,8 +181,7 @@ class Engine:
     @property
     def optimizer_states(self) -> Any:
         """The optimizer's state store (fp32 masters and moments per unit), once one is built."""
-        optimizer_io = getattr(self, "optimizer_io", None)
-        return optimizer_io[0] if optimizer_io is not None else None
+        return self.optimizer_io[0] if self.optimizer_io is not None else None
 
     def _is_resident(self, spec: UnitSpec) -> bool:
         """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded."""
@@ -251,15 +259,7 @@ class Engine:
         for ui, spec in enumerate(self.all_specs):
             if spec.name and not self.all_units[ui].resident:
                 unit_modules.add(id(spec.module))
-                handles += hooks.register_forward_hooks(
-                    spec.module,
-                    lambda m, ui=ui: self._unit_pre_forward(ui),
-                    lambda m, out, ui=ui: self._unit_post_forward(ui, out),
-                )
-                if spec.frozen:  # no gradients to say when it is done: the gradients of its inputs do
-                    handles.append(
-                        hooks.register_input_hook(spec.module, lambda ins, ui=ui: self._frozen_inputs(ui, ins))
-                    )
+                handles += self._unit_hooks(ui, spec)
         for m in self.module.modules():
             owned = {self._unit_of_param[id(p)] for p in m.parameters(recurse=False) if id(p) in self._unit_of_param}
             owned = {u for u in owned if not self.all_units[u].resident}
@@ -270,6 +270,15 @@ class Engine:
                     self._external_post_forward,
                 )
         self._hook_handles += handles
+
+    def _unit_hooks(self, ui: int, spec: UnitSpec) -> list[RemovableHandle]:
+        """The forward hooks of non-resident unit `ui` (and the hook on its inputs, frozen)."""
+        handles = hooks.register_forward_hooks(
+            spec.module, lambda m: self._unit_pre_forward(ui), lambda m, out: self._unit_post_forward(ui, out)
+        )
+        if spec.frozen:  # no gradients to say when it is done: the gradients of its inputs do
+            handles.append(hooks.register_input_hook(spec.module, lambda ins: self._frozen_inputs(ui, ins)))
+        return handles
 
     def gather_full_state(self, state_dict: dict[str, Any], prefix: str = "") -> None:
         """Fill `state_dict` entries of sharded parameters with full copies, one unit at a time.
@@ -487,9 +496,8 @@ class Engine:
             stats = engine.stats()
             out[f"{kind}_read_bytes"], out[f"{kind}_written_bytes"] = stats.bytes_read, stats.bytes_written
             wait, busy = wait + files.io_wait_s, busy + files.io_busy_s
-        optimizer_io = getattr(self, "optimizer_io", None)
-        if optimizer_io is not None:
-            states, pipeline = optimizer_io
+        if self.optimizer_io is not None:
+            states, pipeline = self.optimizer_io
             out["optimizer_read_bytes"] = states.traffic.total.get("nvme_read_bytes", 0)
             out["optimizer_written_bytes"] = states.traffic.total.get("nvme_written_bytes", 0)
             wait, busy = wait + pipeline.io_wait_s, busy + pipeline.io_busy_s
@@ -577,9 +585,9 @@ def _traffic(counts: dict[str, float]) -> dict[str, Any]:
 
 
 def shard(
-    module: nn.Module, cfg: Config | None = None, topology: Topology | None = None, init_fn: InitFn | None = None,
+    module: ModuleT, cfg: Config | None = None, topology: Topology | None = None, init_fn: InitFn | None = None,
     weights: CheckpointWeights | None = None,
-) -> nn.Module:
+) -> ModuleT:
     """Shard `module` in place according to `cfg` (default: `Config()`) and return it.
 
     `topology` defaults to the initialized default process group (or a single process). A module
@@ -600,7 +608,8 @@ def shard(
         # What Hugging Face's `generate` reads to default `synced_gpus=True` at world > 1 (its FSDP2
         # integration sets it too): parameters are sharded, so a rank that has finished generating
         # must keep running forward passes until every rank has.
-        module._is_fsdp_managed_module = True
+        # (The ignore: the stub of nn.Module.__setattr__ takes tensors and modules only, not this flag.)
+        module._is_fsdp_managed_module = True  # type: ignore[assignment]
     _engines.add(engine)
     return module
 

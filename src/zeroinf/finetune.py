@@ -26,7 +26,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,9 @@ from zeroinf.train import (
     set_cpu_threads,
     write_report,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DEFAULT_CONFIG = Config(stage=3, grad_clip_norm=1.0)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -323,14 +326,20 @@ def export(run: FinetuneRun, args: FinetuneArgs) -> None:
     its own names, its config, generation config and tokenizer (a collective; rank 0 writes)."""
     from zeroinf.weights.export import save_pretrained_weights
 
+    out = args.out
+    assert out is not None, "export writes to args.out: call it when that is set"
     model = run.model
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base_model = getattr(model, "get_base_model", None)  # a peft model's
+    # A transformers model (`from_pretrained` loads one): its `config` and `generation_config` are written below.
+    base = cast("PreTrainedModel", get_base_model() if get_base_model is not None else model)
     prefix = ""
     if base is not model:
         from peft.tuners.lora import LoraLayer
 
         prefix = next(n for n, m in model.named_modules() if m is base) + "."
-        for layer in (m for m in base.modules() if isinstance(m, LoraLayer)):
+        for layer in base.modules():
+            if not isinstance(layer, LoraLayer):
+                continue
             params = [p for p in layer.parameters()]
             with zeroinf.gathered(params, modify=True):
                 layer.merge()
@@ -340,12 +349,12 @@ def export(run: FinetuneRun, args: FinetuneArgs) -> None:
             return None
         return name[len(prefix) :].replace(".base_layer.", ".")
 
-    save_pretrained_weights(model, args.out or "", rename=rename)
+    save_pretrained_weights(model, out, rename=rename)
     if run.topo.rank == 0:
-        base.config.save_pretrained(args.out)
+        base.config.save_pretrained(out)
         if getattr(base, "generation_config", None) is not None:
-            base.generation_config.save_pretrained(args.out)
+            base.generation_config.save_pretrained(out)
         if run.tokenizer is not None:
-            run.tokenizer.save_pretrained(args.out)
+            run.tokenizer.save_pretrained(out)
     if run.topo.is_distributed:
         torch.distributed.barrier(group=run.topo.group)

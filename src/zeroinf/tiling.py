@@ -165,7 +165,7 @@ class TiledLinear(nn.Module):
                     if tile.bias is not None:
                         assert bias is not None
                         tile.bias.copy_(bias[rows])
-        for tile in tiled.tiles:
+        for tile, _, _ in tiled.tile_slices():
             tile.weight.requires_grad_(weight.requires_grad)
             if tile.bias is not None:
                 assert bias is not None

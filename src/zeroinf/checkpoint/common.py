@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -58,18 +58,26 @@ def module_state_tensors(model: nn.Module, engine: Engine) -> list[tuple[str, to
     return out
 
 
-def rng_state(engine: Engine) -> dict[str, str | None]:
+class RngState(TypedDict):
+    """A rank's random number generators' states, base64 (as the manifest holds them)."""
+
+    cpu: str
+    cuda: str | None  # None where the device is not CUDA
+
+
+def rng_state(engine: Engine) -> RngState:
     cuda = None
     if engine.topo.device.type == "cuda":
         cuda = base64.b64encode(as_bytes(torch.cuda.get_rng_state(engine.topo.device))).decode()
     return {"cpu": base64.b64encode(as_bytes(torch.get_rng_state())).decode(), "cuda": cuda}
 
 
-def set_rng_state(engine: Engine, state: dict[str, str | None]) -> None:
+def set_rng_state(engine: Engine, state: RngState) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cpu"])), dtype=torch.uint8))
-    if state.get("cuda") and engine.topo.device.type == "cuda":
+    cuda = state.get("cuda")
+    if cuda and engine.topo.device.type == "cuda":
         torch.cuda.set_rng_state(
-            torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8), engine.topo.device
+            torch.frombuffer(bytearray(base64.b64decode(cuda)), dtype=torch.uint8), engine.topo.device
         )
 
 

@@ -89,6 +89,7 @@ def load(
                 error = str(e)
             # Agree before the unit's collective, so a rank that failed never leaves others waiting.
             broadcast_error(engine, error)
+            assert master is not None  # this rank's failure raised above
             # The compute parameters are the master's cast: stage 3 writes the shard home, stages
             # 1-2 the owned range and an all-gather; every rank issues the same collectives.
             with torch.no_grad():

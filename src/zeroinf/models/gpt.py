@@ -189,8 +189,9 @@ class GPT(nn.Module):
         ln(vocab_size) when the head is tied (PyTorch's N(0, 1) would make the first logits huge).
         """
         for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if module is not self and reset is not None:
+                reset()
         nn.init.normal_(self.tok_emb.weight, mean=0.0, std=EMBEDDING_INIT_STD)
         nn.init.normal_(self.pos_emb.weight, mean=0.0, std=EMBEDDING_INIT_STD)
 

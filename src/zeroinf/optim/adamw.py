@@ -420,9 +420,9 @@ class AdamW(torch.optim.Optimizer):
         if coef != 1.0:
             for g in present:
                 g.mul_(coef)
-            for g in grads:
-                if isinstance(g, _GradOnDisk):
-                    g.coef = coef
+            for grad in grads:
+                if isinstance(grad, _GradOnDisk):
+                    grad.coef = coef
         if session is not None:
             self._check_hyperparameters(session)
         self._update_states(grads, session)

@@ -151,7 +151,9 @@ class SwapStore(Protocol):
     """The part of an optimizer state store the pipeline drives (see optim/states.py)."""
 
     sub_groups: list[SubGroup]
-    staging_slots: int | None
+
+    @property  # read only: a store's class may fix it (None)
+    def staging_slots(self) -> int | None: ...
 
     def swaps(self, index: int) -> bool: ...  # False: in memory, takes no staging slot
 

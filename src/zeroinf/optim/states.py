@@ -120,8 +120,10 @@ class OptimizerStateStore(Protocol):
 
     tier: Tier
     sub_groups: list[SubGroup]
-    staging_slots: int | None  # sub-groups that may be in memory at once (None: all)
     traffic: StepTraffic
+
+    @property  # read only: a store's class may fix it (None)
+    def staging_slots(self) -> int | None: ...  # sub-groups that may be in memory at once (None: all)
 
     def swaps(self, index: int) -> bool: ...  # whether sub-group `index` takes a staging slot
 

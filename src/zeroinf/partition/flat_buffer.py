@@ -7,6 +7,7 @@ vectorized kernels and collectives). Rank r owns the range [r * shard_numel, (r 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ class FlatLayout:
     padded_numel: int
 
     @classmethod
-    def build(cls, named_shapes: list[tuple[str, torch.Size]], world_size: int) -> FlatLayout:
+    def build(cls, named_shapes: Iterable[tuple[str, Sequence[int]]], world_size: int) -> FlatLayout:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         slots, offset = [], 0

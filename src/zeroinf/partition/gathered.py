@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,7 @@ def gathered(
 ) -> Iterator[list[torch.Tensor]]:
     """Gather `params` (parameters of sharded models) for the block; see the module docstring."""
     wanted = [params] if isinstance(params, torch.Tensor) else list(params)
-    parked = [p for p in wanted if park_of(p) is not None]
+    parked = [cast(nn.Parameter, p) for p in wanted if park_of(p) is not None]  # parks hold parameters only
     units: dict[tuple[int, int], tuple[Engine, int]] = {}
     for i, p in enumerate(wanted):
         if park_of(p) is not None:

@@ -44,10 +44,16 @@ DEFAULT_LIVE_BYTES = 0  # built parameters are parked as soon as their module is
 _T = torch.Tensor
 
 
+def _descriptor(name: str) -> Any:
+    """The class attribute `Tensor.<name>` of a tensor property: a C getset descriptor, whose `__get__`
+    and `__set__` are what a TorchFunctionMode sees (the stubs type the attribute as its value)."""
+    return getattr(_T, name)
+
+
 def _tensor_functions(properties: str, methods: str) -> frozenset[Any]:
     """Tensor property getters and methods by name (those this torch version has)."""
     found: set[Any] = {getattr(_T, m) for m in methods.split() if hasattr(_T, m)}
-    found |= {getattr(_T, p).__get__ for p in properties.split() if hasattr(_T, p)}
+    found |= {_descriptor(p).__get__ for p in properties.split() if hasattr(_T, p)}
     return frozenset(found)
 
 
@@ -56,13 +62,13 @@ _METADATA = _tensor_functions(
     "shape dtype ndim requires_grad is_leaf grad grad_fn layout itemsize nbytes is_sparse is_quantized",
     "size dim numel nelement ndimension element_size is_floating_point is_complex __len__ __hash__ "
     "requires_grad_ stride is_contiguous",
-) | {_T.requires_grad.__set__}
+) | {_descriptor("requires_grad").__set__}
 # Answered with the parameter's real device (the placeholder is on meta).
 _DEVICE_QUERIES: dict[Any, Callable[[torch.device], Any]] = {
-    _T.device.__get__: lambda d: d,
-    _T.is_meta.__get__: lambda d: d.type == "meta",
-    _T.is_cuda.__get__: lambda d: d.type == "cuda",
-    _T.is_cpu.__get__: lambda d: d.type == "cpu",
+    _descriptor("device").__get__: lambda d: d,
+    _descriptor("is_meta").__get__: lambda d: d.type == "meta",
+    _descriptor("is_cuda").__get__: lambda d: d.type == "cuda",
+    _descriptor("is_cpu").__get__: lambda d: d.type == "cpu",
     _T.get_device: lambda d: d.index if d.type != "cpu" and d.index is not None else -1,
 }
 

@@ -23,12 +23,14 @@ STAGES = (0, 1, 2, 3)
 def candidates(base: Config, nvme_dir: str | None) -> list[Config]:
     """The concrete Configs `base` allows, in a stable order (stage, tiers, checkpointing)."""
     o = base.offload
-    stages = STAGES if base.stage == AUTO else (base.stage,)
+    # A field that is not "auto" is its own only candidate (Config checked it: a stage number, true or false).
+    stages = (base.stage,) if isinstance(base.stage, int) else STAGES
     pick = {
         name: TIERS if getattr(o, name) == AUTO else (getattr(o, name),)
         for name in ("params", "optimizer", "gradients")
     }
-    ckpt = (False, True) if base.activation_checkpointing == AUTO else (base.activation_checkpointing,)
+    given_ckpt = base.activation_checkpointing
+    ckpt = (given_ckpt,) if isinstance(given_ckpt, bool) else (False, True)
     out = []
     for stage, params, optimizer, gradients, checkpointing in itertools.product(
         stages, pick["params"], pick["optimizer"], pick["gradients"], ckpt
@@ -53,7 +55,7 @@ def candidates(base: Config, nvme_dir: str | None) -> list[Config]:
 def _rank(e: Estimate) -> tuple[float, int, int, bool]:
     t = e.time
     moved = t.nvme_read_bytes + t.nvme_written_bytes
-    return (round(t.step_s, 3), moved, e.config.stage, bool(e.config.activation_checkpointing))
+    return (round(t.step_s, 3), moved, e.config.resolved_stage, bool(e.config.activation_checkpointing))
 
 
 def choose(estimates: Sequence[Estimate]) -> Estimate | None:

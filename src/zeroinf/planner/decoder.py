@@ -46,7 +46,10 @@ class _Linear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = inputs, outputs
         self.weight = nn.Parameter(torch.empty(outputs, inputs, device="meta"))
-        self.bias = nn.Parameter(torch.empty(outputs, device="meta")) if bias else None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(outputs, device="meta"))
+        else:
+            self.register_parameter("bias", None)  # as nn.Linear does
 
 
 def _linear(inputs: int, outputs: int, bias: bool = True) -> nn.Linear:

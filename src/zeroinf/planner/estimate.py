@@ -419,7 +419,7 @@ def _released(plan: ModelPlan) -> bool:
 
 def _grads_stay_in_memory(cfg: Config) -> bool:
     """Whether no reduced gradient lands on its tier before the step: no earlier micro-step was reduced."""
-    return cfg.grad_accum_steps == 1 or (cfg.stage < 3 and not cfg.sync_every_micro_step)
+    return cfg.grad_accum_steps == 1 or (cfg.resolved_stage < 3 and not cfg.sync_every_micro_step)
 
 
 def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierBytes:
@@ -437,7 +437,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
     shared = [u for u, held in zip(plan.trainable_units, plan.masters_in_memory_shard, strict=True) if held]
     shared_keys = {u.key for u in shared}
     engine_bytes = o.aio.workers * o.aio.block_bytes  # each NVMe kind's engine: one bounce buffer per worker
-    if cfg.stage < 2:  # every buffer lives until the end of backward
+    if cfg.resolved_stage < 2:  # every buffer lives until the end of backward
         add("device", "param_unsharded", sum(u.unsharded_bytes for u in units))
         add("device", "grad_unsharded", sum(u.grad_unsharded_bytes for u in units))
     elif cfg.stage == 2:
@@ -458,7 +458,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
                 shard_bytes = u.layout.shard_numel * FP32_BYTES if u.key in shared_keys else u.shard_bytes
                 add(u.param_tier.value, "param_shard", shard_bytes)
     mode = step_in_backward_mode(cfg)
-    if cfg.stage >= 2:
+    if cfg.resolved_stage >= 2:
         if o.gradients == "nvme":
             add("nvme", "grad_shard", _swap_file_bytes(plan.grad_swap_bytes()))
             if not (mode == "final" and _grads_stay_in_memory(cfg)):  # else stepped where reduced, never landed
@@ -485,7 +485,8 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
         if mode == "speculative":  # the states before the step, kept until step() validates it
             add(o.optimizer, "optimizer_backup", state_bytes)
     add("host", "activation_offload", activation_offload_bytes)
-    return TierBytes(*(sum(tags[t].values()) for t in ("device", "host", "nvme")), by_tag=tags)
+    device, host, nvme = (sum(tags[t].values()) for t in ("device", "host", "nvme"))
+    return TierBytes(device, host, nvme, by_tag=tags)
 
 
 def activation_peak(facts: PassFacts | None, cfg: Config) -> tuple[int, int]:
@@ -562,9 +563,9 @@ def step_time(
         calls = accum * (gathers + len(plan.trainable_units)) + len(plan.units) - len(plan.sharded_units)
     else:
         syncs = accum if cfg.sync_every_micro_step else 1
-        grad_factor = 2 if cfg.stage < 2 else 1  # all-reduce moves twice a reduce-scatter's bytes
-        coll_b = syncs * grad_factor * grads_b + (params_b if cfg.stage >= 1 else 0)
-        calls = syncs * len(plan.units) + (len(plan.units) if cfg.stage >= 1 else 0)
+        grad_factor = 2 if cfg.resolved_stage < 2 else 1  # all-reduce moves twice a reduce-scatter's bytes
+        coll_b = syncs * grad_factor * grads_b + (params_b if cfg.resolved_stage >= 1 else 0)
+        calls = syncs * len(plan.units) + (len(plan.units) if cfg.resolved_stage >= 1 else 0)
     collective_bytes = int(coll_b * ring)
     latency = profile.collective_latency_s if w > 1 else 0.0
     collectives_s = collective_bytes / rate + calls * latency
@@ -577,7 +578,7 @@ def step_time(
         fb_read += accum * (2 * shard_b - once_b) * _param_read_share(plan)
         opt_write += shard_b
     mode = step_in_backward_mode(cfg)
-    if cfg.stage >= 2 and o.gradients == "nvme":
+    if cfg.resolved_stage >= 2 and o.gradients == "nvme":
         landed = accum if mode != "final" or not _grads_stay_in_memory(cfg) else 0
         fb_write += landed * FP32_BYTES * owned
         fb_read += max(0, landed - 1) * FP32_BYTES * owned

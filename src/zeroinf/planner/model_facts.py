@@ -382,8 +382,10 @@ def _dynamo_import_deferred() -> Iterator[None]:
         _remove_stand_in(stand_in)
         return getattr(importlib.import_module("torch._dynamo"), name)
 
+    # The ignores: attributes of a module object set at run time; typeshed declares the module-level
+    # __getattr__ (PEP 562) as a method of ModuleType.
     stand_in.disable = disable  # type: ignore[attr-defined]
-    stand_in.__getattr__ = real  # type: ignore[attr-defined]
+    stand_in.__getattr__ = real  # type: ignore[method-assign]
     sys.modules["torch._dynamo"] = stand_in
     try:
         yield

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import math
+import operator
 import os
 import platform
 import tempfile
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -383,7 +384,7 @@ def probe_matmul(
                 continue
             a = torch.randn(size, size, device=device).to(dtype)
             b = torch.randn(size, size, device=device).to(dtype)
-            points.append((size, _rate(work, lambda a=a, b=b: a @ b, budget_s, sync)))
+            points.append((size, _rate(work, functools.partial(operator.matmul, a, b), budget_s, sync)))
         out[name] = tuple(points)
     return out
 
@@ -496,7 +497,16 @@ def probe_collectives(
     return received / max(big_s - small_s, 1e-6), small_s, flops
 
 
-REFERENCE_GPT = {"seq_len": 256, "n_layer": 4, "n_head": 4, "d_model": 256}
+class _GPTSizes(TypedDict):
+    """`GPTConfig` fields of the reference model (the others keep their defaults)."""
+
+    seq_len: int
+    n_layer: int
+    n_head: int
+    d_model: int
+
+
+REFERENCE_GPT: _GPTSizes = {"seq_len": 256, "n_layer": 4, "n_head": 4, "d_model": 256}
 REFERENCE_BATCH = 2
 
 

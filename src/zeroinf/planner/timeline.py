@@ -177,10 +177,11 @@ def timeline_html(
     byte_rows = []
     pred_bytes = (predicted or {}).get("peak_bytes", {})
     for tier in ("device", "host", "nvme"):
-        m = (measured_bytes or {}).get(tier)
+        m_bytes = (measured_bytes or {}).get(tier)
         p = pred_bytes.get(tier)
         byte_rows.append(
-            f"<tr><td>{tier}</td><td>{_fmt_bytes(m)}</td><td>{_fmt_bytes(p)}</td><td>{_ratio(p, m)}</td></tr>"
+            f"<tr><td>{tier}</td><td>{_fmt_bytes(m_bytes)}</td><td>{_fmt_bytes(p)}</td>"
+            f"<td>{_ratio(p, m_bytes)}</td></tr>"
         )
     notes = "".join(f"<li>{html.escape(f)}</li>" for f in facts)
     time_note = (

@@ -212,7 +212,7 @@ def gradient_buffer_dtype(cfg: Config, world_size: int, device_type: str) -> str
     lower = DTYPES[cfg.param_dtype].itemsize < DTYPES[cfg.reduce_dtype].itemsize
     reduced_every_backward = cfg.stage == 3 or cfg.grad_accum_steps == 1 or cfg.sync_every_micro_step
     as_messages = device_type == "cpu" and world_size > 1
-    if cfg.stage >= 2 and lower and reduced_every_backward and as_messages:
+    if cfg.resolved_stage >= 2 and lower and reduced_every_backward and as_messages:
         return cfg.param_dtype
     return cfg.reduce_dtype
 
@@ -519,9 +519,9 @@ class ModelPlan:
         if self.nvme_param_units:
             nbytes += self.param_staging().total_bytes + engine_bytes
             nbytes += self.param_cache_slots() * self.param_staging().buffer_bytes
-        if cfg.stage >= 2 and o.gradients == "host":
+        if cfg.resolved_stage >= 2 and o.gradients == "host":
             nbytes += sum(u.grad_shard_bytes for u in self.trainable_units)
-        if cfg.stage >= 2 and o.gradients == "nvme":
+        if cfg.resolved_stage >= 2 and o.gradients == "nvme":
             nbytes += engine_bytes
         if optimizer_on_nvme and o.optimizer in ("host", "nvme") and o.nvme_dir is not None:  # states on NVMe
             owned = [u.owned_numel for u in self.trainable_units]
@@ -548,7 +548,7 @@ class ModelPlan:
 
 def is_resident(unit: UnitShape, cfg: Config, world_size: int, layout: FlatLayout | None = None) -> bool:
     """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded; stages 0-2 all."""
-    if cfg.stage < 3:
+    if cfg.resolved_stage < 3:
         return True
     layout = layout or FlatLayout.build(list(unit.params), world_size)
     return unit.name == "" or layout.padded_numel * DTYPES[cfg.param_dtype].itemsize < cfg.persist_threshold_bytes
@@ -573,7 +573,7 @@ def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int, device_
         layout = _layout(unit, world_size)
         resident = is_resident(unit, cfg, world_size, layout)
         tier = Tier(cfg.offload.params) if cfg.stage == 3 and not resident else Tier.DEVICE
-        owned = 0 if unit.frozen else layout.shard_numel if cfg.stage >= 1 else layout.padded_numel
+        owned = 0 if unit.frozen else layout.shard_numel if cfg.resolved_stage >= 1 else layout.padded_numel
         planned.append(UnitPlan(
             unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned, unit.frozen, grad_buffer_itemsize
         ))

@@ -139,9 +139,11 @@ def kept_for_backward(
         return frozenset()
     window = {first.unit, *first.prefetch}
     budget: int | None = None
+    unit_sizes: Mapping[int, int] = {}  # `sizes`, where a budget is set
     together = {first.unit} | (set(first.prefetch) - set(staged))  # unsharded at once in the plain backward
     if len(together) < len(window):
         assert sizes is not None, "staged units need their sizes"
+        unit_sizes = sizes
         budget = max(sum(sizes[u] for u in together), sum(sizes[u] for u in window - {first.unit}))
     kept: set[int] = set()
     for step in reversed(forward.steps):
@@ -150,7 +152,7 @@ def kept_for_backward(
         if step.unit not in window:
             break
         # kept, the backward's first step holds the tail beside the units it gathers at once
-        if budget is not None and sum(sizes[u] for u in kept | together | {step.unit}) > budget:  # type: ignore[index]
+        if budget is not None and sum(unit_sizes[u] for u in kept | together | {step.unit}) > budget:
             break
         kept.add(step.unit)
     return frozenset(kept)

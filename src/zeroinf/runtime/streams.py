@@ -212,7 +212,7 @@ class Transfers:
         self._landings: deque[Landing] = deque()  # issued, not yet retired, oldest first
         self._upload_sources: list[torch.Event] = []  # uploads whose host source may still be read
         self._unordered_uploads: list[torch.Event] = []  # uploads the compute stream does not wait for yet
-        self._source_readers: list[Callable[[], None]] = []  # other readers of masters (NVMe writes): waits
+        self._source_readers: list[Callable[[], object]] = []  # other readers of masters (NVMe writes): waits
 
     # -- events -----------------------------------------------------------------------------------
     def _compute_stream(self) -> torch.Stream:
@@ -302,7 +302,7 @@ class Transfers:
             compute.wait_event(event)
         self._unordered_uploads.clear()
 
-    def reads_source(self, wait: Callable[[], None]) -> None:
+    def reads_source(self, wait: Callable[[], object]) -> None:
         """Something else reads an optimizer's master in the background (the NVMe write of an updated
         shard, straight from the master): `wait_uploads()` calls `wait` too, so every place that
         changes masters after waiting for uploads also waits for it."""

@@ -84,7 +84,7 @@ class ShardCache:
         self._loaded: set[str] = set()  # units whose slot is lent out between load and end of use
         self.policy = _Policy()
         self.timeout_s: float | None = None
-        self.waiter: Callable[[AioHandle], None] = lambda handle: handle.wait(self.timeout_s)  # the owner's, timed
+        self.waiter: Callable[[AioHandle], object] = lambda handle: handle.wait(self.timeout_s)  # the owner's, timed
         self.hits = self.misses = 0
 
     @property
@@ -149,7 +149,8 @@ def simulate_reads(order: Sequence[str], slots: int, steps: int = 3) -> list[int
     """Shards read from NVMe in each of `steps` training steps whose loads follow `order` (forward
     then backward), with a cache of `slots` shards under the policy above (the first step sees no
     order, as a run's first step does)."""
-    policy, held, reads = _Policy(), [], []
+    policy, reads = _Policy(), []
+    held: list[str] = []
     for step in range(steps):
         if step == 1:
             policy.set_order(order)  # as the engine does once the first step is traced

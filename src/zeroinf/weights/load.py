@@ -32,7 +32,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str], key_map: KeyMap
     try:
         weights = CheckpointWeights(folder, model, shapes=shapes, key_map=key_map)
         states = engine.optimizer_states
-        in_units = set()
+        in_units: set[int] = set()
         for ui, unit in enumerate(engine.all_units):
             in_units.update(id(p) for p in unit.params)
             if weights.covers(unit.params):

@@ -12,7 +12,7 @@ patterns are honoured, as Hugging Face does), a shape or dtype that does not fit
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -109,7 +109,7 @@ class CheckpointWeights:
         return any(id(p) in self.of_param for p in params)
 
     def read_range(
-        self, layout: FlatLayout, params: list[torch.Tensor], start: int, end: int, dtype: torch.dtype,
+        self, layout: FlatLayout, params: Sequence[torch.Tensor], start: int, end: int, dtype: torch.dtype,
         scratch: bool = False,
     ) -> torch.Tensor:
         """Flat elements [start, end) of a unit (layout over `params`) in `dtype`, on the CPU: stored
@@ -181,7 +181,7 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 class UnitWeights:
     """`ShardedUnit`'s source of initial values: a unit's flat ranges from the checkpoint."""
 
-    def __init__(self, weights: CheckpointWeights, params: list[torch.Tensor]) -> None:
+    def __init__(self, weights: CheckpointWeights, params: Sequence[torch.Tensor]) -> None:
         self.weights, self.params = weights, params
 
     def read(
