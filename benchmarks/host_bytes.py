@@ -9,7 +9,8 @@ fresh process (peak RSS is a process's high-water mark):
 - `split`: optimizer on the host with `offload.max_host_bytes` set to two thirds of what the states
   need (they exceed the budget by half), the rest spilled to NVMe;
 - `nvme`: optimizer states on NVMe.
-`--reuse-step-memory true|false` overrides `Config.reuse_step_memory` ("auto" by default).
+`--reuse-step-memory true|false` overrides `Config.reuse_step_memory` ("auto" by default);
+`--grad-pool off` allocates every gradient buffer afresh (partition/grad_pool.py), to compare.
 Per variant: the RSS before the model is built (the baseline), the peak RSS (VmHWM, the same as
 ru_maxrss) over build and steps, (peak - baseline) / parameters, the engine's host and device
 ledger peaks per parameter, median seconds per step (first step dropped), the losses, and where
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -52,10 +54,13 @@ def child(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     run = build(gpt, cfg, a.batch)
     build_s = time.perf_counter() - t0
+    zeroinf.engine_of(run.model).grad_pool.enabled = a.grad_pool == "on"
     build_peak = peak_rss_bytes()  # the model and the optimizer built: where the high-water mark was set
-    seconds, losses, host_peaks, device_peaks, step_peaks = [], [], [], [], []
+    seconds, losses, host_peaks, device_peaks, step_peaks, faults = [], [], [], [], [], []
     for step in range(a.steps):
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         took, loss = train_step(run, step)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
         seconds.append(took)
         losses.append(loss)
         last = zeroinf.memory_report(run.model)["last_step"] or {}
@@ -73,6 +78,7 @@ def child(a: argparse.Namespace) -> dict:
         "rss_above_baseline_per_param": (peak - baseline) / params,
         "build_rss_above_baseline_per_param": (build_peak - baseline) / params,
         "rss_high_water_after_each_step": step_peaks,
+        "minor_faults_each_step": faults,  # pages touched for the first time: buffers mapped afresh
         "ledger_host_peak_per_param": max(host_peaks) / params,
         "ledger_device_peak_per_param": max(device_peaks) / params,
         "ledger_host_by_tag": report["host"]["by_tag"],
@@ -95,6 +101,10 @@ def main() -> None:
     parser.add_argument(
         "--reuse-step-memory", default="auto", choices=["auto", "true", "false"],
         help="Config.reuse_step_memory",
+    )
+    parser.add_argument(
+        "--grad-pool", default="on", choices=["on", "off"],
+        help="off: every gradient buffer allocated afresh (the engine's grad_pool disabled), to compare",
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()

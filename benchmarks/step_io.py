@@ -9,6 +9,7 @@ Prints one JSON object: per step `memory_report()["io"]["last_step"]` (bytes per
 parameter, disk-busy share) beside the /proc/self/io read_bytes/write_bytes deltas of the same
 window (what reached the block layer: O_DIRECT transfers, plus anything else the process did), and
 the step's minor page faults (memory mapped afresh: buffers above glibc's 32 MiB mmap ceiling).
+`--grad-pool off` allocates every gradient buffer afresh (partition/grad_pool.py), to compare.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def main() -> None:
         "--reuse-step-memory", default="auto", choices=["auto", "true", "false"],
         help="Config.reuse_step_memory",
     )
+    parser.add_argument(
+        "--grad-pool", default="on", choices=["on", "off"],
+        help="off: every gradient buffer allocated afresh (the engine's grad_pool disabled), to compare",
+    )
     a = parser.parse_args()
     os.makedirs(a.nvme_dir, exist_ok=True)
     gpt = GPTConfig.preset(a.preset, seq_len=a.seq_len)
@@ -49,6 +54,7 @@ def main() -> None:
     cfg = zeroinf.Config(stage=3, param_dtype=a.dtype, reuse_step_memory=reuse, offload=zeroinf.OffloadConfig(
         params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=a.nvme_dir, param_cache_bytes=a.param_cache))
     run = build(gpt, cfg, a.batch)
+    zeroinf.engine_of(run.model).grad_pool.enabled = a.grad_pool == "on"
     steps = []
     for step in range(a.steps):
         before, faults = proc_io(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -36,6 +36,7 @@ from zeroinf.aio.engine import DISK_ACTIVITY
 from zeroinf.comm import all_reduce
 from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
+from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.partition.init import InitFn, materialize_and_build, needs_materializing
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
@@ -69,6 +70,7 @@ class Engine:
         self.ledger = ledger or Ledger()
         self.counter = CollectiveCounter()
         self.transfers = Transfers(topo.device, self.ledger)  # every host<->device copy (runtime/streams.py)
+        self.grad_pool = GradBufferPool(topo.device)  # gradient buffers reused within a backward
         self.policy = ShardingPolicy(cfg.resolved_stage)
         for name, p in module.named_parameters():
             if not p.is_floating_point():
@@ -224,6 +226,7 @@ class Engine:
             frozen=spec.frozen,
             transfers=self.transfers,
             realize=realize,
+            grad_pool=self.grad_pool,
             grad_buffer_dtype=DTYPES[self.unit_plan.grad_buffer_dtype],
         )
 
@@ -404,6 +407,7 @@ class Engine:
                 f"{self.cfg.grad_accum_steps} backward passes, or change grad_accum_steps"
             )
         self._in_backward = True
+        self.grad_pool.open()
         last = self.micro_step + 1 == self.cfg.grad_accum_steps
         self._sync_this_backward = last or self.cfg.sync_every_micro_step or self.policy.shard_params
         self._step_in_this_backward = last and self.backward_step is not None
@@ -427,6 +431,7 @@ class Engine:
             self.grad_files.drain()
         if self.scheduler is not None:
             self.scheduler.end_backward()
+        self.grad_pool.close()
 
     def _reduce_all(self) -> None:
         """Agree across ranks on which parameters got gradients, then reduce every unit that has any."""
@@ -467,6 +472,7 @@ class Engine:
         self.ledger.reset_peak()
 
     def zero_grad(self) -> None:
+        self.grad_pool.close()  # a backward that failed midway never reached its end
         for unit in self.units:
             unit.zero_grad()
         for p in self.module.parameters():

@@ -62,6 +62,7 @@ from torch import nn
 from zeroinf.comm import DoneHandle, Handle, all_gather_into, all_reduce, reduce_scatter_into
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
+from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.partition.park import swap_data
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, ShardHome
 from zeroinf.runtime.streams import Landing, Transfers, typed_view
@@ -148,12 +149,14 @@ class ShardedUnit:
         transfers: Transfers | None = None,
         realize: Callable[[nn.Parameter, torch.Tensor], bool] | None = None,
         grad_buffer_dtype: torch.dtype | None = None,
+        grad_pool: GradBufferPool | None = None,
     ) -> None:
         """`realize(p, dest)`: write a parameter parked by `zeroinf.init` straight into `dest`, its
         range of the flat buffer being built (True), or do nothing for one that holds its values
         (False): building then holds the flat buffer and no second copy of any parameter.
         `grad_buffer_dtype`: the unsharded gradient buffer's dtype, `reduce_dtype` when None (see
-        [Note: gradient accumulation buffer])."""
+        [Note: gradient accumulation buffer]). `grad_pool`: where gradient buffers come from and go
+        back to, shared by an engine's units (partition/grad_pool.py)."""
         self.name = name or "<root>"
         self.frozen = frozen  # parameters without gradients: gathered like the rest, never stepped
         self.param_names = [n for n, _ in params]
@@ -161,6 +164,7 @@ class ShardedUnit:
         self.topo, self.policy, self.ledger = topo, policy, ledger
         self.reduce_dtype, self.bucket_bytes, self.counter = reduce_dtype, bucket_bytes, counter
         self.grad_buffer_dtype = grad_buffer_dtype or reduce_dtype
+        self.grad_pool = grad_pool or GradBufferPool(topo.device)
         self.layout = FlatLayout.build([(n, p.shape) for n, p in params], topo.world_size)
         self.owned_start, self.owned_end = (
             self.layout.shard_range(topo.rank) if policy.shard_optimizer else (0, self.layout.padded_numel)
@@ -402,8 +406,7 @@ class ShardedUnit:
         if self.grad_flat is None:
             # Uninitialized: each slot's first gradient is copied in, not added to zeros (zero-filling
             # the buffer cost ~5% of a bf16 backward here); padding and unwritten slots are zeroed later.
-            numel, device = self.layout.padded_numel, self.topo.device
-            self.grad_flat = torch.empty(numel, dtype=self.grad_buffer_dtype, device=device)
+            self.grad_flat = self.grad_pool.take(self.layout.padded_numel, self.grad_buffer_dtype)
             self.grad_flat[self.layout.numel :].zero_()
             self._slot_written = [False] * len(self.params)
             self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
@@ -441,8 +444,10 @@ class ShardedUnit:
     def _widen_grad_flat(self) -> None:
         """Turn a compute-dtype gradient buffer into a `reduce_dtype` one (an exact cast)."""
         assert self.grad_flat is not None
-        narrow, self.grad_flat = self.grad_flat, self.grad_flat.to(self.reduce_dtype)
+        narrow, self.grad_flat = self.grad_flat, self.grad_pool.take(self.grad_flat.numel(), self.reduce_dtype)
+        self.grad_flat.copy_(narrow)
         self.ledger.release(Tier.DEVICE, _nbytes(narrow), "grad_unsharded")
+        self.grad_pool.give(narrow)
         self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
 
     def materialize_zero_grad(self) -> None:
@@ -490,7 +495,7 @@ class ShardedUnit:
                     self.grad_shard = self.grad_flat
                     self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
                 else:
-                    self.grad_shard = torch.empty(numel, dtype=self.reduce_dtype, device=device)
+                    self.grad_shard = self.grad_pool.take(numel, self.reduce_dtype)
                 self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
                 return self.grad_shard
             if not self.hand_off:  # a handed-off shard may never land: no persistent host shard for it
@@ -499,7 +504,7 @@ class ShardedUnit:
                     return host_shard
         if not self.topo.is_distributed:
             return self.grad_flat
-        out = torch.empty(numel, dtype=self.reduce_dtype, device=device)
+        out = self.grad_pool.take(numel, self.reduce_dtype)
         self.ledger.reserve(Tier.DEVICE, _nbytes(out), "grad_reduce_out")
         return out
 
@@ -561,6 +566,7 @@ class ShardedUnit:
             if out is self.grad_shard and self.grad_tier is Tier.DEVICE:
                 self.ledger.release(Tier.DEVICE, _nbytes(out), "grad_shard")
                 self.grad_shard = None
+                self.grad_pool.give(out)
 
     def _land_on_disk(self, out: torch.Tensor, accumulate: bool) -> None:
         """The reduced shard goes to the gradient swap file through a staging buffer of the pool:
@@ -590,8 +596,10 @@ class ShardedUnit:
         assert self.grad_flat is not None
         if self.grad_flat is not self.grad_shard:
             self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
+            self.grad_pool.give(self.grad_flat)
         if out is not self.grad_flat and out is not self.grad_shard and out.device == self.topo.device:
             self.ledger.release(Tier.DEVICE, _nbytes(out), "grad_reduce_out")
+            self.grad_pool.give(out)
         self.grad_flat = None
 
     def _finish_landing(self) -> None:
@@ -642,9 +650,11 @@ class ShardedUnit:
             self._rs_out = None
         if self.grad_flat is not None and self.grad_flat is not self.grad_shard:
             self.ledger.release(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
+            self.grad_pool.give(self.grad_flat)
         self.grad_flat = None
         if self.grad_shard is not None and self.grad_tier is Tier.DEVICE:
             self.ledger.release(Tier.DEVICE, _nbytes(self.grad_shard), "grad_shard")
+            self.grad_pool.give(self.grad_shard)
             self.grad_shard = None
         self.grad_state = GradState.EMPTY
         self._grad_landed, self.grad_sq_norm = False, None

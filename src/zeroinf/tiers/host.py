@@ -115,7 +115,8 @@ def check_host_cap(needed_bytes: int, max_host_bytes: int | None, what: str, fix
 #   nothing is mapped any more and the heap's top is never trimmed, so what a step frees stays for
 #   the next. A unit's gathered parameters and gradient buffer above 32 MiB, and the weight gradients
 #   autograd computes for them, were otherwise mapped and faulted in afresh every step (1.31B GPT
-#   fully on NVMe, bf16: 2.1-2.4M faults, 8.7 GB a step, 20.3 against 18.1 s/step). With a 1 GiB trim
+#   fully on NVMe, bf16: 2.1-2.4M faults, 8.7 GB a step, 20.3 against 18.1 s/step; measured before
+#   gradient buffers were pooled within the backward, partition/grad_pool.py). With a 1 GiB trim
 #   threshold a 1.0B GPT's step freed more than that at the top and faulted it back in. The price
 #   is the heap's fragments: the step's buffers take 1.5-3x what they hold at once (docs/design.md).
 #   From the second step, not the first: the optimizer's states, made in the first step and kept for
