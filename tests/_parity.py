@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -216,3 +217,30 @@ def train_rank_slices(model: nn.Module, opt: object, rank: int, world: int, star
             total /= world
         losses.append(total.item())
     return losses
+
+
+def train_micro_steps(
+    model: nn.Module, opt: object, rank: int, world: int, accum: int, steps: int = 3,
+    after_backward: Callable[[], None] | None = None,
+) -> list[float]:
+    """`steps` optimizer steps, this rank training on its slice of each global batch in `accum`
+    micro-steps (`after_backward()` after each); every micro-step's unscaled loss on this rank."""
+    per = GLOBAL_BATCH // world // accum  # the global batch split over ranks, then over micro-steps
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step)
+        x, y = x[rank * per * accum : (rank + 1) * per * accum], y[rank * per * accum : (rank + 1) * per * accum]
+        for micro in range(accum):
+            loss = model(x[micro * per : (micro + 1) * per], y[micro * per : (micro + 1) * per])
+            opt.backward(loss / accum)  # type: ignore[attr-defined]
+            if after_backward is not None:
+                after_backward()
+            losses.append(loss.item())
+        opt.step()  # type: ignore[attr-defined]
+        opt.zero_grad()  # type: ignore[attr-defined]
+    return losses
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Two state dicts with the same names and bit-for-bit equal tensors."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -17,7 +17,7 @@ import torch
 import zeroinf
 import zeroinf.planner.unit_plan as unit_plan
 from tests._harness import run_ranks
-from tests._parity import GLOBAL_BATCH, LR, build_model, global_batch
+from tests._parity import LR, bitwise_equal, build_model, train_micro_steps
 from zeroinf.topology import Topology
 
 CASES = {  # name: (Config fields, the buffer dtype the rule must choose)
@@ -55,18 +55,7 @@ def _train(cfg: zeroinf.Config, rank: int, world: int) -> tuple[list[float], dic
 
         unit._ensure_grad_flat = recording  # type: ignore[method-assign]
     opt = zeroinf.AdamW(model, lr=LR)
-    losses = []
-    accum = cfg.grad_accum_steps
-    per = GLOBAL_BATCH // world // accum  # the global batch split over ranks, then over micro-steps
-    for step in range(3):
-        x, y = global_batch(step)
-        x, y = x[rank * per * accum : (rank + 1) * per * accum], y[rank * per * accum : (rank + 1) * per * accum]
-        for micro in range(accum):
-            loss = model(x[micro * per : (micro + 1) * per], y[micro * per : (micro + 1) * per])
-            opt.backward(loss / accum)
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_micro_steps(model, opt, rank, world, cfg.grad_accum_steps)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     opt.close()
     engine.close()
@@ -83,8 +72,7 @@ def _compare(rank: int, world: int) -> dict[str, dict[str, Any]]:
         out[name] = {
             "allocated": allocated, "expected": {expected}, "reference_allocated": ref_allocated,
             "losses_equal": losses == ref_losses,
-            "weights_bitwise": weights.keys() == ref_weights.keys()
-            and all(torch.equal(weights[k], ref_weights[k]) for k in weights),
+            "weights_bitwise": bitwise_equal(weights, ref_weights),
         }
     return out
 

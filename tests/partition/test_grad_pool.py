@@ -13,7 +13,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
-from tests._parity import GLOBAL_BATCH, LR, Block, TinyGPT, global_batch
+from tests._parity import LR, Block, TinyGPT, bitwise_equal, train_micro_steps
 from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.topology import Topology
 
@@ -81,19 +81,11 @@ def _train(fields: dict[str, Any], rank: int, world: int, pooled: bool) -> dict[
     engine = zeroinf.engine_of(model)
     engine.grad_pool.enabled = pooled
     opt = zeroinf.AdamW(model, lr=LR)
-    accum = cfg.grad_accum_steps
-    per = GLOBAL_BATCH // world // accum
-    losses, held_after_backward = [], []
-    for step in range(3):
-        x, y = global_batch(step)
-        x, y = x[rank * per * accum : (rank + 1) * per * accum], y[rank * per * accum : (rank + 1) * per * accum]
-        for micro in range(accum):
-            loss = model(x[micro * per : (micro + 1) * per], y[micro * per : (micro + 1) * per])
-            opt.backward(loss / accum)
-            held_after_backward.append(engine.grad_pool.held_bytes)
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+    held_after_backward: list[int] = []
+    losses = train_micro_steps(
+        model, opt, rank, world, cfg.grad_accum_steps,
+        after_backward=lambda: held_after_backward.append(engine.grad_pool.held_bytes),
+    )
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     opt.close()
     engine.close()
@@ -107,8 +99,7 @@ def _compare(rank: int, world: int) -> dict[str, dict[str, Any]]:
         out[name] = {
             "reused": pooled["reused"], "fresh_reused": fresh["reused"], "held": pooled["held"],
             "losses_equal": pooled["losses"] == fresh["losses"],
-            "weights_bitwise": pooled["weights"].keys() == fresh["weights"].keys()
-            and all(torch.equal(pooled["weights"][k], fresh["weights"][k]) for k in pooled["weights"]),
+            "weights_bitwise": bitwise_equal(pooled["weights"], fresh["weights"]),
         }
     return out
 
