@@ -108,6 +108,6 @@ def apply_activation_checkpointing(
     for i, module in enumerate(modules):
         if i % every != 0 or getattr(module.forward, "__zeroinf_checkpointed__", False):
             continue
-        module.forward = _checkpointed(module.forward, offloader)  # type: ignore[method-assign]
+        module.forward = _checkpointed(module.forward, offloader)
         count += 1
     return count

@@ -29,7 +29,7 @@ class AioError(OSError):
         self.offset = offset
         self.nbytes = nbytes
         self.reason = reason
-        self.errno = errno  # type: ignore[assignment]  # OSError declares int; None means "no errno"
+        self.errno = errno  # None means "no errno"
         self.filename = path
 
     def __str__(self) -> str:

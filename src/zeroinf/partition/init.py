@@ -331,4 +331,4 @@ def materialize_and_build(
     missing = [specs[k].name for k, u in enumerate(built) if u is None]
     if missing:
         raise RuntimeError(f"zeroinf.init: units {missing} were never materialized (internal error)")
-    return built  # type: ignore[return-value]
+    return built

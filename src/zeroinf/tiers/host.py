@@ -137,7 +137,7 @@ STEP_TRIM_THRESHOLD_BYTES = 64 << 20
 def _libc(symbol: str) -> Callable[..., int] | None:
     name = ctypes.util.find_library("c")
     try:
-        return getattr(ctypes.CDLL(name), symbol) if name else None  # type: ignore[no-any-return]
+        return getattr(ctypes.CDLL(name), symbol) if name else None
     except (OSError, AttributeError):  # not glibc
         return None
 
