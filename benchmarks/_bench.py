@@ -112,6 +112,29 @@ def add_offload_args(parser: argparse.ArgumentParser, preset: str, seq_len: int)
     parser.add_argument("--batch", type=int, default=2)
 
 
+def add_step_memory_args(parser: argparse.ArgumentParser) -> None:
+    """The step-memory options the allocator benchmarks compare: `--reuse-step-memory`
+    (Config.reuse_step_memory) and `--grad-pool off` (every gradient buffer allocated afresh)."""
+    parser.add_argument(
+        "--reuse-step-memory", default="auto", choices=["auto", "true", "false"],
+        help="Config.reuse_step_memory",
+    )
+    parser.add_argument(
+        "--grad-pool", default="on", choices=["on", "off"],
+        help="off: every gradient buffer allocated afresh (the engine's grad_pool disabled), to compare",
+    )
+
+
+def reuse_step_memory(a: argparse.Namespace) -> bool | str:
+    """`--reuse-step-memory` as the Config field's value."""
+    return {"auto": "auto", "true": True, "false": False}[a.reuse_step_memory]
+
+
+def apply_grad_pool(run: Run, a: argparse.Namespace) -> None:
+    """`--grad-pool` on the built engine (partition/grad_pool.py)."""
+    zeroinf.engine_of(run.model).grad_pool.enabled = a.grad_pool == "on"
+
+
 def offloaded_run(n_layer: int, d_model: int, seq_len: int, batch: int, steps: int, nvme_dir: str) -> dict[str, Any]:
     """Build (under zeroinf.init) and train a fully offloaded demo GPT; memory and time figures.
 

@@ -29,7 +29,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _bench import build, close, machine, median, peak_rss_bytes, rss_bytes, train_step  # noqa: E402
+from _bench import (  # noqa: E402
+    add_step_memory_args,
+    apply_grad_pool,
+    build,
+    close,
+    machine,
+    median,
+    peak_rss_bytes,
+    reuse_step_memory,
+    rss_bytes,
+    train_step,
+)
 
 import zeroinf  # noqa: E402
 from zeroinf.models.gpt import GPTConfig  # noqa: E402
@@ -48,13 +59,13 @@ def child(a: argparse.Namespace) -> dict:
     offload = zeroinf.OffloadConfig(params="nvme", optimizer=optimizer, nvme_dir=folder, max_host_bytes=budget)
     cfg = zeroinf.Config(
         stage=3, param_dtype=a.dtype, persist_threshold_bytes=0, offload=offload,
-        reuse_step_memory={"auto": "auto", "true": True, "false": False}[a.reuse_step_memory],
+        reuse_step_memory=reuse_step_memory(a),
     )
     baseline = rss_bytes()
     t0 = time.perf_counter()
     run = build(gpt, cfg, a.batch)
     build_s = time.perf_counter() - t0
-    zeroinf.engine_of(run.model).grad_pool.enabled = a.grad_pool == "on"
+    apply_grad_pool(run, a)
     build_peak = peak_rss_bytes()  # the model and the optimizer built: where the high-water mark was set
     seconds, losses, host_peaks, device_peaks, step_peaks, faults = [], [], [], [], [], []
     for step in range(a.steps):
@@ -98,14 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="fp32", help="compute dtype of the parameters (fp32, bf16)")
     parser.add_argument("--variants", default="host,split,nvme")
-    parser.add_argument(
-        "--reuse-step-memory", default="auto", choices=["auto", "true", "false"],
-        help="Config.reuse_step_memory",
-    )
-    parser.add_argument(
-        "--grad-pool", default="on", choices=["on", "off"],
-        help="off: every gradient buffer allocated afresh (the engine's grad_pool disabled), to compare",
-    )
+    add_step_memory_args(parser)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.child:

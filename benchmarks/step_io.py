@@ -22,7 +22,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _bench import add_offload_args, build, close, machine, train_step  # noqa: E402
+from _bench import (  # noqa: E402
+    add_offload_args,
+    add_step_memory_args,
+    apply_grad_pool,
+    build,
+    close,
+    machine,
+    reuse_step_memory,
+    train_step,
+)
 
 import zeroinf  # noqa: E402
 from zeroinf.models.gpt import GPTConfig  # noqa: E402
@@ -39,22 +48,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--param-cache", default="0", help="offload.param_cache_bytes, e.g. 2GiB (0: none)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="param_dtype (compute)")
-    parser.add_argument(
-        "--reuse-step-memory", default="auto", choices=["auto", "true", "false"],
-        help="Config.reuse_step_memory",
-    )
-    parser.add_argument(
-        "--grad-pool", default="on", choices=["on", "off"],
-        help="off: every gradient buffer allocated afresh (the engine's grad_pool disabled), to compare",
-    )
+    add_step_memory_args(parser)
     a = parser.parse_args()
     os.makedirs(a.nvme_dir, exist_ok=True)
     gpt = GPTConfig.preset(a.preset, seq_len=a.seq_len)
-    reuse = {"auto": "auto", "true": True, "false": False}[a.reuse_step_memory]
-    cfg = zeroinf.Config(stage=3, param_dtype=a.dtype, reuse_step_memory=reuse, offload=zeroinf.OffloadConfig(
-        params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=a.nvme_dir, param_cache_bytes=a.param_cache))
+    offload = zeroinf.OffloadConfig(
+        params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=a.nvme_dir, param_cache_bytes=a.param_cache)
+    cfg = zeroinf.Config(stage=3, param_dtype=a.dtype, reuse_step_memory=reuse_step_memory(a), offload=offload)
     run = build(gpt, cfg, a.batch)
-    zeroinf.engine_of(run.model).grad_pool.enabled = a.grad_pool == "on"
+    apply_grad_pool(run, a)
     steps = []
     for step in range(a.steps):
         before, faults = proc_io(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
