@@ -100,10 +100,11 @@ def build_model(name: str = "tiny_gpt", seed: int = 0) -> nn.Module:
 
 
 def train_reference(
-    case: Case, device: torch.device | None = None
+    case: Case, device: torch.device | None = None, grad_norms: list[float] | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch: fp32 masters + (for bf16/fp16) a low-precision compute copy; whole global batch.
-    On `device` (default: the CPU)."""
+    On `device` (default: the CPU). With clipping, `grad_norms` (if given) gets each step's total
+    norm as `clip_grad_norm_` returns it."""
     device = device or torch.device("cpu")
     master = build_model(case.model).to(device)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
@@ -129,7 +130,9 @@ def train_reference(
                 m.grad = None if c.grad is None else c.grad.float() / scale  # unused/frozen: no grad
                 c.grad = None
         if case.clip is not None:
-            torch.nn.utils.clip_grad_norm_(master.parameters(), case.clip)
+            norm = torch.nn.utils.clip_grad_norm_(master.parameters(), case.clip)
+            if grad_norms is not None:
+                grad_norms.append(norm.item())
         opt.step()
         opt.zero_grad()
     return losses, {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in master.named_parameters()}
@@ -151,7 +154,7 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
     opt = zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
     per_rank = GLOBAL_BATCH // world_size
     micro = per_rank // case.accum
-    losses, skipped, stepped_in_backward = [], [], []
+    losses, skipped, stepped_in_backward, grad_norms = [], [], [], []
     for step in range(case.steps):
         x, y = global_batch(step)
         x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device) for t in (x, y))
@@ -167,11 +170,13 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
             total /= world_size
         losses.append(float("nan") if step == case.overflow_step else total.item())
         skipped.append(opt.last_step_skipped)
+        grad_norms.append(opt.last_grad_norm)
         stepped_in_backward.append(opt.units_stepped_in_backward)
     report = zeroinf.memory_report(model)
     return {
         "losses": losses,
         "skipped": skipped,
+        "grad_norms": grad_norms,  # AdamW.last_grad_norm after each step
         "stepped_in_backward": stepped_in_backward,  # units per step (optim/adamw.py)
         "rollbacks": opt.rollbacks,
         "background_kernels": opt._background.submitted if opt._background is not None else 0,

@@ -71,8 +71,10 @@ TOLERANCES = {  # (loss rtol, weight atol)
 
 
 @functools.cache
-def reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
-    return train_reference(case)
+def reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    norms: list[float] = []
+    losses, weights = train_reference(case, grad_norms=norms)
+    return losses, weights, norms
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")
@@ -86,7 +88,7 @@ def world_results(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[d
 def test_matches_plain_pytorch(world_results: tuple[int, dict], case: Case) -> None:
     world, results = world_results
     ours = results[case.name][0]
-    ref_losses, ref_weights = reference(case)
+    ref_losses, ref_weights, _ = reference(case)
     loss_rtol, weight_atol = TOLERANCES[case.dtype]
     for step, (a, b) in enumerate(zip(ours["losses"], ref_losses, strict=True)):
         if math.isnan(b):
@@ -100,6 +102,22 @@ def test_matches_plain_pytorch(world_results: tuple[int, dict], case: Case) -> N
     # Every rank saw the same (all-reduced) losses: nothing diverged between ranks.
     for r, other in enumerate(results[case.name][1:], start=1):
         assert other["losses"] == pytest.approx(ours["losses"], nan_ok=True), f"rank {r} disagrees with rank 0"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.clip is not None or c.dtype != "fp16"], ids=lambda c: c.name)
+def test_last_grad_norm_is_torchs_clip_norm(world_results: tuple[int, dict], case: Case) -> None:
+    """`AdamW.last_grad_norm` is the total norm `clip_grad_norm_` returns on the plain model (before
+    clipping), the same on every rank; without clipping (and not fp16) no norm is computed: None."""
+    world, results = world_results
+    _, _, ref_norms = reference(case)
+    if case.clip is None:
+        assert all(r["grad_norms"] == [None] * case.steps for r in results[case.name])
+        return
+    rtol = TOLERANCES[case.dtype][0]
+    for step, (a, b) in enumerate(zip(results[case.name][0]["grad_norms"], ref_norms, strict=True)):
+        assert a == pytest.approx(b, rel=rtol), f"{case.name} world {world}: grad norm at step {step}: {a} vs {b}"
+    for r, other in enumerate(results[case.name][1:], start=1):
+        assert other["grad_norms"] == results[case.name][0]["grad_norms"], f"rank {r} disagrees with rank 0"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.overflow_step is not None], ids=lambda c: c.name)

@@ -401,6 +401,13 @@ class Engine:
 
     def _begin_backward(self) -> None:
         if self.micro_step >= self.cfg.grad_accum_steps:
+            if self.optimizer_io is None:  # e.g. torch.optim.AdamW(model.parameters()): it saw no gradients
+                raise RuntimeError(
+                    f"backward pass {self.micro_step + 1} since the model was sharded, and no zeroinf optimizer "
+                    "steps it: build the optimizer with zeroinf.AdamW(model, ...). A torch.optim optimizer over "
+                    "model.parameters() finds no gradients there (the engine keeps them, reduced and sharded) "
+                    "and changes nothing"
+                )
             raise RuntimeError(
                 f"backward pass {self.micro_step + 1} since the last optimizer step, but grad_accum_steps is "
                 f"{self.cfg.grad_accum_steps}: call optimizer.step() (and zero_grad()) every "
@@ -610,6 +617,9 @@ def shard(
         cfg = resolve_auto(module, cfg, topo)
     engine = Engine(module, cfg, topo, init_fn=init_fn, weights=weights)
     setattr(module, _ATTR, engine)
+    from zeroinf.partition.load_state import install_load_hooks  # it builds on this module: imported here
+
+    engine._hook_handles += install_load_hooks(engine)  # model.load_state_dict loads into the units
     if engine.policy.shard_params:
         # What Hugging Face's `generate` reads to default `synced_gpus=True` at world > 1 (its FSDP2
         # integration sets it too): parameters are sharded, so a rank that has finished generating

@@ -207,6 +207,9 @@ class AdamW(torch.optim.Optimizer):
         self.scaler = DynamicLossScaler(self.engine.cfg.loss_scale) if fp16 else None
         self.pending_save: Any = None  # a zeroinf.checkpoint.PendingSave writing these states
         self.last_step_skipped = False
+        # The global gradient norm of the last step (before clipping), where the step computed it:
+        # with grad_clip_norm or fp16. Without them no step needs it, so none is computed: None.
+        self.last_grad_norm: float | None = None
         self.step_count = 0
         self._allocate_states()
 

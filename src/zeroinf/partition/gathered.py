@@ -33,7 +33,7 @@ from zeroinf.partition.init import park_of
 from zeroinf.partition.unit import ParamState
 
 
-class _UnitGather:
+class UnitGather:
     """One unit held by one `gathered` block."""
 
     def __init__(self, engine: Engine, index: int, modify: bool) -> None:
@@ -59,14 +59,18 @@ class _UnitGather:
             unit.user_writer = True
             self.owned_before = unit.param_flat[unit.owned_start : unit.owned_end].clone()
 
-    def end(self, commit: bool, modifier_rank: int | None) -> None:
+    def end(
+        self, commit: bool, modifier_rank: int | None, exact: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Release the unit; with `commit` (and `modify`) its writes first become its own
+        (`ShardedUnit.commit_user_writes`, `exact` passed on)."""
         unit, topo = self.engine.all_units[self.index], self.engine.topo
         try:
             if commit and self.modify:
                 assert self.owned_before is not None
                 if modifier_rank is not None and topo.is_distributed:
                     dist.broadcast(unit.param_flat, src=modifier_rank, group=topo.group)
-                unit.commit_user_writes(self.owned_before, self.engine.optimizer_states, self.index)
+                unit.commit_user_writes(self.owned_before, self.engine.optimizer_states, self.index, exact)
         finally:
             unit.user_gathers -= 1
             if self.modify:
@@ -99,10 +103,10 @@ def gathered(
             )
         engine, ui = found
         units.setdefault((id(engine), ui), (engine, ui))
-    held: list[_UnitGather] = []
+    held: list[UnitGather] = []
     try:
         for engine, ui in units.values():  # first-appearance order: the same on every rank
-            held.append(_UnitGather(engine, ui, modify))
+            held.append(UnitGather(engine, ui, modify))
     except BaseException:
         for gather in reversed(held):
             gather.end(commit=False, modifier_rank=None)

@@ -65,3 +65,15 @@ def register_pre_backward(output: Any, callback: Callable[[], None]) -> None:
 def register_input_hook(module: nn.Module, fn: Callable[[Any], None]) -> RemovableHandle:
     """`fn((args, kwargs))` with the inputs of every call of `module`, before it runs."""
     return module.register_forward_pre_hook(lambda m, args, kwargs: fn((args, kwargs)), with_kwargs=True)
+
+
+def register_load_hooks(
+    module: nn.Module, before: Callable[..., None], after: Callable[[nn.Module, Any], None] | None
+) -> list[RemovableHandle]:
+    """Around `module`'s part of a `load_state_dict`: `before(module, state_dict, prefix,
+    local_metadata, ...)` as its own values are about to be copied, `after(module, incompatible_keys)`
+    once its whole subtree is loaded."""
+    handles = [module.register_load_state_dict_pre_hook(before)]
+    if after is not None:
+        handles.append(module.register_load_state_dict_post_hook(after))
+    return handles
