@@ -33,3 +33,26 @@ def test_a_backward_beyond_grad_accum_steps_asks_for_the_step() -> None:
         opt.backward(model(x, y))
     with pytest.raises(RuntimeError, match=r"backward pass 3 since the last optimizer step, but grad_accum_steps is 2"):
         opt.backward(model(x, y))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_conversion_after_shard_is_refused_before_the_forward(stage: int) -> None:
+    """`model.to(torch.bfloat16)` after `shard` gave the parameters storage of their own: at stages
+    0-2 training went on and no weight ever changed, at stage 3 the forward failed on mixed dtypes."""
+    torch.manual_seed(0)
+    model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+    zeroinf.AdamW(model, lr=1e-2)
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"the model was converted after zeroinf\.shard .* Convert before"):
+        model(*global_batch(0))
+
+
+def test_a_conversion_to_what_the_engine_holds_changes_nothing() -> None:
+    torch.manual_seed(0)
+    model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=2))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    model.float().to("cpu")  # fp32 on the CPU already: PyTorch keeps the same tensors
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    opt.backward(model(*global_batch(0)))
+    opt.step()
+    assert all(not torch.equal(before[n], t) for n, t in model.state_dict().items() if "weight" in n)

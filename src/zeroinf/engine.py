@@ -164,6 +164,7 @@ class Engine:
             for ui, unit in enumerate(self.units)
             for h in hooks.register_grad_ready_hooks(unit.params, functools.partial(self._on_grad_ready, ui))
         ]
+        self._hook_handles.append(hooks.register_input_hook(module, lambda _: self._check_params_intact()))
         # The pass begins in the outermost backward, where the model's output gets its gradient (see
         # `_begin_backward_at_output`).
         self._hook_handles.append(module.register_forward_hook(self._begin_backward_at_output))
@@ -175,6 +176,21 @@ class Engine:
             self._setup_activation_checkpointing()
         self.io_last_step: dict[str, Any] | None = None  # see io_report
         self._io_mark = (time.perf_counter(), self._io_totals())
+
+    def _check_params_intact(self) -> None:
+        """Before each forward: a conversion of the module after `shard` (`model.to(torch.bfloat16)`,
+        `.half()`, `.cuda()`) gives the parameters storage of their own; the engine would go on
+        stepping its buffers while the model computes with copies that never change (stages 0-2), or
+        fail on mixed dtypes (stage 3). Refused with the fix instead."""
+        for unit in self.all_units:
+            problem = unit.replaced_param()
+            if problem is not None:
+                raise RuntimeError(
+                    f"{problem}: the model was converted after zeroinf.shard (model.to(dtype or device), "
+                    ".half(), .bfloat16(), .cuda()), which replaces the parameters the engine trains; every "
+                    "step would leave them unchanged. Convert before zeroinf.shard, or not at all: "
+                    "Config.param_dtype sets the compute dtype, and each rank computes on its own device"
+                )
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
         """The unit holding `param`, or None (frozen, or not this model's)."""
