@@ -37,10 +37,14 @@ CASES = [  # (name, model, stage, dtype, params tier, optimizer tier)
 
 
 def loaded_weights(model_name: str) -> dict[str, torch.Tensor]:
-    """The state dict loaded after step 0: another seed's model, with values finer than bf16's grid."""
-    sd = build_model(model_name, seed=7).state_dict()
+    """The state dict loaded after step 0: another seed's model, with values finer than bf16's grid
+    (tied weights stay tied: one value under each of their names)."""
+    model = build_model(model_name, seed=7)
     gen = torch.Generator().manual_seed(11)
-    return {k: v + 1e-4 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v for k, v in sd.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-4 * torch.randn(p.shape, generator=gen))
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _cfg(stage: int, dtype: str, params: str, optimizer: str, folder: str) -> zeroinf.Config:
@@ -199,3 +203,23 @@ def test_hugging_face_weights_and_lora_adapters_load_at_stage_3(tmp_path: Any) -
     loaded = set_peft_model_state_dict(sharded, get_peft_model_state_dict(trained))
     assert not loaded.unexpected_keys
     torch.testing.assert_close(sharded(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_load_between_zeroinf_init_and_shard_is_refused_and_one_inside_the_block_works() -> None:
+    """After the `with zeroinf.init()` block the parameters are parked meta placeholders, into which
+    PyTorch's copy is a no-op with only a warning: refused with the fix. Inside the block the
+    construction mode unparks them for the copy; after `shard` the units load."""
+    sd = loaded_weights("tiny_gpt")
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
+    with zeroinf.init(cfg):
+        outside = build_model(seed=1)
+    with pytest.raises(RuntimeError, match=r"not sharded yet \(pos\).* Load after `model = zeroinf\.shard"):
+        outside.load_state_dict(sd)
+    outside = zeroinf.shard(outside, cfg)
+    outside.load_state_dict(sd)
+    with zeroinf.init(cfg):
+        inside = build_model(seed=1)
+        inside.load_state_dict(sd)
+    inside = zeroinf.shard(inside, cfg)
+    for model in (outside, inside):
+        assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())

@@ -22,18 +22,21 @@ values cannot be recovered.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from zeroinf.config import Config
 from zeroinf.memory import Tier
 from zeroinf.partition.park import MemoryParkStore, ParamPark, ParkStore, swap_data
 from zeroinf.partition.wrap import UnitSpec
+from zeroinf.runtime import hooks as runtime_hooks
 from zeroinf.tiers.host import map_large_buffers, return_freed_memory
 from zeroinf.topology import Topology
 from zeroinf.weights.source import CheckpointWeights
@@ -165,8 +168,14 @@ def init(
     park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype, defer_values)
     _active.append(park)
 
+    guarded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
     def adopt(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         park.adopt(param)
+        if module not in guarded:
+            guarded.add(module)
+            guards = runtime_hooks.register_load_hooks(module, _refuse_parked_load, None)
+            _load_guards.setdefault(park, []).extend(guards)
 
     def settle(parent: nn.Module, name: str, child: nn.Module | None) -> None:
         if child is not None:
@@ -199,6 +208,33 @@ def release_park(park: ParamPark) -> None:
     """Forget a park once it has closed (everything in it unparked)."""
     if park.close_if_done() and park in _active:
         _active.remove(park)
+        for handle in _load_guards.pop(park, []):
+            handle.remove()
+
+
+# The load guards of each park's modules, removed when it closes (the model is sharded by then).
+_load_guards: dict[ParamPark, list[RemovableHandle]] = {}
+
+
+def _refuse_parked_load(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *_: Any) -> None:
+    """Before `module` loads its own values: after the `with zeroinf.init()` block and before
+    `shard`, its parked (or deferred) parameters are meta placeholders, and PyTorch's copy into one
+    is a no-op with only a warning: the weights would be silently lost. Inside the block the
+    construction mode unparks them for the copy, so a load there works."""
+    lost = [
+        prefix + name for name, p in module._parameters.items()
+        if p is not None and prefix + name in state_dict
+        and any(not park.collecting and (park.holds(p) or park.defers(p)) for park in _active)
+    ]
+    if lost:
+        more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
+        raise RuntimeError(
+            f"load_state_dict into a model built under zeroinf.init() and not sharded yet ({lost[0]}{more}): its "
+            "parameters are parked, meta placeholders that PyTorch's copy would leave unchanged. Load after "
+            "`model = zeroinf.shard(model, cfg)` "
+            "(model.load_state_dict then loads unit by unit), inside the `with zeroinf.init()` block, or "
+            "from files with zeroinf.from_pretrained / zeroinf.load_weights"
+        )
 
 
 def needs_materializing(module: nn.Module) -> bool:
