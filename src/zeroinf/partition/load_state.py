@@ -9,8 +9,12 @@ silently, by the next `opt.step()`. So every sharded model carries PyTorch's pub
 `zeroinf.gathered(..., modify=True)` does, PyTorch's own copies run into its full parameters, and
 once the module's subtree is loaded the writes are committed: this rank's shard to its tier
 (NVMe included) and the masters to the loaded values, unrounded (fp32 weights loaded into a bf16
-model keep their fp32 precision in the masters). One unit at a time; a unit none of whose keys the
-state dict holds (`strict=False`, e.g. adapters only) is not gathered. Buffers, and parameters in
+model keep their fp32 precision in the masters). Values given in the parameters' own dtype (a bf16
+state dict into a bf16 model) change a master only where they change the parameter, as
+`zeroinf.gathered` writes do: such a state dict says nothing finer, and reloading the model's own
+`state_dict()` after `opt.load_state_dict` restored the fp32 masters must not round them.
+One unit at a time; a unit none of whose keys the state dict holds (`strict=False`, e.g. adapters
+only) is not gathered. Buffers, and parameters in
 no unit, load as PyTorch loads them. A collective, like `state_dict()`: every rank calls it with
 the same keys. Adam's moments are left alone, as `nn.Module.load_state_dict` leaves a torch
 optimizer's.
@@ -128,7 +132,11 @@ class StateDictLoader:
 
     def _exact(self, ui: int, hold: _Hold) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The loaded values of this rank's owned range in fp32, and where they are, for the masters;
-        None where the parameters are fp32 themselves (the copy was exact) or the unit has no masters."""
+        None where the parameters are fp32 themselves (the copy was exact) or the unit has no masters.
+        Only values given in another dtype than the parameter's count: one given in the parameter's
+        own dtype says no more than the parameter's value, so where that did not change the finer
+        master stays (a bf16 `model.state_dict()` loaded after the optimizer's state, which restored
+        the fp32 masters, must not round them)."""
         unit = self.engine.all_units[ui]
         if unit.frozen or unit.param_flat.dtype == torch.float32:
             return None
@@ -141,6 +149,8 @@ class StateDictLoader:
             source = hold.state_dict[key] if key is not None else None
             if not isinstance(source, torch.Tensor) or not source.is_floating_point():
                 continue
+            if source.dtype == unit.param_flat.dtype:
+                continue  # no finer than the parameter: its master changes only where its value does
             if tuple(source.shape) != tuple(unit.layout.slots[piece.slot_index].shape):
                 continue  # PyTorch reports the mismatch and copies nothing
             flat = source.detach().reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
