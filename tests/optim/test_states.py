@@ -305,3 +305,33 @@ def test_parameters_without_a_gradient_are_not_stepped(tmp_path: Path, tier: str
     assert torch.equal(model.layers[0].unused.weight, Branchy().layers[0].unused.weight)
     steps = opt.state_dict()["param_steps"][0]  # unit 0: used.{weight,bias}, unused.*, sometimes.*
     assert steps == [5, 5, 0, 0, 2, 2]
+
+
+def _load_rank0_state(rank: int, world: int, stage: int) -> str | None:
+    """Every rank loads rank 0's `opt.state_dict()` (DDP's habit of saving rank 0's alone)."""
+    from tests._parity import TinyGPT, train_rank_slices
+
+    torch.manual_seed(0)
+    model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=stage))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    train_rank_slices(model, opt, rank, world, 0, 1)
+    shared = [opt.state_dict()]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    try:
+        opt.load_state_dict(shared[0])
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_another_ranks_optimizer_shard_is_refused(stage: int) -> None:
+    from tests._harness import run_ranks
+
+    errors = run_ranks(_load_rank0_state, 2, stage)
+    if stage == 0:  # every rank holds the whole state: rank 0's is rank 1's too
+        assert errors == [None, None]
+        return
+    for error in errors:  # every rank raises, none is left waiting in a collective
+        assert error is not None and "optimizer states of ranks [0, 0] loaded on ranks 0-1" in error
+        assert "on every rank, one file each, or use zeroinf.save" in error

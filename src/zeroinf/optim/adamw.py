@@ -79,7 +79,7 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
-from zeroinf.comm import Handle
+from zeroinf.comm import Handle, all_reduce
 from zeroinf.engine import Engine, engine_of
 from zeroinf.memory import Tier
 from zeroinf.optim.background import BackgroundSteps
@@ -698,6 +698,7 @@ class AdamW(torch.optim.Optimizer):
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "world_size": self.engine.topo.world_size,
             "stage": self.engine.cfg.stage,
+            "rank": self.engine.topo.rank,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -710,6 +711,21 @@ class AdamW(torch.optim.Optimizer):
                 f"optimizer state was saved at (world_size, stage) = {there} but this run is {here}; "
                 "use zeroinf checkpoints to reshard"
             )
+        topo = self.engine.topo
+        if self.engine.policy.shard_optimizer and topo.is_distributed:
+            # Each rank holds only its own shard: every rank must be given its own. Agreed by all ranks
+            # (one tiny all-reduce), so all of them raise rather than one leaving the others to hang.
+            given = torch.zeros(topo.world_size, dtype=torch.int64, device=topo.device)
+            given[topo.rank] = int(state.get("rank", topo.rank))
+            all_reduce(given, topo, async_op=False)
+            owners = [int(r) for r in given.tolist()]
+            if owners != list(range(topo.world_size)):
+                raise ValueError(
+                    f"optimizer states of ranks {owners} loaded on ranks 0-{topo.world_size - 1}: at stage "
+                    f"{self.engine.cfg.stage} each rank's state holds only its own shard (saving rank 0's alone, "
+                    "as with DDP, loses the others'). Save and load `opt.state_dict()` on every rank, one file "
+                    "each, or use zeroinf.save / zeroinf.load"
+                )
         self.engine.transfers.wait_uploads()  # uploads of the last step may still read the masters replaced here
         units = self.engine.units
         masters = state["master"]
