@@ -53,7 +53,9 @@ def naming_failures(kind: str, numel: int, topo: Topology) -> Iterator[None]:
     except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
         raise CollectiveError(
             f"zeroinf: {kind} of {numel} elements failed on rank {topo.rank} of a world of {topo.world_size}: "
-            f"{str(exc).strip()} (another rank died, hung past collective_timeout_s, or ran a different collective)"
+            f"{str(exc).strip()} (another rank died, hung past collective_timeout_s, or ran a different collective: "
+            "model.state_dict() at stage 3, zeroinf.save and zeroinf.gathered are collectives, called on every "
+            "rank, not under `if rank == 0`)"
         ) from exc
 
 
