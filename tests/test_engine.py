@@ -56,3 +56,20 @@ def test_a_conversion_to_what_the_engine_holds_changes_nothing() -> None:
     opt.backward(model(*global_batch(0)))
     opt.step()
     assert all(not torch.equal(before[n], t) for n, t in model.state_dict().items() if "weight" in n)
+
+
+def test_pickling_or_deep_copying_a_sharded_model_names_what_works() -> None:
+    import copy
+    import io
+
+    model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=3))
+    for attempt in (lambda: torch.save(model, io.BytesIO()), lambda: copy.deepcopy(model)):
+        with pytest.raises(TypeError, match=r"cannot be pickled or deep-copied .* model\.state_dict\(\) on every rank"):
+            attempt()
+
+
+def test_a_second_optimizer_on_one_model_is_refused_with_param_groups_named() -> None:
+    model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=2))
+    zeroinf.AdamW(model, lr=1e-3)
+    with pytest.raises(RuntimeError, match=r"already has a zeroinf\.AdamW: one per sharded model.*param_groups"):
+        zeroinf.AdamW(model, lr=1e-3)

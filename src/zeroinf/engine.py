@@ -177,6 +177,17 @@ class Engine:
         self.io_last_step: dict[str, Any] | None = None  # see io_report
         self._io_mark = (time.perf_counter(), self._io_totals())
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """`torch.save(model)` and `copy.deepcopy(model)` reach the engine through the module's
+        attributes; it holds swap files, I/O threads and this process's shards, which no copy can
+        own. Refused with the ways that work, instead of pickle's "cannot pickle '_thread.lock'"."""
+        raise TypeError(
+            "a model sharded by zeroinf cannot be pickled or deep-copied (torch.save(model), copy.deepcopy): "
+            "its parameters are shards on their tiers, owned by this process. Save the weights with "
+            "model.state_dict() on every rank (or zeroinf.save for training state); for a second copy (EMA, "
+            "a reference model) build the model again, shard it, and load the state dict into it"
+        )
+
     def _check_params_intact(self) -> None:
         """Before each forward: a conversion of the module after `shard` (`model.to(torch.bfloat16)`,
         `.half()`, `.cuda()`) gives the parameters storage of their own; the engine would go on

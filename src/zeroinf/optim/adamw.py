@@ -198,6 +198,11 @@ class AdamW(torch.optim.Optimizer):
         if not eps > 0:
             raise ValueError(f"AdamW: eps = {eps!r} is invalid; use a positive number")
         self.engine: Engine = engine_of(model)
+        if self.engine.optimizer_io is not None:
+            raise RuntimeError(
+                "this model already has a zeroinf.AdamW: one per sharded model, for its whole life (the fp32 "
+                "master weights live in it). Give parameter subsets their own settings through param_groups"
+            )
         trainable = [p for u in self.engine.units for p in u.params]
         groups = list(param_groups) if param_groups is not None else [{"params": trainable}]
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
