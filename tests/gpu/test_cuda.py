@@ -6,6 +6,7 @@ excludes the marker). Everything here runs on cuda:0 in one process.
 - The transfer path: in a steady step with states on the host, every copy between host and device
   goes through the owner (runtime/streams.py) from pinned memory, and its pool allocates nothing.
 - The demo CLI trains on the GPU.
+- `model.load_state_dict` sets the fp32 masters exactly there, and a conversion after `shard` is refused.
 """
 
 from __future__ import annotations
@@ -107,3 +108,28 @@ def test_demo_cli_trains_on_the_gpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(report.read_text())
     assert len(summary["losses"]) == 5 and all(math.isfinite(x) for x in summary["losses"])
+
+
+@pytest.mark.parametrize("params", ["device", "host"])
+def test_load_state_dict_on_the_gpu_sets_the_fp32_masters_exactly(params: str) -> None:
+    """`model.load_state_dict` on CUDA (partition/load_state.py): fp32 weights into a bf16 stage-3
+    model whose shards are on the GPU or the host, optimizer on the host."""
+    import zeroinf
+    from tests._parity import build_model, global_batch
+    from tests.partition.test_load_state import check_bf16_masters_take_the_loaded_fp32_values
+
+    cfg = zeroinf.Config(
+        stage=3, param_dtype="bf16", persist_threshold_bytes=0, offload=OffloadConfig(params=params, optimizer="host")
+    )
+    model = zeroinf.shard(build_model(seed=1), cfg, zeroinf.Topology.single(CUDA))
+    opt = zeroinf.AdamW(model, lr=1e-3)
+    x, y = (t.to(CUDA) for t in global_batch(0))
+    opt.backward(model(x, y))
+    opt.step()
+    opt.zero_grad()
+    check_bf16_masters_take_the_loaded_fp32_values(model, opt)
+    opt.backward(model(x, y))  # and training goes on from them
+    opt.step()
+    model.to("cpu")  # a conversion after shard: the next forward refuses it
+    with pytest.raises(RuntimeError, match="the model was converted after zeroinf.shard"):
+        model(x.cpu(), y.cpu())

@@ -125,11 +125,13 @@ def _built(tmp_path: Any, stage: int = 3, dtype: str = "bf16") -> tuple[torch.nn
     return model, opt
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_bf16_masters_take_the_loaded_fp32_values_unrounded(tmp_path: Any, stage: int) -> None:
-    model, opt = _built(tmp_path, stage)
+def check_bf16_masters_take_the_loaded_fp32_values(model: torch.nn.Module, opt: zeroinf.AdamW) -> None:
+    """Load fp32 weights finer than bf16's grid into a bf16 model: every fp32 master equals them bit
+    for bit, and the model's (bf16) state dict is their rounding. On the model's device (the CUDA
+    tests call this too)."""
     sd = loaded_weights("tiny_gpt")
     model.load_state_dict(sd)
+    assert all(torch.equal(v.cpu(), sd[k].to(v.dtype)) for k, v in model.state_dict().items())
     engine = zeroinf.engine_of(model)
     for ui, unit in enumerate(engine.units):
         expected = torch.zeros(unit.owned_end - unit.owned_start)
@@ -141,6 +143,12 @@ def test_bf16_masters_take_the_loaded_fp32_values_unrounded(tmp_path: Any, stage
         master = opt.states.read_unit(ui).master.cpu()
         assert torch.equal(master, expected), f"unit {unit.name}: masters differ from the loaded fp32 values"
         assert not torch.equal(master, master.bfloat16().float()), "the values must be finer than bf16's grid"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_masters_take_the_loaded_fp32_values_unrounded(tmp_path: Any, stage: int) -> None:
+    model, opt = _built(tmp_path, stage)
+    check_bf16_masters_take_the_loaded_fp32_values(model, opt)
     opt.close()
 
 
