@@ -7,8 +7,10 @@ and bf16, parameters and optimizer states on the host and NVMe, and the zoo mode
 across units, frozen parameters). Before this, the masters kept the old values and the next step
 undid the load (stages 0-2), or stage 3 refused it with a size mismatch.
 World 1 in process: bf16 masters take the loaded fp32 values unrounded; `strict=False` with one
-block's keys changes that block alone; `assign=True` is refused; a shape mismatch is PyTorch's error
-and leaves the model usable.
+block's keys changes that block alone; a load into a submodule reaches its unit; `assign=True` is
+refused; a shape mismatch is PyTorch's error and leaves the model usable; HF weights and PEFT
+adapters load; a load between `zeroinf.init` and `shard` is refused; a resume from `torch.save`d
+state dicts is bit for bit in either order.
 """
 
 from __future__ import annotations
@@ -162,6 +164,23 @@ def test_a_partial_load_changes_only_its_keys(tmp_path: Any) -> None:
     for k, v in after.items():
         expected = new[k].to(v.dtype) if k in new else before[k]
         assert torch.equal(v, expected), k
+    opt.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_load_into_a_submodule_reaches_its_unit(tmp_path: Any, stage: int) -> None:
+    """`model.ln_f.load_state_dict(...)` (a module inside the root unit) and
+    `model.blocks[1].ln1.load_state_dict(...)` (inside a block's unit) survive a step with lr 0."""
+    model = zeroinf.shard(build_model(seed=1), _cfg(stage, "fp32", "device", "host", str(tmp_path)))
+    opt = zeroinf.AdamW(model, lr=0.0, weight_decay=0.0)
+    train_rank_slices(model, opt, 0, 1, 0, 1)
+    norm = {"weight": torch.full((32,), 2.0), "bias": torch.full((32,), 0.5)}
+    model.ln_f.load_state_dict(norm)
+    model.blocks[1].ln1.load_state_dict(norm)
+    train_rank_slices(model, opt, 0, 1, 1, 2)
+    after = model.state_dict()
+    for prefix in ("ln_f.", "blocks.1.ln1."):
+        assert all(torch.equal(after[prefix + k], v) for k, v in norm.items()), prefix
     opt.close()
 
 

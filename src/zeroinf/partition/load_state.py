@@ -14,10 +14,11 @@ state dict into a bf16 model) change a master only where they change the paramet
 `zeroinf.gathered` writes do: such a state dict says nothing finer, and reloading the model's own
 `state_dict()` after `opt.load_state_dict` restored the fp32 masters must not round them.
 One unit at a time; a unit none of whose keys the state dict holds (`strict=False`, e.g. adapters
-only) is not gathered. Buffers, and parameters in
-no unit, load as PyTorch loads them. A collective, like `state_dict()`: every rank calls it with
-the same keys. Adam's moments are left alone, as `nn.Module.load_state_dict` leaves a torch
-optimizer's.
+only) is not gathered. A load into a submodule (`model.blocks[0].attn.load_state_dict(...)`) works
+the same way: every module owning parameters of a unit holds the unit for its own load unless an
+enclosing module's load holds it. Buffers, and parameters in no unit, load as PyTorch loads them.
+A collective, like `state_dict()`: every rank calls it with the same keys. Adam's moments are left
+alone, as `nn.Module.load_state_dict` leaves a torch optimizer's.
 """
 
 from __future__ import annotations
@@ -60,21 +61,19 @@ class StateDictLoader:
         for ui, spec in enumerate(engine.all_specs):
             # A unit's own module loads all of it; the model itself for the root unit.
             self._add(spec.module, ui, spec.module.named_parameters(remove_duplicate=False))
-        # A parameter also reached outside its unit's module (a tied weight, a module registered under
-        # two paths): the module there holds the unit for its own load. By path, since a module object
-        # inside the unit's module may also sit elsewhere.
-        for path, m in engine.module.named_modules(remove_duplicate=False):
-            outside: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        # Every module owning parameters of a unit holds that unit for its own load too, unless an
+        # enclosing module's load holds it already: a load into a submodule
+        # (`model.blocks[0].attn.load_state_dict(...)`), a tied weight or a module registered under
+        # two paths outside its unit's module.
+        for m in engine.module.modules():
+            direct: dict[int, list[tuple[str, nn.Parameter]]] = {}
             for n, p in m._parameters.items():
                 owner = engine.unit_index_of(p) if p is not None else None
-                if owner is None or p is None:
-                    continue
-                scope = engine.all_specs[owner].name
-                if scope and path != scope and not path.startswith(f"{scope}."):
-                    outside.setdefault(owner, []).append((n, p))
-            for ui, direct in outside.items():
-                if ui not in self._plan.get(id(m), (m, {}))[1]:  # else its hook covers it already
-                    self._add(m, ui, direct)
+                if owner is not None and p is not None:
+                    direct.setdefault(owner, []).append((n, p))
+            for ui, named in direct.items():
+                if ui not in self._plan.get(id(m), (m, {}))[1]:  # its own unit's module covers it
+                    self._add(m, ui, named)
 
     def _add(self, module: nn.Module, ui: int, named: Any) -> None:
         index = {id(p): i for i, p in enumerate(self.engine.all_units[ui].params)}
