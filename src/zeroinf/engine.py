@@ -200,7 +200,8 @@ class Engine:
                     f"{problem}: the model was converted after zeroinf.shard (model.to(dtype or device), "
                     ".half(), .bfloat16(), .cuda()), which replaces the parameters the engine trains; every "
                     "step would leave them unchanged. Convert before zeroinf.shard, or not at all: "
-                    "Config.param_dtype sets the compute dtype, and each rank computes on its own device"
+                    "Config.param_dtype sets the compute dtype, and each rank computes on its own device (for "
+                    "inference in another dtype, load model.state_dict() into a plain copy of the model)"
                 )
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
