@@ -75,6 +75,12 @@ class Engine:
         for name, p in module.named_parameters():
             if not p.is_floating_point():
                 raise TypeError(f"zeroinf shards floating-point parameters only; {name} is {p.dtype}")
+            if p.dtype == torch.float64:  # would be trained in fp32 (the widest master) without a word
+                raise TypeError(
+                    f"{name} is float64, but zeroinf computes in Config.param_dtype (fp32, bf16 or fp16) with "
+                    "fp32 master weights: sharding would train it in fp32. Convert the model first "
+                    "(model.float()) if that is what you want"
+                )
         specs = discover_units(module, cfg.unit_classes)
         if not specs:
             raise ValueError("zeroinf.shard: the model has no trainable parameters")
