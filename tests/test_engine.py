@@ -78,3 +78,17 @@ def test_a_second_optimizer_on_one_model_is_refused_with_param_groups_named() ->
 def test_a_float64_model_is_refused_rather_than_trained_in_fp32() -> None:
     with pytest.raises(TypeError, match=r"pos is float64, .* Convert the model first \(model\.float\(\)\)"):
         zeroinf.shard(TinyGPT().double(), zeroinf.Config(stage=2))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_parameters_added_after_shard_are_named_at_the_step(stage: int) -> None:
+    """A module replaced after `shard` (a new head, `resize_token_embeddings`) is in no unit: no
+    optimizer would ever step it, and it used to stay at its initial values without a word."""
+    from torch import nn
+
+    model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    model.ln_f = nn.LayerNorm(model.ln_f.normalized_shape)
+    opt.backward(model(*global_batch(0)))
+    with pytest.raises(RuntimeError, match=r"\['ln_f\.weight', 'ln_f\.bias'\] got gradients, but no zeroinf unit"):
+        opt.step()

@@ -214,6 +214,11 @@ class Engine:
         """The unit holding `param`, or None (frozen, or not this model's)."""
         return self._unit_of_param.get(id(param))
 
+    def _trains(self, param: torch.Tensor) -> bool:
+        """Whether a trainable unit holds `param` (frozen units come after the trainable ones)."""
+        ui = self.unit_index_of(param)
+        return ui is not None and ui < len(self.units)
+
     @property
     def optimizer_states(self) -> Any:
         """The optimizer's state store (fp32 masters and moments per unit), once one is built."""
@@ -500,6 +505,17 @@ class Engine:
             raise RuntimeError(
                 f"optimizer.step() after {self.micro_step} backward passes, but grad_accum_steps is "
                 f"{self.cfg.grad_accum_steps}: step once every {self.cfg.grad_accum_steps} backward passes"
+            )
+        # A gradient in `p.grad` means a parameter no trainable unit holds: added after `shard` (a
+        # replaced head, `resize_token_embeddings`) or unfrozen after it. No optimizer would ever step
+        # it. (Unit parameters never keep `p.grad`: the engine takes each gradient as it arrives.)
+        stray = [name for name, p in self.module.named_parameters() if p.grad is not None and not self._trains(p)]
+        if stray:
+            raise RuntimeError(
+                f"{stray[:3]}{f' and {len(stray) - 3} more' if len(stray) > 3 else ''} got gradients, but no "
+                "zeroinf unit trains them: parameters added after zeroinf.shard (a replaced module, "
+                "resize_token_embeddings) or unfrozen after it are not sharded, and no optimizer steps them. "
+                "Make such changes before zeroinf.shard (with zeroinf.from_pretrained: in prepare=)"
             )
 
     def end_step(self) -> None:
