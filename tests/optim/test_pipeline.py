@@ -317,5 +317,15 @@ def test_a_units_states_are_read_while_its_backward_runs(tmp_path: Path) -> None
     read_before = sum(at[("swap_in", k)] < at[("update", per_unit[ui][0])] for ui in stepped for k in per_unit[ui])
     assert read_before == len(groups), f"{read_before} of {len(groups)} sub-groups read before their unit's update"
     assert opt.states.staging_slots >= 2 * max(len(v) for v in per_unit.values())  # "auto"
-    io = zeroinf.memory_report(model)["io"]["last_step"]
-    assert 27.0 < io["bytes_per_param"] <= 28.5, io
+    # Bytes per parameter a step, over three steps: a step's last shard writes may still be in flight
+    # when its I/O window closes and count in the next one (seen: 26.7, then 28.0, for 27.3 a step).
+    def moved() -> float:
+        io = zeroinf.memory_report(model)["io"]
+        return io["nvme_read_bytes"] + io["nvme_written_bytes"]
+
+    start, steps = moved(), 3
+    for _ in range(steps):
+        _train_step(model, opt)
+    params = sum(u.layout.numel for u in zeroinf.engine_of(model).all_units)
+    per_step = (moved() - start) / steps / params
+    assert 27.0 < per_step <= 28.5, per_step
