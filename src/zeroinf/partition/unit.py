@@ -691,16 +691,16 @@ class ShardedUnit:
         compute-dtype value changed (`model.load_state_dict` of fp32 weights into a bf16 model)."""
         owned = self.param_flat[self.owned_start : self.owned_end]
         changed = owned != owned_before
-        new_master = owned.float()
-        if exact is not None:
+        source = owned  # the masters' new values, where `changed`
+        if exact is not None:  # a unit-sized fp32 copy, made only for a load that brings finer values
             mask, values = exact  # on the parameters' device
             changed |= mask
-            new_master[mask] = values[mask]
+            source = torch.where(mask, values, owned.float())
         if self.home_holds_master:  # the shard is the master: only the changed elements, rounded ones kept
             if bool(changed.any()):
                 self.transfers.wait_uploads()
                 master = self.home.shard  # type: ignore[union-attr]
-                master[changed] = new_master[changed].to(master.dtype)
+                master[changed] = source[changed].to(master.dtype)
             return
         if self.home is not None:
             self.home.store(owned)
@@ -709,12 +709,12 @@ class ShardedUnit:
         if not self._master_taken and self._master_source is not None:  # hold the file's masters now
             self.initial_master, self._master_source = self._master_source(), None
         if self.initial_master is not None:  # no optimizer has taken the masters yet
-            self.initial_master[changed] = new_master[changed]
+            self.initial_master[changed] = source[changed].float()
         elif self._master_taken and states is not None:
             self.transfers.wait_uploads()  # an upload of the last step may still read the master
             views = states.read_unit(unit_index)  # type: ignore[attr-defined]
             mask = changed.to(views.master.device)
-            views.master[mask] = new_master[changed].to(views.master.device)
+            views.master[mask] = source[changed].float().to(views.master.device)
             states.write_unit(unit_index, views)  # type: ignore[attr-defined]
 
     def load_values(self, source: UnitSource, states: object | None, unit_index: int) -> None:
