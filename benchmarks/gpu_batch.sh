@@ -8,13 +8,14 @@
 #   bash benchmarks/gpu_batch.sh bench-7b  # 6.7B, optimizer on host (the largest-model issue's row)
 #   bash benchmarks/gpu_batch.sh nvme      # 1.1B with parameters and optimizer on NVMe
 #   bash benchmarks/gpu_batch.sh profile   # 1.1B and 3.4B offload: phases and operator profiles (step_phases.py)
+#   bash benchmarks/gpu_batch.sh compile   # 1.1B, torch.compile (inductor): plain, zeroinf, FSDP2 compiled vs eager
 #   bash benchmarks/gpu_batch.sh smoke     # a tiny run of the benchmark part, to check this script anywhere
 #
 # Logs and JSON go under $OUT (the device tool's output folder; ./gpu_out elsewhere). DeepSpeed joins the
 # benchmarks when importable (carry its wheel, see ../shared/gpu/README.md; TORCH_CUDA_ARCH_LIST=9.0 on Hopper).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?usage: gpu_batch.sh tests|bench-1b|bench-3b|bench-7b|nvme|profile|smoke}"
+part="${1:?usage: gpu_batch.sh tests|bench-1b|bench-3b|bench-7b|nvme|profile|compile|smoke}"
 out="${OUT:-$PWD/gpu_out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
@@ -36,10 +37,11 @@ except (OSError, ValueError) as e:
 for r in doc["results"]:
     gib = lambda b: "-" if b is None else f"{b / 2**30:.1f}"
     if r["status"] == "ok":
-        print(f"  {r['engine']:>9} {r['placement']:>8} {r['s_per_step']:.3f} s/step  "
+        print(f"  {r['engine']:>18} {r['placement']:>8} {r['s_per_step']:.3f} s/step  "
               f"GPU {gib(r['peak_gpu_bytes'])} GiB  RSS {gib(r['peak_rss_bytes'])} GiB")
     else:
-        print(f"  {r['engine']:>9} {r['placement']:>8} {r['status']}: {r.get('reason', r.get('error', ''))[:200]}")
+        print(f"  {r['engine']:>18} {r['placement']:>8} {r['status']}: {r.get('reason', r.get('error', ''))[:200]}")
+print("  ratios:", json.dumps(doc["ratios"]))
 EOF
 }
 case "$part" in
@@ -63,8 +65,11 @@ case "$part" in
                 --steps 3 --out "$out/phases_$1_$2" > "$out/phases_$1_$2.log" 2>&1
             echo "phases $1 $2: rc=$?"; tail -1 "$out/phases_$1_$2.log"
         done ;;
-    smoke) peers smoke --preset tiny --seq 64 --batch 2 --steps 2 --warmup 1 --engines plain,zeroinf \
+    smoke) peers smoke --preset tiny --seq 64 --batch 2 --steps 2 --warmup 1 --engines plain,zeroinf,zeroinf:compiled \
         --placements device,host ;;  # the script itself, on any machine in a minute
+    compile)  # compiling takes the first steps: 3 warm-up steps
+        peers 1b_compile --preset 1b --warmup 3 --placements device,host \
+            --engines plain,plain:compiled,zeroinf,zeroinf:compiled,fsdp2:compiled ;;
     nvme) peers 1b_nvme --preset 1b --engines "${engines/plain,/}" --placements nvme ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
 esac

@@ -29,6 +29,11 @@ installed, or cannot hold a placement, are listed as skipped with the reason.
 `--ckpt`: activation checkpointing in every engine (zeroinf: `Config(activation_checkpointing=True)`;
 the others: Hugging Face's `gradient_checkpointing_enable()`, Llama only).
 
+An engine named with `:compiled` (`--engines plain,plain:compiled,zeroinf,zeroinf:compiled`) trains
+through `torch.compile(model, backend=--compile-backend)` (DeepSpeed: `engine.compile(...)`); its
+first steps compile, so give it `--warmup` >= 2. The ratios then pair compiled with compiled, and give
+each engine's compiled s/step over its eager one.
+
 Prints one JSON object: the machine (CPU model included), the arguments, per (engine, placement) the
 median s/step, TFLOP/s, peak GPU memory, peak RSS per rank, bytes moved per step between host and
 device and to/from NVMe (zeroinf's own counters; null for the others), the bytes each process read and
@@ -85,8 +90,17 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def skip_reason(engine: str, placement: str, model: str, ranks: int, ckpt: bool = False) -> str | None:
-    """Why `engine` cannot run `placement` here, or None."""
+def split_engine(name: str) -> tuple[str, bool]:
+    """("zeroinf", True) for "zeroinf:compiled"."""
+    base, _, mode = name.partition(":")
+    if base not in ENGINES or mode not in ("", "compiled"):
+        raise ValueError(f"engine {name!r}: choose from {ENGINES}, each optionally with ':compiled'")
+    return base, mode == "compiled"
+
+
+def skip_reason(name: str, placement: str, model: str, ranks: int, ckpt: bool = False) -> str | None:
+    """Why engine `name` cannot run `placement` here, or None."""
+    engine, _ = split_engine(name)
     if model == "llama" and importlib.util.find_spec("transformers") is None:
         return "transformers is not installed (pip install transformers)"
     if engine == "plain" and placement != "device":
@@ -221,13 +235,15 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
     hf = a.model == "llama"
     if a.ckpt and a.engine not in ("zeroinf", "zeroinf-cache"):
         model.gradient_checkpointing_enable()
+    compiled = (lambda m: torch.compile(m, backend=a.compile_backend)) if a.compile else (lambda m: m)
     if a.engine == "plain":
         model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+        plain = compiled(model)
 
         def plain_step(x: torch.Tensor) -> torch.Tensor:
             with torch.autocast(device.type, dtype=dtype, enabled=low):
-                loss = loss_of(model, x, hf)
+                loss = loss_of(plain, x, hf)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -250,9 +266,10 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
         topo = zeroinf.Topology.current(device=device) if a.ranks > 1 else zeroinf.Topology.single(device)
         sharded = zeroinf.shard(model, cfg, topo)
         zopt = zeroinf.AdamW(sharded, lr=1e-4, weight_decay=0.0)
+        forward = compiled(sharded)
 
         def zeroinf_step(x: torch.Tensor) -> torch.Tensor:
-            loss = loss_of(sharded, x, hf)
+            loss = loss_of(forward, x, hf)
             zopt.backward(loss)
             zopt.step()
             zopt.zero_grad()
@@ -272,9 +289,10 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
         if a.placement == "device":
             model.to(device)
         fopt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
+        fsdp = compiled(model)
 
         def fsdp2_step(x: torch.Tensor) -> torch.Tensor:
-            loss = loss_of(model, x, hf)
+            loss = loss_of(fsdp, x, hf)
             loss.backward()
             fopt.step()
             fopt.zero_grad(set_to_none=True)
@@ -309,6 +327,8 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
         "steps_per_print": 10**9,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    if a.compile:
+        engine.compile(backend=a.compile_backend)
 
     def deepspeed_step(x: torch.Tensor) -> torch.Tensor:
         loss = loss_of(engine, x, hf)
@@ -376,13 +396,15 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- the side by side (the parent process) ------------------------------------------------------------------
-def launch(a: argparse.Namespace, engine: str, placement: str, dtype: str, nvme_dir: str) -> dict[str, Any]:
+def launch(a: argparse.Namespace, name: str, placement: str, dtype: str, nvme_dir: str) -> dict[str, Any]:
     """One run: `a.ranks` worker processes; rank 0's figures with every rank's peak RSS."""
+    engine, compile_it = split_engine(name)
     argv = [
         sys.executable, os.path.abspath(__file__), "--worker", "--engine", engine, "--placement", placement,
         "--dtype", dtype, "--model", a.model, "--preset", a.preset, "--seq", str(a.seq), "--batch", str(a.batch),
         "--steps", str(a.steps), "--warmup", str(a.warmup), "--nvme-dir", nvme_dir, "--ranks", str(a.ranks),
         "--threads", str(a.threads or 0), "--param-cache", str(a.param_cache), *(["--ckpt"] if a.ckpt else []),
+        *(["--compile", "--compile-backend", a.compile_backend] if compile_it else []),
     ]
     env = dict(os.environ)
     if a.threads:
@@ -468,7 +490,7 @@ def side_by_side(a: argparse.Namespace) -> dict[str, Any]:
                     run = launch(a, engine, placement, dtype, nvme_dir)
                     runs[(engine, placement)].append(run)
                     shown = f"{run['s_per_step']:.4f} s/step" if "error" not in run else run["error"]
-                    print(f"[repeat {repeat + 1}/{a.repeats}] {engine:9s} {placement:8s} {shown}", file=sys.stderr)
+                    print(f"[repeat {repeat + 1}/{a.repeats}] {engine:18s} {placement:8s} {shown}", file=sys.stderr)
     results.update({key: summarize(r) for key, r in runs.items()})
     return {
         "machine": {
@@ -483,17 +505,26 @@ def side_by_side(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def ratios(results: dict[tuple[str, str], dict[str, Any]], placements: list[str]) -> dict[str, dict[str, float]]:
-    """Per placement: zeroinf's s/step (and zeroinf-cache's) over each peer's (below 1: zeroinf is faster)."""
+    """Per placement: zeroinf's s/step (and zeroinf-cache's) over each peer's (below 1: zeroinf is faster),
+    compiled engines over compiled peers; and each engine's compiled s/step over its eager one."""
+
+    def s_per_step(engine: str, placement: str) -> float | None:
+        run = results.get((engine, placement), {})
+        return run["s_per_step"] if run.get("status") == "ok" else None
+
     out: dict[str, dict[str, float]] = {}
     for placement in placements:
-        for us in ("zeroinf", "zeroinf-cache"):
-            ours = results.get((us, placement), {})
-            if ours.get("status") != "ok":
-                continue
-            for peer in ("plain", "fsdp2", "deepspeed"):
-                theirs = results.get((peer, placement), {})
-                if theirs.get("status") == "ok":
-                    out.setdefault(placement, {})[f"{us}/{peer}"] = ours["s_per_step"] / theirs["s_per_step"]
+        for suffix in ("", ":compiled"):
+            for us in ("zeroinf", "zeroinf-cache"):
+                ours = s_per_step(us + suffix, placement)
+                for peer in ("plain", "fsdp2", "deepspeed"):
+                    theirs = s_per_step(peer + suffix, placement)
+                    if ours is not None and theirs is not None:
+                        out.setdefault(placement, {})[f"{us}{suffix}/{peer}{suffix}"] = ours / theirs
+        for engine in ENGINES:
+            eager, traced = s_per_step(engine, placement), s_per_step(engine + ":compiled", placement)
+            if eager is not None and traced is not None:
+                out.setdefault(placement, {})[f"{engine}:compiled/{engine}"] = traced / eager
     return out
 
 
@@ -535,12 +566,20 @@ def main() -> None:
     p.add_argument("--nvme-root", help="folder for the nvme placement's files (default: the temp folder)")
     p.add_argument("--run-timeout-s", type=float, default=1800.0)
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing in every engine")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the ':compiled' engines")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--placement", choices=PLACEMENTS, help=argparse.SUPPRESS)
     p.add_argument("--nvme-dir", help=argparse.SUPPRESS)
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
+    try:
+        for name in a.engines.split(","):
+            if name:
+                split_engine(name)
+    except ValueError as e:
+        p.error(str(e))
     presets = GPT_PRESETS if a.model == "gpt" else PRESETS
     if a.preset not in presets:
         p.error(f"--preset {a.preset!r} is not a {a.model} preset; choose from {sorted(presets)}")

@@ -72,6 +72,7 @@ class Case:
     model: str = "tiny_gpt"  # or "zoo" (tests/_zoo.py)  # further Config fields, e.g. (("max_live_bytes", 1),)
     steps: int = 10
     weight_decay: float = 0.1
+    compile_backend: str | None = None  # train through torch.compile(model, backend=...)
 
 
 def global_batch(step: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,6 +153,14 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
     model = zeroinf.shard(build_model(case.model), cfg, topology)
     device = zeroinf.engine_of(model).topo.device
     opt = zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
+    forward: Callable[..., torch.Tensor] = model
+    if case.compile_backend is not None:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()  # each case compiles its own frames; the counts below are its own
+        counters.clear()
+        forward = torch.compile(model, backend=case.compile_backend)
+    frames_compiled = []  # frames torch.compile has compiled so far, after each step
     per_rank = GLOBAL_BATCH // world_size
     micro = per_rank // case.accum
     losses, skipped, stepped_in_backward, grad_norms = [], [], [], []
@@ -160,7 +169,7 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
         x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device) for t in (x, y))
         total = torch.zeros((), device=device)
         for m in range(case.accum):
-            loss = model(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / case.accum
+            loss = forward(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / case.accum
             total += loss.detach().float()
             opt.backward(loss * math.inf if step == case.overflow_step else loss)
         opt.step()
@@ -172,6 +181,10 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
         skipped.append(opt.last_step_skipped)
         grad_norms.append(opt.last_grad_norm)
         stepped_in_backward.append(opt.units_stepped_in_backward)
+        if case.compile_backend is not None:
+            from torch._dynamo.utils import counters
+
+            frames_compiled.append(counters["frames"]["ok"])
     report = zeroinf.memory_report(model)
     return {
         "losses": losses,
@@ -186,6 +199,7 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
         "optimizer_split": split.to_json() if (split := getattr(opt.states, "split", None)) is not None else None,
         "collectives_last_step": report["collectives_last_step"],
         "transfers": report["transfers"],
+        "frames_compiled": frames_compiled,
     }
 
 

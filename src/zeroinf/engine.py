@@ -173,7 +173,7 @@ class Engine:
         self._hook_handles.append(hooks.register_input_hook(module, lambda _: self._check_params_intact()))
         # The pass begins in the outermost backward, where the model's output gets its gradient (see
         # `_begin_backward_at_output`).
-        self._hook_handles.append(module.register_forward_hook(self._begin_backward_at_output))
+        self._hook_handles.append(hooks.register_output_hook(module, self._begin_backward_at_output))
         self.scheduler: UnshardScheduler | None = None
         if self.policy.shard_params:
             self._setup_stage3()
@@ -290,7 +290,7 @@ class Engine:
         if cache is not None:  # the parameter cache evicts along the traced order of units
             names = [u.name for u in self.all_units]
             self.scheduler.on_traced = lambda order: cache.policy.set_order([names[i] for i in order])
-        self._external: dict[int, list[int]] = {}  # id(module) -> units fetched for it on demand
+        self._external: dict[int, list[ShardedUnit]] = {}  # id(module) -> units fetched for it on demand
         handles = hooks.register_forward_hooks(self.module, self._root_pre_forward, self._root_post_forward)
         handles.append(
             self.module._register_state_dict_hook(
@@ -306,10 +306,12 @@ class Engine:
             owned = {self._unit_of_param[id(p)] for p in m.parameters(recurse=False) if id(p) in self._unit_of_param}
             owned = {u for u in owned if not self.all_units[u].resident}
             if owned and id(m) not in unit_modules:
+                units = tuple(self.all_units[u] for u in sorted(owned))
                 handles += hooks.register_forward_hooks(
                     m,
-                    functools.partial(self._external_pre_forward, owned=tuple(sorted(owned))),
+                    functools.partial(self._external_pre_forward, owned=units),
                     self._external_post_forward,
+                    traceable=True,
                 )
         self._hook_handles += handles
 
@@ -371,22 +373,35 @@ class Engine:
             scheduler = self.scheduler
             hooks.register_pre_backward(inputs, lambda: scheduler.release(index))
 
-    def _external_pre_forward(self, module: nn.Module, owned: tuple[int, ...]) -> None:
-        """A module whose parameters belong to a unit that is not gathered: fetch them on demand."""
-        fetched = [u for u in owned if self.all_units[u].state is not ParamState.UNSHARDED]
-        for u in fetched:
-            self.all_units[u].wait_unshard()
-        if fetched:
-            self._external[id(module)] = fetched
+    def _external_pre_forward(self, module: nn.Module, owned: tuple[ShardedUnit, ...]) -> None:
+        """A module whose parameters belong to a unit that is not gathered: fetch them on demand.
+        Usually the module runs inside its unit's forward and there is nothing to do: that path
+        only reads unit states, so `torch.compile` traces it into the unit's graph (the units are
+        passed as objects, not indices: an index would be a constant the compiled graph is
+        specialized on, one recompile per unit)."""
+        if any(unit.state is not ParamState.UNSHARDED for unit in owned):
+            self._fetch_external(module, owned)
+
+    @hooks.eager
+    def _fetch_external(self, module: nn.Module, owned: tuple[ShardedUnit, ...]) -> None:
+        fetched = [unit for unit in owned if unit.state is not ParamState.UNSHARDED]
+        for unit in fetched:
+            unit.wait_unshard()
+        self._external[id(module)] = fetched
 
     def _external_post_forward(self, module: nn.Module, output: Any) -> None:
+        if self._external:  # something was fetched for a module (rare): was it this one?
+            self._release_external(module, output)
+
+    @hooks.eager
+    def _release_external(self, module: nn.Module, output: Any) -> None:
         fetched = self._external.pop(id(module), None)
         if not fetched:
             return
         if torch.is_grad_enabled():
             hooks.register_pre_backward(output, lambda: self._external_pre_backward(fetched))
-        for u in fetched:
-            self.all_units[u].reshard()
+        for unit in fetched:
+            unit.reshard()
 
     def _pre_backward(self, index: int) -> None:
         self._begin_backward_once()
@@ -395,10 +410,10 @@ class Engine:
         if self._step_in_this_backward and self.backward_prepare is not None and index < len(self.units):
             self.backward_prepare(index)
 
-    def _external_pre_backward(self, units: list[int]) -> None:
+    def _external_pre_backward(self, units: list[ShardedUnit]) -> None:
         self._begin_backward_once()
-        for u in units:
-            self.all_units[u].wait_unshard()
+        for unit in units:
+            unit.wait_unshard()
 
     # -- backward -------------------------------------------------------------------------------------
     def _on_grad_ready(self, unit_index: int, param_index: int) -> None:
@@ -426,7 +441,7 @@ class Engine:
                 if self._step_in_this_backward and self.backward_step is not None:
                     self.backward_step(reduced)
 
-    def _begin_backward_at_output(self, _: nn.Module, _args: Any, output: Any) -> None:
+    def _begin_backward_at_output(self, output: Any) -> None:
         """Begin the engine's backward pass when the model's output gets its gradient. The first
         gradient hook would begin it too, but with reentrant activation checkpointing that hook can
         run inside a backward nested in a segment's backward, and the end of the nested one would
@@ -676,6 +691,9 @@ def shard(
         # must keep running forward passes until every rank has.
         # (The ignore: the stub of nn.Module.__setattr__ takes tensors and modules only, not this flag.)
         module._is_fsdp_managed_module = True  # type: ignore[assignment]
+        # torch.compile reads the same flag and refuses to trace a module so marked unless this one is
+        # set too; true here as well: the module keeps its own nn.Parameter objects.
+        module._fsdp_use_orig_params = True  # type: ignore[assignment]
     _engines.add(engine)
     return module
 

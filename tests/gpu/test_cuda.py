@@ -7,6 +7,8 @@ excludes the marker). Everything here runs on cuda:0 in one process.
   goes through the owner (runtime/streams.py) from pinned memory, and its pool allocates nothing.
 - The demo CLI trains on the GPU.
 - `model.load_state_dict` sets the fp32 masters exactly there, and a conversion after `shard` is refused.
+- `torch.compile` (inductor, Triton kernels) on a sharded model: the tolerances of the parity
+  matrix against plain PyTorch, with parameters and optimizer states on the GPU or the host.
 """
 
 from __future__ import annotations
@@ -133,3 +135,20 @@ def test_load_state_dict_on_the_gpu_sets_the_fp32_masters_exactly(params: str) -
     model.to("cpu")  # a conversion after shard: the next forward refuses it
     with pytest.raises(RuntimeError, match="the model was converted after zeroinf.shard"):
         model(x.cpu(), y.cpu())
+
+
+@pytest.mark.parametrize("name", ["s3-device", "s3-phost-ghost-ohost"])
+def test_torch_compile_matches_plain_pytorch_on_the_gpu(name: str, tmp_path: Path) -> None:
+    """tests/runtime/test_compile.py on CUDA: the units compile to Triton kernels, the hooks move
+    shards between the graphs, and nothing compiles after the second step."""
+    from dataclasses import replace
+
+    case = replace(case_for(name, "bf16", tmp_path), compile_backend="inductor")
+    ours = train_zeroinf(case, 0, 1, CUDA)
+    ref_losses, ref_weights = reference("bf16")
+    loss_rtol, weight_atol = TOLERANCES["bf16"]
+    assert ours["losses"] == pytest.approx(ref_losses, rel=loss_rtol), name
+    for pname, ref in ref_weights.items():
+        torch.testing.assert_close(ours["weights"][pname], ref, rtol=0, atol=weight_atol, msg=lambda m: f"{name}: {m}")
+    frames = ours["frames_compiled"]
+    assert frames[0] >= 1 and frames[1:] == [frames[1]] * (len(frames) - 1), frames

@@ -92,6 +92,15 @@ def test_offloaded_to_nvme_matches_plain_trainer(tmp_path, plain_llama) -> None:
     _assert_parity(summary(trainer), plain_llama, "stage 3, everything on NVMe")
 
 
+def test_torch_compile_matches_plain_trainer(tmp_path, plain_llama) -> None:
+    """`torch_compile=True`: the loss goes through torch.compile of the sharded model (aot_eager: the
+    compiler's tracing and autograd without fused kernels), same losses and weights."""
+    trainer = run_zeroinf("llama", str(tmp_path), 3, torch_compile=True, torch_compile_backend="aot_eager")
+    _assert_parity(summary(trainer), plain_llama, "stage 3, torch_compile")
+    compiled = trainer._compiled_model
+    assert compiled[0] is trainer.model and compiled[1]._orig_mod is trainer.model
+
+
 def test_model_init_and_a_presharded_model_with_its_optimizer(tmp_path, plain_llama) -> None:
     from tests._hf import build
 

@@ -58,7 +58,6 @@ def test_conflicts_are_refused_by_name(tmp_path, cfg, kwargs, message) -> None:
                 reason="this transformers' TrainingArguments has no activation_checkpointing field",
             ),
         ),
-        ({"torch_compile": True}, "torch_compile"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
         ({"fsdp": "full_shard"}, "fsdp"),
         ({"load_best_model_at_end": True, "eval_strategy": "steps"}, "load_best_model_at_end"),

@@ -23,6 +23,8 @@ What differs from the plain Trainer, and where it happens:
   or placement; the Trainer restores RNG and data position as usual.
 - `save_model`: `model.state_dict()` on every rank (at stage 3 a collective that gathers unit by
   unit), written by rank 0 with `save_pretrained`.
+- `torch_compile=True`: the loss is computed through `torch.compile` of the sharded model
+  (`torch_compile_backend`, `torch_compile_mode`), docs/design.md "torch.compile".
 
 [Note: accelerate and the sharded model]
 `Accelerator.prepare_model` / `prepare_optimizer` return an object unchanged when it carries
@@ -201,6 +203,8 @@ class Trainer(transformers.Trainer):
 
     # -- one step ------------------------------------------------------------------------------------------
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if self.args.torch_compile:
+            model = self._compiled(model)
         out = super().compute_loss(model, inputs, *args, **kwargs)
         scale = self.optimizer.loss_scale if isinstance(self.optimizer, AdamW) else 1.0
         if scale == 1.0 or not torch.is_grad_enabled():
@@ -209,6 +213,16 @@ class Trainer(transformers.Trainer):
         if isinstance(out, tuple):
             return (_ScaleGradient.apply(out[0], scale), *out[1:])
         return _ScaleGradient.apply(out, scale)
+
+    def _compiled(self, model: nn.Module) -> nn.Module:
+        """`torch_compile=True`: the sharded model through `torch.compile` (accelerate, which compiles
+        for the plain Trainer, leaves a prepared model alone). Built once per model."""
+        cached = getattr(self, "_compiled_model", None)
+        if cached is None or cached[0] is not model:
+            backend = self.args.torch_compile_backend or "inductor"
+            cached = (model, torch.compile(model, backend=backend, mode=self.args.torch_compile_mode))
+            self._compiled_model = cached
+        return cached[1]
 
     def _clip_grad_norm(self, model: nn.Module) -> None:
         return None  # the engine clips in optimizer.step() (Config.grad_clip_norm = max_grad_norm)

@@ -62,8 +62,6 @@ def refused_arguments(args: Any) -> list[str]:
             "activation (gradient) checkpointing by the Trainer: use Config(activation_checkpointing=True) instead, "
             "which recomputes zeroinf's units (and can offload their inputs)"
         )
-    if getattr(args, "torch_compile", False):
-        problems.append("torch_compile=True: compiling a zeroinf-sharded model is not supported; leave it False")
     if getattr(args, "auto_find_batch_size", False):
         problems.append("auto_find_batch_size=True rebuilds the optimizer after an OOM: set the batch size yourself")
     if getattr(args, "load_best_model_at_end", False):

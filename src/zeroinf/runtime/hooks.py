@@ -2,17 +2,30 @@
 
 Hook actions are idempotent where they can be re-entered (a parameter reused twice in one forward
 still reports its gradient once: autograd sums into the leaf before AccumulateGrad runs).
+
+Every hook runs eagerly under `torch.compile` (`eager`): the compiler breaks its graph at each
+hook and compiles the modules' own code between them. Traced instead, the hooks would put the
+engine's state (which shard is where, locks, I/O handles) into the compiler's guards: a recompile per
+unit until torch's recompile limit sends the whole forward back to eager, with collectives and NVMe
+reads inside traced code on the way. docs/design.md, "torch.compile".
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def eager(fn: F) -> F:
+    """`fn` run as plain Python even when called from code `torch.compile` traces (a graph break)."""
+    return cast(F, torch.compiler.disable(fn, recursive=True))
 
 
 def register_grad_ready_hooks(
@@ -25,7 +38,7 @@ def register_grad_ready_hooks(
         def hook(_: torch.Tensor, index: int = index) -> None:
             on_ready(index)
 
-        handles.append(param.register_post_accumulate_grad_hook(hook))
+        handles.append(param.register_post_accumulate_grad_hook(eager(hook)))
     return handles
 
 
@@ -38,14 +51,20 @@ def register_forward_hooks(
     module: nn.Module,
     pre: Callable[[nn.Module], None],
     post: Callable[[nn.Module, Any], None],
+    *,
+    traceable: bool = False,
 ) -> list[RemovableHandle]:
     """`pre(module)` before and `post(module, output)` after every call of `module`.
 
     The pre-hook is prepended so that it runs before any user hook that might read the weights.
+    `traceable`: `torch.compile` traces the hooks instead of breaking its graph at them; for hooks
+    on every submodule whose usual path only reads a flag and leaves the real work to an `eager`
+    function (a break per Linear would leave the compiler nothing to fuse).
     """
+    wrap = (lambda fn: fn) if traceable else eager
     return [
-        module.register_forward_pre_hook(lambda m, args: pre(m), prepend=True),
-        module.register_forward_hook(lambda m, args, out: post(m, out)),
+        module.register_forward_pre_hook(wrap(lambda m, args: pre(m)), prepend=True),
+        module.register_forward_hook(wrap(lambda m, args, out: post(m, out))),
     ]
 
 
@@ -59,12 +78,17 @@ def register_pre_backward(output: Any, callback: Callable[[], None]) -> None:
         t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
     )
     if tensors:
-        torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: callback(), mode="any")
+        torch.autograd.graph.register_multi_grad_hook(tensors, eager(lambda grads: callback()), mode="any")
 
 
 def register_input_hook(module: nn.Module, fn: Callable[[Any], None]) -> RemovableHandle:
     """`fn((args, kwargs))` with the inputs of every call of `module`, before it runs."""
-    return module.register_forward_pre_hook(lambda m, args, kwargs: fn((args, kwargs)), with_kwargs=True)
+    return module.register_forward_pre_hook(eager(lambda m, args, kwargs: fn((args, kwargs))), with_kwargs=True)
+
+
+def register_output_hook(module: nn.Module, fn: Callable[[Any], None]) -> RemovableHandle:
+    """`fn(output)` with the output of every call of `module`, after it ran."""
+    return module.register_forward_hook(eager(lambda m, args, out: fn(out)))
 
 
 def register_load_hooks(
