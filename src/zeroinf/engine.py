@@ -187,12 +187,7 @@ class Engine:
         """`torch.save(model)` and `copy.deepcopy(model)` reach the engine through the module's
         attributes; it holds swap files, I/O threads and this process's shards, which no copy can
         own. Refused with the ways that work, instead of pickle's "cannot pickle '_thread.lock'"."""
-        raise TypeError(
-            "a model sharded by zeroinf cannot be pickled or deep-copied (torch.save(model), copy.deepcopy): "
-            "its parameters are shards on their tiers, owned by this process. Save the weights with "
-            "model.state_dict() on every rank (or zeroinf.save for training state); for a second copy (EMA, "
-            "a reference model) build the model again, shard it, and load the state dict into it"
-        )
+        raise TypeError(hooks.UNPICKLABLE)
 
     def _check_params_intact(self) -> None:
         """Before each forward: a conversion of the module after `shard` (`model.to(torch.bfloat16)`,
@@ -291,6 +286,8 @@ class Engine:
             names = [u.name for u in self.all_units]
             self.scheduler.on_traced = lambda order: cache.policy.set_order([names[i] for i in order])
         self._external: dict[int, list[ShardedUnit]] = {}  # id(module) -> units fetched for it on demand
+        self._fetch_external_eagerly = hooks.eager(self._fetch_external)  # called from traceable hooks
+        self._release_external_eagerly = hooks.eager(self._release_external)
         handles = hooks.register_forward_hooks(self.module, self._root_pre_forward, self._root_post_forward)
         handles.append(
             self.module._register_state_dict_hook(
@@ -380,9 +377,8 @@ class Engine:
         passed as objects, not indices: an index would be a constant the compiled graph is
         specialized on, one recompile per unit)."""
         if any(unit.state is not ParamState.UNSHARDED for unit in owned):
-            self._fetch_external(module, owned)
+            self._fetch_external_eagerly(module, owned)
 
-    @hooks.eager
     def _fetch_external(self, module: nn.Module, owned: tuple[ShardedUnit, ...]) -> None:
         fetched = [unit for unit in owned if unit.state is not ParamState.UNSHARDED]
         for unit in fetched:
@@ -391,9 +387,8 @@ class Engine:
 
     def _external_post_forward(self, module: nn.Module, output: Any) -> None:
         if self._external:  # something was fetched for a module (rare): was it this one?
-            self._release_external(module, output)
+            self._release_external_eagerly(module, output)
 
-    @hooks.eager
     def _release_external(self, module: nn.Module, output: Any) -> None:
         fetched = self._external.pop(id(module), None)
         if not fetched:

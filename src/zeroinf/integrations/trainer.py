@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
@@ -220,7 +220,8 @@ class Trainer(transformers.Trainer):
         cached = getattr(self, "_compiled_model", None)
         if cached is None or cached[0] is not model:
             backend = self.args.torch_compile_backend or "inductor"
-            cached = (model, torch.compile(model, backend=backend, mode=self.args.torch_compile_mode))
+            compiled = torch.compile(model, backend=backend, mode=self.args.torch_compile_mode)
+            cached = (model, cast(nn.Module, compiled))  # an OptimizedModule
             self._compiled_model = cached
         return cached[1]
 

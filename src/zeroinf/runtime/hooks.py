@@ -13,19 +13,58 @@ reads inside traced code on the way. docs/design.md, "torch.compile".
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch._C._dynamo.eval_frame import set_eval_frame  # torch._dynamo's own import costs ~1.2 s
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-F = TypeVar("F", bound=Callable[..., Any])
+UNPICKLABLE = (
+    "a model sharded by zeroinf cannot be pickled or deep-copied (torch.save(model), copy.deepcopy): "
+    "its parameters are shards on their tiers, owned by this process. Save the weights with "
+    "model.state_dict() on every rank (or zeroinf.save for training state); for a second copy (EMA, "
+    "a reference model) build the model again, shard it, and load the state dict into it"
+)
 
 
-def eager(fn: F) -> F:
-    """`fn` run as plain Python even when called from code `torch.compile` traces (a graph break)."""
-    return cast(F, torch.compiler.disable(fn, recursive=True))
+class eager:  # noqa: N801 - used like a function: hooks.eager(fn)
+    """`fn`, run as plain Python even where `torch.compile` traces its caller.
+
+    What `torch.compiler.disable(fn)` does, without importing torch._dynamo (about 1.2 s, which
+    `import zeroinf` and the planner's pass must not pay): the compiler, finding `_torchdynamo_disable`
+    on `__call__`, breaks its graph there instead of tracing in; the call then switches the compiler's
+    frame hook off until `fn` returns, so nothing below it is compiled either. An object rather than
+    a closure, so that pickling a module carrying one of these hooks stops with the reason
+    (`UNPICKLABLE`), not with pickle's "Can't pickle local object".
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        prior = set_eval_frame(None)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            set_eval_frame(prior)
+
+    __call__._torchdynamo_disable = True  # type: ignore[attr-defined]
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError(UNPICKLABLE)
+
+
+try:  # and `__call__` itself is never compiled as a frame (else the compiler warns that it cannot
+    # trace set_eval_frame, then runs it anyway); older torch lacks the switch and only warns
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+except ImportError:
+    pass
+else:
+    set_code_exec_strategy(eager.__call__.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
 
 def register_grad_ready_hooks(
