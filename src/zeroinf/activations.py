@@ -17,6 +17,15 @@ the buffer returns to the pool once the copy back has read it. On a CPU-only mac
 a plain copy into a separate host tensor (the host is the device). Either way the bytes held are
 on the host tier of the ledger (tag "activation_offload").
 
+[Note: no KV cache in a checkpointed training forward]
+Hugging Face models build a KV cache in every forward unless told not to (`config.use_cache` is
+on by default). In a checkpointed layer the recompute appends to it again, so the cache a training
+step returns holds every layer's keys and values twice (3.4B Llama, 4 x 2048 tokens: 5.4 GB held
+for nothing), and under `torch.compile` the update is a side effect the compiler will not trace
+inside a checkpoint, so those layers run eagerly. Hugging Face's own gradient checkpointing turns
+the cache off in training forwards; `no_cache_in_training` does the same for ours (a training forward:
+the module in train mode with grad enabled; evaluation and `generate` keep their cache).
+
 [Note: how the forward is wrapped]
 `torch.utils.checkpoint.checkpoint` needs the function to recompute, so the unit module's `forward`
 is replaced on the instance by a wrapper that calls the original inside the checkpoint. The
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,9 +45,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.hooks import RemovableHandle
 
 from zeroinf.memory import Ledger, Tier
+from zeroinf.runtime import hooks
 from zeroinf.runtime.streams import Landing, Transfers, typed_view
+from zeroinf.telemetry import get_logger
 
 TAG = "activation_offload"
 
@@ -111,3 +124,35 @@ def apply_activation_checkpointing(
         module.forward = _checkpointed(module.forward, offloader)
         count += 1
     return count
+
+
+def no_cache_in_training(module: nn.Module) -> list[RemovableHandle]:
+    """Training forwards of a Hugging Face-style model (a `config.use_cache`, a forward taking
+    `use_cache`) get `use_cache=False` ([Note: no KV cache in a checkpointed training forward])."""
+    if getattr(getattr(module, "config", None), "use_cache", None) is None:
+        return []
+    params = list(inspect.signature(module.forward).parameters.values())
+    names = [p.name for p in params]
+    if "use_cache" in names:
+        position = names.index("use_cache")  # passed positionally there: left alone
+    elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        position = len(names)
+    else:
+        return []
+    told = False
+
+    def rewrite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        nonlocal told
+        if not (module.training and torch.is_grad_enabled()) or len(args) > position:
+            return None
+        if kwargs.get("use_cache") is False:
+            return None
+        if not told:
+            get_logger().info(
+                "activation checkpointing: training forwards run with use_cache=False (no KV cache), as with "
+                "Hugging Face's own gradient checkpointing"
+            )
+            told = True
+        return {**kwargs, "use_cache": False}
+
+    return [hooks.register_input_rewrite(module, rewrite)]

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing
+from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing, no_cache_in_training
 from zeroinf.aio.engine import DISK_ACTIVITY
 from zeroinf.comm import all_reduce
 from zeroinf.config import DTYPES, Config
@@ -273,6 +273,7 @@ class Engine:
         if self.cfg.offload_activations:
             self.activation_offloader = ActivationOffloader(self.ledger, self.transfers)
         apply_activation_checkpointing(outermost, self.cfg.checkpoint_every, self.activation_offloader)
+        self._hook_handles += no_cache_in_training(self.module)
 
     # -- stage 3 wiring -------------------------------------------------------------------------------
     def _setup_stage3(self) -> None:

@@ -125,6 +125,18 @@ def register_input_hook(module: nn.Module, fn: Callable[[Any], None]) -> Removab
     return module.register_forward_pre_hook(eager(lambda m, args, kwargs: fn((args, kwargs))), with_kwargs=True)
 
 
+def register_input_rewrite(
+    module: nn.Module, fn: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any] | None]
+) -> RemovableHandle:
+    """Every call of `module` gets the keyword arguments `fn(args, kwargs)` returns (None: unchanged)."""
+
+    def rewrite(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+        new = fn(args, kwargs)
+        return None if new is None else (args, new)
+
+    return module.register_forward_pre_hook(eager(rewrite), with_kwargs=True)
+
+
 def register_output_hook(module: nn.Module, fn: Callable[[Any], None]) -> RemovableHandle:
     """`fn(output)` with the output of every call of `module`, after it ran."""
     return module.register_forward_hook(eager(lambda m, args, out: fn(out)))
