@@ -21,9 +21,10 @@ on the host tier of the ledger (tag "activation_offload").
 Hugging Face models build a KV cache in every forward unless told not to (`config.use_cache` is
 on by default). In a checkpointed layer the recompute appends to it again, so the cache a training
 step returns holds every layer's keys and values twice (3.4B Llama, 4 x 2048 tokens: 5.4 GB held
-for nothing; measured on a 134M Llama, 4 x 1024 tokens, bf16 on the CPU: peak RSS 5459 -> 5250 MiB,
-same losses, `benchmarks/vs_peers.py --preset small --ckpt --seq 1024 --batch 4`), and under `torch.compile` the update is a side effect the compiler will not trace
-inside a checkpoint, so those layers run eagerly. Hugging Face's own gradient checkpointing turns
+for nothing; measured on a 134M Llama, 4 x 1024 tokens, bf16 on the CPU: peak RSS 5459 -> 5250
+MiB, same losses, `benchmarks/vs_peers.py --preset small --ckpt --seq 1024 --batch 4`), and under
+`torch.compile` the update is a side effect the compiler will not trace inside a checkpoint, so
+those layers run eagerly. Hugging Face's own gradient checkpointing turns
 the cache off in training forwards; `no_cache_in_training` does the same for ours (a training forward:
 the module in train mode with grad enabled; evaluation and `generate` keep their cache).
 
