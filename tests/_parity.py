@@ -182,8 +182,6 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
         grad_norms.append(opt.last_grad_norm)
         stepped_in_backward.append(opt.units_stepped_in_backward)
         if case.compile_backend is not None:
-            from torch._dynamo.utils import counters
-
             frames_compiled.append(counters["frames"]["ok"])
     report = zeroinf.memory_report(model)
     return {

@@ -122,7 +122,7 @@ def register_pre_backward(output: Any, callback: Callable[[], None]) -> None:
 
 def register_input_hook(module: nn.Module, fn: Callable[[Any], None]) -> RemovableHandle:
     """`fn((args, kwargs))` with the inputs of every call of `module`, before it runs."""
-    return module.register_forward_pre_hook(eager(lambda m, args, kwargs: fn((args, kwargs))), with_kwargs=True)
+    return register_input_rewrite(module, lambda args, kwargs: fn((args, kwargs)))
 
 
 def register_input_rewrite(
