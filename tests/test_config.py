@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import zeroinf
 from zeroinf.config import AioConfig, Config, ConfigError, LossScaleConfig, OffloadConfig
@@ -34,7 +35,7 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "unit-classes-bare-str",
         {"unit_classes": "Block"},
         "unit_classes",
-        'use a list of class names, e.g. ["Block"]',
+        'use a list of class names (or classes), e.g. ["Block"]',
     ),
     ("unit-classes-non-str", {"unit_classes": ["Block", 3]}, "unit_classes", "use a list of class names"),
     (
@@ -204,6 +205,17 @@ def test_resolved_stage_is_the_number_and_refuses_auto() -> None:
 
 def test_unit_classes_list_becomes_tuple() -> None:
     assert Config(unit_classes=["Block"]).unit_classes == ("Block",)  # type: ignore[arg-type]
+
+
+def test_unit_classes_take_classes_as_fsdp_wrap_policies_do() -> None:
+    class Block(torch.nn.Module):
+        pass
+
+    class Head(torch.nn.Module):
+        pass
+
+    assert Config(unit_classes=[Block, "Mlp"]).unit_classes == ("Block", "Mlp")  # type: ignore[list-item]
+    assert Config(unit_classes={Head, Block}).unit_classes == ("Block", "Head")  # type: ignore[arg-type]
 
 
 def _expected() -> Config:

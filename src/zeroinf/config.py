@@ -263,7 +263,8 @@ class Config:
     bucket_bytes: int = 25 * 2**20
     """Largest single gradient all-reduce (stages 0-1); bigger units are reduced in pieces of this size."""
     unit_classes: tuple[str, ...] = ()
-    """Module class names whose instances each form a unit; empty means automatic discovery."""
+    """Module class names whose instances each form a unit (classes are accepted and kept by name);
+    empty means automatic discovery."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for fp16."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -313,9 +314,15 @@ class Config:
         ):
             raise ConfigError("grad_clip_norm", self.grad_clip_norm, "use a positive number or leave it unset")
         _positive_int("bucket_bytes", self.bucket_bytes)
-        if isinstance(self.unit_classes, str) or not all(isinstance(c, str) for c in self.unit_classes):
-            raise ConfigError("unit_classes", self.unit_classes, 'use a list of class names, e.g. ["Block"]')
-        object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        classes: Any = self.unit_classes
+        if isinstance(classes, (str, type)) or not all(isinstance(c, (str, type)) for c in classes):
+            raise ConfigError("unit_classes", classes, 'use a list of class names (or classes), e.g. ["Block"]')
+        # Classes, as FSDP's auto-wrap policies take them, are kept by name (the config stays plain data);
+        # a set is sorted so that every rank holds the same tuple.
+        names = [c.__name__ if isinstance(c, type) else c for c in classes]
+        if isinstance(classes, (set, frozenset)):
+            names.sort()
+        object.__setattr__(self, "unit_classes", tuple(names))
         if isinstance(self.prefetch_bytes, bool) or not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0:
             raise ConfigError("prefetch_bytes", self.prefetch_bytes, "use a byte count >= 0 (0 disables prefetch)")
         if self.max_live_bytes is not None:
@@ -466,14 +473,15 @@ def config_markdown() -> str:
     ]
     for cls, title in ((Config, "Config"), (LossScaleConfig, "[loss_scale]"), (OffloadConfig, "[offload]"),
                        (AioConfig, "[offload.aio]")):
-        lines += [f"## {title}", "", (cls.__doc__ or "").strip(), "", "| field | default | meaning |", "|---|---|---|"]
+        summary = inspect.cleandoc(cls.__doc__ or "")
+        lines += [f"## {title}", "", summary, "", "| field | default | meaning |", "|---|---|---|"]
         docs = field_docs(cls)
         for f in fields(cls):
             if f.default is not dataclasses.MISSING:
                 default = repr(f.default)
             else:
                 default = f"{f.type} defaults"
-            lines.append(f"| `{f.name}` | `{default}` | {docs.get(f.name, '')} |")
+            lines.append(f"| `{f.name}` | `{default}` | {' '.join(docs.get(f.name, '').split())} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -82,8 +82,6 @@ class Engine:
                     "(model.float()) if that is what you want"
                 )
         specs = discover_units(module, cfg.unit_classes)
-        if not specs:
-            raise ValueError("zeroinf.shard: the model has no trainable parameters")
         self.specs = specs  # the trainable units: gradients, optimizer, checkpoints
         # Stage 3 shards frozen parameters too (a LoRA fine-tune's base): units of their own,
         # gathered like the rest, with no gradient and no optimizer state.
@@ -450,7 +448,7 @@ class Engine:
             self._begin_backward()
 
     def _begin_backward(self) -> None:
-        if self.micro_step >= self.cfg.grad_accum_steps:
+        if self.micro_step >= self.cfg.grad_accum_steps and self.units:
             if self.optimizer_io is None:  # e.g. torch.optim.AdamW(model.parameters()): it saw no gradients
                 raise RuntimeError(
                     f"backward pass {self.micro_step + 1} since the model was sharded, and no zeroinf optimizer "
@@ -478,10 +476,11 @@ class Engine:
         if self.backward_step_barrier is not None:
             self.backward_step_barrier()
         self._in_backward = False
-        self.micro_step += 1
+        if self.units:  # a frozen model (nothing to train) is never stepped: its backwards are not micro-steps
+            self.micro_step += 1
         for unit in self.units:
             unit.end_backward()
-        if self._sync_this_backward:
+        if self._sync_this_backward and self.units:
             self._reduce_all()
         self._reducing.clear()
         if self.grad_files is not None:

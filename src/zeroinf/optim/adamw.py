@@ -204,6 +204,13 @@ class AdamW(torch.optim.Optimizer):
                 "master weights live in it). Give parameter subsets their own settings through param_groups"
             )
         trainable = [p for u in self.engine.units for p in u.params]
+        if not trainable:
+            raise ValueError(
+                "AdamW: the sharded model has no trainable parameters (requires_grad was False for all of them "
+                "at zeroinf.shard). A frozen model (a reference model, a teacher) needs no optimizer: it runs "
+                "forward and passes gradients back to its inputs without one. To train it, unfreeze it before "
+                "zeroinf.shard"
+            )
         groups = list(param_groups) if param_groups is not None else [{"params": trainable}]
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(groups, defaults)

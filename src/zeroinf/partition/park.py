@@ -111,6 +111,19 @@ def _nbytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
+def _refcount_held_once() -> int:
+    """What `sys.getrefcount(holder.x)` gives for an object that only `holder` references. Measured,
+    not assumed: the count includes the call's own references, which differ between Python versions
+    (3.14 borrows some)."""
+    holder = _Holder(object())
+    return sys.getrefcount(holder.x)
+
+
+@dataclass
+class _Holder:
+    x: object
+
+
 def _storage_shared(p: torch.Tensor) -> bool:
     """True when another tensor (a view handed out earlier) shares the parameter's storage.
 
@@ -312,13 +325,14 @@ class ParamPark:
 
     def forget_unreachable(self) -> None:
         """Drop parked parameters nothing but the park references (e.g. a head that `tie_weights`
-        replaced): they can never be unparked, and would keep the park open."""
+        replaced): they can never be unparked, and would keep the park open. A parameter of another
+        model built in the same block is referenced by its module, and stays."""
+        alone = _refcount_held_once()
         for key, entry in list(self.parked.items()):
-            # references: the entry, the loop's `entry`, getrefcount's argument
-            if sys.getrefcount(entry.param) <= 3:
+            if sys.getrefcount(entry.param) <= alone:
                 del self.parked[key]
-        for key, (param, _) in list(self.deferred.items()):
-            if sys.getrefcount(param) <= 4:  # + the unpacked tuple
+        for key in list(self.deferred):
+            if sys.getrefcount(self.deferred[key][0]) <= alone:
                 del self.deferred[key]
 
     def close_if_done(self) -> bool:

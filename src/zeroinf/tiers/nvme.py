@@ -12,6 +12,13 @@ flock for its lifetime, and the kernel drops the lock when its process dies howe
 the lock tells the two apart: a locked file is refused (two runs must not share a folder); an
 unlocked one is removed with a warning and created afresh, so the next run after a crash starts
 in the same folder. Their contents are never read: they match no current layout.
+
+[Note: several sharded models in one process]
+A policy and its frozen reference model (DPO), a student and its teacher: each has its own engine,
+NVMe tier and construction park, often with the same `nvme_dir`. Each claims the lowest model index
+that no live owner of its role ("tier", "park") in this process holds for that folder and rank, and
+its files carry it (`swap_file_name`; index 0 keeps the plain name). Claimed lowest-first, so the
+next run's second model takes the same index and replaces what a crashed run's second model left.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import contextlib
 import fcntl
 import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,8 +49,33 @@ def open_engine(aio: AioConfig | None = None, ledger: Ledger | None = None) -> A
     return AioEngine(aio or AioConfig(), ledger=ledger)
 
 
-def swap_file_name(rank: int, kind: str) -> str:
-    return f"zeroinf-rank{rank}-{kind}.swap"
+def swap_file_name(rank: int, kind: str, model: int = 0) -> str:
+    """`model`: which of this process's sharded models owns the file (tiers/nvme_tier.py); the first
+    keeps the plain name."""
+    return f"zeroinf-rank{rank}-{f'model{model}-' if model else ''}{kind}.swap"
+
+
+_model_indices_lock = threading.Lock()
+_model_indices_taken: dict[tuple[str, int, str], set[int]] = {}  # (folder, rank, role) -> live indices
+
+
+class ModelIndex:
+    """A model index claimed for one owner of swap files: [Note: several sharded models in one process]."""
+
+    def __init__(self, folder: str, rank: int, role: str) -> None:
+        self.key = (os.path.abspath(folder), rank, role)
+        with _model_indices_lock:
+            taken = _model_indices_taken.setdefault(self.key, set())
+            self.index = next(i for i in range(len(taken) + 1) if i not in taken)
+            taken.add(self.index)
+        self._released = False
+
+    def release(self) -> None:
+        """Give the index back (idempotent: a second call must not free an index claimed since)."""
+        with _model_indices_lock:
+            if not self._released:
+                self._released = True
+                _model_indices_taken[self.key].discard(self.index)
 
 
 class SwapFolderError(OSError):
@@ -93,6 +126,7 @@ class SwapLayout:
     rank: int
     slots: Mapping[tuple[str, str], SwapSlot]
     file_bytes: Mapping[str, int]  # kind -> preallocated file size
+    model: int = 0  # which of this process's sharded models owns the files (swap_file_name)
 
     def slot(self, unit: str, kind: str) -> SwapSlot:
         try:
@@ -104,7 +138,7 @@ class SwapLayout:
             ) from None
 
     def path(self, kind: str) -> str:
-        return os.path.join(self.folder, swap_file_name(self.rank, kind))
+        return os.path.join(self.folder, swap_file_name(self.rank, kind, self.model))
 
 
 def plan_swap_layout(
@@ -112,6 +146,7 @@ def plan_swap_layout(
     folder: str | os.PathLike[str],
     rank: int,
     alignment_bytes: int = 4096,
+    model: int = 0,
 ) -> SwapLayout:
     """Lay shards end to end, in the mapping's order, one file per kind, each at an aligned offset."""
     folder = os.path.abspath(os.fspath(folder))
@@ -123,10 +158,10 @@ def plan_swap_layout(
         if nbytes < 0:
             raise ValueError(f"swap layout: shard ({unit!r}, {kind!r}) has negative size {nbytes}")
         offset_bytes = file_bytes.get(kind, 0)
-        path = os.path.join(folder, swap_file_name(rank, kind))
+        path = os.path.join(folder, swap_file_name(rank, kind, model))
         slots[(unit, kind)] = SwapSlot(path, offset_bytes, nbytes)
         file_bytes[kind] = offset_bytes + round_up(max(nbytes, 1), alignment_bytes)
-    return SwapLayout(folder, rank, slots, file_bytes)
+    return SwapLayout(folder, rank, slots, file_bytes, model)
 
 
 class NvmeSwap:

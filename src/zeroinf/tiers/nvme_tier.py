@@ -15,6 +15,7 @@ next would wait behind a sub-group of optimizer write-behind. Separate lanes kee
 queuing behind writes, and each lane's counters are the per-kind bytes of `memory_report()["io"]`.
 The lanes share the config and the process's disk-busy clock (aio/engine.py `DISK_ACTIVITY`).
 Sizes come from the unit plan (planner/unit_plan.py), computed once before anything is built.
+Each tier's files carry a model index (tiers/nvme.py [Note: several sharded models in one process]).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from zeroinf.partition.shard_home import NvmeGradFiles, NvmeParamFiles
 from zeroinf.planner.unit_plan import SWAP_ALIGN_BYTES, ModelPlan
 from zeroinf.telemetry import get_logger
 from zeroinf.tiers.host import check_host_cap
-from zeroinf.tiers.nvme import NvmeSwap, SwapFolderError, ensure_swap_folder, plan_swap_layout
+from zeroinf.tiers.nvme import ModelIndex, NvmeSwap, SwapFolderError, ensure_swap_folder, plan_swap_layout
 from zeroinf.tiers.shard_cache import ShardCache
 
 LANES = ("params", "grads", "optimizer", "checkpoint")
@@ -62,6 +63,7 @@ class NvmeTier:
         self.timeout_s = offload.io_timeout_s
         self._engines: dict[str, AioEngine] = {}
         self._swaps: list[NvmeSwap] = []
+        self._model: ModelIndex | None = None  # claimed when the first swap opens
 
     @property
     def folder(self) -> str:
@@ -85,7 +87,11 @@ class NvmeTier:
     ) -> NvmeSwap:
         """Preallocated swap files with the given slots (per (key, kind) bytes), on `lane`'s engine.
         `preflight` names what the files hold, for the message when the folder lacks room."""
-        layout = plan_swap_layout(slot_bytes, self.folder, self.rank, alignment_bytes=alignment_bytes)
+        if self._model is None:
+            self._model = ModelIndex(self.folder, self.rank, "tier")
+        layout = plan_swap_layout(
+            slot_bytes, self.folder, self.rank, alignment_bytes=alignment_bytes, model=self._model.index
+        )
         if preflight is not None:
             preflight_swap_folder(layout.folder, sum(layout.file_bytes.values()), f"{preflight} of rank {self.rank}")
         swap = NvmeSwap(layout, self.engine(lane), ledger=self.ledger)
@@ -100,6 +106,9 @@ class NvmeTier:
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()
+        if self._model is not None:
+            self._model.release()
+            self._model = None
 
 
 # -- unit shards on NVMe ---------------------------------------------------------------------------------------

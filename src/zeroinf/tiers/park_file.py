@@ -18,7 +18,7 @@ from collections import deque
 import torch
 
 from zeroinf.aio import AioConfig, AioHandle, aligned_empty
-from zeroinf.tiers.nvme import NvmeSwap, open_engine, plan_swap_layout
+from zeroinf.tiers.nvme import ModelIndex, NvmeSwap, open_engine, plan_swap_layout
 
 PARK_KIND = "park"
 CHUNK_BYTES = 16 * 2**20
@@ -29,10 +29,13 @@ class NvmeParkStore:
     def __init__(self, folder: str, rank: int, timeout_s: float, aio: AioConfig | None = None) -> None:
         self.timeout_s = timeout_s
         self.engine = open_engine(aio)
+        # Several builds may park in one folder at once (tiers/nvme.py [Note: several sharded models ...]).
+        self.model = ModelIndex(folder, rank, "park")
         try:
-            self.swap = NvmeSwap(plan_swap_layout({}, folder, rank), self.engine)
+            self.swap = NvmeSwap(plan_swap_layout({}, folder, rank, model=self.model.index), self.engine)
         except BaseException:
             self.engine.close()
+            self.model.release()
             raise
         self._slots: dict[int, tuple[str, torch.dtype, int]] = {}  # key -> (slot name, dtype, numel)
         self._staging = [aligned_empty(CHUNK_BYTES) for _ in range(STAGING_BUFFERS)]
@@ -127,3 +130,4 @@ class NvmeParkStore:
         self._writes.clear()
         self.swap.close()
         self.engine.close()
+        self.model.release()
