@@ -11,6 +11,10 @@ whole batch (torch's fused AdamW, the kernel zeroinf.AdamW runs):
   `zeroinf.init()` block, or in one block each: the same losses and weights, the reference model's
   generation equal to plain `generate`; each model has its own swap files (`model1` in the second
   one's names), all removed once the engines close.
+- a GAN (two trainable models, each with its own optimizer; the generator's backward runs through
+  the discriminator, whose gradients its `zero_grad()` then discards) with
+  `offload.step_in_backward = false`, at stages 0, 2 and 3: the same losses and weights. (With the
+  default in-backward step the discarding `zero_grad()` is refused, naming that setting.)
 In process: `zeroinf.AdamW` refuses a model with nothing to train; model indices are claimed lowest
 first per folder, rank and role; two models built in one `zeroinf.init()` block and sharded one
 after the other are both bitwise their eager selves (the first `shard` used to drop the second
@@ -20,6 +24,7 @@ model's parked parameters, which then trained from uninitialized memory).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 from typing import Any
@@ -188,8 +193,60 @@ def _dpo(rank: int, world: int, build: str, folder: str) -> dict[str, Any]:
     return out
 
 
+def _gan_iteration(
+    gen: nn.Module, disc: nn.Module, gen_opt: Any, disc_opt: Any, real: torch.Tensor, z: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    bce = nn.BCEWithLogitsLoss()
+    disc_opt.zero_grad()
+    fake = gen(z).detach()
+    disc_loss = bce(disc(real), torch.ones(len(real), 1)) + bce(disc(fake), torch.zeros(len(fake), 1))
+    disc_loss.backward()
+    disc_opt.step()
+    gen_opt.zero_grad()  # the generator's loss backpropagates through disc: those gradients are discarded
+    gen_loss = bce(disc(gen(z)), torch.ones(len(z), 1))
+    gen_loss.backward()
+    gen_opt.step()
+    return disc_loss, gen_loss
+
+
+def _gan_models() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+    disc = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    return gen, disc
+
+
+def _gan(rank: int, world: int, stage: int, placement: str, folder: str) -> dict[str, Any]:
+    gen, disc = _gan_models()
+    plain = copy.deepcopy(gen), copy.deepcopy(disc)
+    plain_opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in plain]
+    offload = dataclasses.replace(_offload(placement, folder), step_in_backward=False)
+
+    def cfg() -> zeroinf.Config:
+        return zeroinf.Config(stage=stage, persist_threshold_bytes=0, offload=offload)
+
+    gen, disc = zeroinf.shard(gen, cfg()), zeroinf.shard(disc, cfg())
+    gen_opt, disc_opt = zeroinf.AdamW(gen, lr=1e-2), zeroinf.AdamW(disc, lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(STEPS):
+        real, z = torch.randn(GLOBAL_BATCH, 8, generator=g) + 2, torch.randn(GLOBAL_BATCH, 8, generator=g)
+        ours = _gan_iteration(gen, disc, gen_opt, disc_opt, _rank_rows(real, rank, world), _rank_rows(z, rank, world))
+        theirs = _gan_iteration(*plain, *plain_opts, real, z)
+        losses += [(_mean_over_ranks(a, world), b.item()) for a, b in zip(ours, theirs, strict=True)]
+    out = {
+        "losses": losses,
+        "diff": max(_max_diff(gen.state_dict(), plain[0]), _max_diff(disc.state_dict(), plain[1])),
+    }
+    for opt, model in ((gen_opt, gen), (disc_opt, disc)):
+        opt.close()
+        zeroinf.engine_of(model).close()
+    return out
+
+
 THROUGH_FROZEN = [(0, "device/device"), (2, "device/host"), (3, "device/device"), (3, "host/host"), (3, "nvme/nvme")]
 DPO_BUILDS = ["eager", "one init block", "two init blocks"]
+GAN = [(0, "device/device"), (2, "device/host"), (3, "nvme/nvme")]
 
 
 def run(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -202,6 +259,10 @@ def run(rank: int, world: int, root: str) -> dict[str, Any]:
         folder = os.path.join(root, f"dpo-{build.replace(' ', '-')}")
         os.makedirs(folder, exist_ok=True)
         out[f"dpo {build}"] = _dpo(rank, world, build, folder)
+    for stage, placement in GAN:
+        folder = os.path.join(root, f"gan-{stage}-{placement.replace('/', '-')}")
+        os.makedirs(folder, exist_ok=True)
+        out[f"gan {stage} {placement}"] = _gan(rank, world, stage, placement, folder)
     return out
 
 
@@ -238,6 +299,29 @@ def test_policy_and_frozen_reference_share_a_folder(results: list[dict[str, Any]
         assert f"{prefix}param_shard.swap" in case["files"], case["files"]
         assert f"{prefix}model1-param_shard.swap" in case["files"], case["files"]
         assert case["files_after_close"] == [], case["files_after_close"]
+
+
+@pytest.mark.parametrize(("stage", "placement"), GAN)
+def test_a_gan_discards_the_discriminator_gradients_of_the_generator_step(
+    results: list[dict[str, Any]], stage: int, placement: str
+) -> None:
+    for rank, r in enumerate(results):
+        case = r[f"gan {stage} {placement}"]
+        assert _losses_match(case["losses"]), (rank, case["losses"])
+        assert case["diff"] <= 1e-6, (rank, case["diff"])
+
+
+def test_discarding_gradients_after_an_in_backward_step_names_the_setting() -> None:
+    gen, disc = _gan_models()
+    gen, disc = zeroinf.shard(gen, zeroinf.Config(stage=3)), zeroinf.shard(disc, zeroinf.Config(stage=3))
+    gen_opt, disc_opt = zeroinf.AdamW(gen, lr=1e-2), zeroinf.AdamW(disc, lr=1e-2)
+    real, z = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="step_in_backward = false to be able to discard gradients"):
+        _gan_iteration(gen, disc, gen_opt, disc_opt, real, z)
+        _gan_iteration(gen, disc, gen_opt, disc_opt, real, z)
+    for opt, model in ((gen_opt, gen), (disc_opt, disc)):
+        opt.close()
+        zeroinf.engine_of(model).close()
 
 
 def test_adamw_refuses_a_model_with_nothing_to_train() -> None:

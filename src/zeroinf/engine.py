@@ -540,6 +540,9 @@ class Engine:
 
     def zero_grad(self) -> None:
         self.grad_pool.close()  # a backward that failed midway never reached its end
+        # Discarded gradients (a GAN's generator step backpropagates through the discriminator, whose
+        # optimizer then zeroes them): the next backward starts a new accumulation.
+        self.micro_step = 0
         for unit in self.units:
             unit.zero_grad()
         for p in self.module.parameters():
