@@ -135,7 +135,7 @@ def _sequence_logp(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _dpo_loss(policy: nn.Module, reference: nn.Module, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
+    with torch.inference_mode():  # see tests/runtime/test_inference_mode.py
         ref_chosen, ref_rejected = _sequence_logp(reference, chosen), _sequence_logp(reference, rejected)
     margin = (_sequence_logp(policy, chosen) - ref_chosen) - (_sequence_logp(policy, rejected) - ref_rejected)
     return -F.logsigmoid(0.1 * margin).mean()

@@ -290,7 +290,7 @@ class Engine:
         handles = hooks.register_forward_hooks(self.module, self._root_pre_forward, self._root_post_forward)
         handles.append(
             self.module._register_state_dict_hook(
-                lambda m, state_dict, prefix, local_metadata: self.gather_full_state(state_dict, prefix)
+                hooks.eager(lambda m, state_dict, prefix, local_metadata: self.gather_full_state(state_dict, prefix))
             )
         )
         unit_modules = set()

@@ -31,6 +31,7 @@ from torch import nn
 from zeroinf.engine import Engine, owning_engine
 from zeroinf.partition.init import park_of
 from zeroinf.partition.unit import ParamState
+from zeroinf.runtime import hooks
 
 
 class UnitGather:
@@ -104,17 +105,18 @@ def gathered(
         engine, ui = found
         units.setdefault((id(engine), ui), (engine, ui))
     held: list[UnitGather] = []
-    try:
-        for engine, ui in units.values():  # first-appearance order: the same on every rank
-            held.append(UnitGather(engine, ui, modify))
-    except BaseException:
-        for gather in reversed(held):
-            gather.end(commit=False, modifier_rank=None)
-        raise
-    for p in parked:
-        park = park_of(p)
-        assert park is not None
-        park.unpark([p])
+    with hooks.outside_inference_mode():  # runtime/hooks.py [Note: the engine outside inference mode]
+        try:
+            for engine, ui in units.values():  # first-appearance order: the same on every rank
+                held.append(UnitGather(engine, ui, modify))
+        except BaseException:
+            for gather in reversed(held):
+                gather.end(commit=False, modifier_rank=None)
+            raise
+        for p in parked:
+            park = park_of(p)
+            assert park is not None
+            park.unpark([p])
     ok = False
     try:
         with torch.no_grad() if modify else contextlib.nullcontext():  # in-place writes to leaf parameters
@@ -122,12 +124,13 @@ def gathered(
         ok = True
     finally:
         errors: list[BaseException] = []
-        for gather in reversed(held):
-            try:
-                gather.end(commit=ok, modifier_rank=modifier_rank)
-            except BaseException as exc:  # noqa: BLE001 - release every unit, then raise the first
-                errors.append(exc)
-        _repark(parked, broadcast_from=modifier_rank if ok and modify else None)
+        with hooks.outside_inference_mode():
+            for gather in reversed(held):
+                try:
+                    gather.end(commit=ok, modifier_rank=modifier_rank)
+                except BaseException as exc:  # noqa: BLE001 - release every unit, then raise the first
+                    errors.append(exc)
+            _repark(parked, broadcast_from=modifier_rank if ok and modify else None)
         if errors:
             raise errors[0]
 

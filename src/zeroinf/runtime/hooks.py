@@ -12,6 +12,7 @@ reads inside traced code on the way. docs/design.md, "torch.compile".
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -27,6 +28,21 @@ UNPICKLABLE = (
     "model.state_dict() on every rank (or zeroinf.save for training state); for a second copy (EMA, "
     "a reference model) build the model again, shard it, and load the state dict into it"
 )
+
+
+# [Note: the engine outside inference mode]
+# Under `torch.inference_mode()` (Hugging Face pipelines run their forward in it) every tensor made,
+# views of existing storage included, is an inference tensor, which may never be updated in place
+# outside inference mode, and inference mode is per thread. The engine's hooks gather parameters
+# into views of flat buffers, land NVMe reads through the I/O threads into views of pool buffers and
+# cache slots, and keep some of those views for later steps: made in the user's inference mode, the
+# I/O threads' writes into them failed ("Inplace update to inference tensor outside InferenceMode")
+# and a later training step could not save them for backward. So each hook runs with inference mode
+# off; what the user's code computes from the gathered parameters stays inference tensors. The
+# engine's entry points that are not hooks (`zeroinf.gathered`) do the same.
+def outside_inference_mode() -> contextlib.AbstractContextManager[Any]:
+    """Inference mode switched off for the block if it is on: [Note: the engine outside inference mode]."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 class eager:  # noqa: N801 - used like a function: hooks.eager(fn)
@@ -48,6 +64,9 @@ class eager:  # noqa: N801 - used like a function: hooks.eager(fn)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         prior = set_eval_frame(None)
         try:
+            if torch.is_inference_mode_enabled():  # a branch, not a context, on the hot path
+                with torch.inference_mode(False):
+                    return self.fn(*args, **kwargs)
             return self.fn(*args, **kwargs)
         finally:
             set_eval_frame(prior)
@@ -148,7 +167,7 @@ def register_load_hooks(
     """Around `module`'s part of a `load_state_dict`: `before(module, state_dict, prefix,
     local_metadata, ...)` as its own values are about to be copied, `after(module, incompatible_keys)`
     once its whole subtree is loaded."""
-    handles = [module.register_load_state_dict_pre_hook(before)]
+    handles = [module.register_load_state_dict_pre_hook(eager(before))]
     if after is not None:
-        handles.append(module.register_load_state_dict_post_hook(after))
+        handles.append(module.register_load_state_dict_post_hook(eager(after)))
     return handles
