@@ -692,6 +692,9 @@ def shard(
         # torch.compile reads the same flag and refuses to trace a module so marked unless this one is
         # set too; true here as well: the module keeps its own nn.Parameter objects.
         module._fsdp_use_orig_params = True  # type: ignore[assignment]
+    # accelerate's guard against double wrapping: `accelerator.prepare` returns the model unchanged
+    # (integrations/trainer.py [Note: accelerate and the sharded model]).
+    module._is_accelerate_prepared = True  # type: ignore[assignment]
     _engines.add(engine)
     return module
 

@@ -28,11 +28,14 @@ What differs from the plain Trainer, and where it happens:
 
 [Note: accelerate and the sharded model]
 `Accelerator.prepare_model` / `prepare_optimizer` return an object unchanged when it carries
-accelerate's own `_is_accelerate_prepared` flag (its guard against double wrapping). We set it on
-the sharded model and on our optimizer: DDP on top of zeroinf would reduce every gradient twice (and
-cannot handle stage-3 placeholders), a device move would break the parameters' views into flat
-buffers, and `AcceleratedOptimizer` would round-trip the whole optimizer state through
-`state_dict()` at construction. The Trainer methods overridden below are the ones the Trainer runs
+accelerate's own `_is_accelerate_prepared` flag (its guard against double wrapping). `zeroinf.shard`
+sets it on the sharded model and `zeroinf.AdamW` on itself, so this holds in a user's own
+`accelerator.prepare(model, opt, loader)` loop too: DDP on top of zeroinf would reduce every
+gradient twice (and cannot handle stage-3 placeholders), a device move would break the parameters'
+views into flat buffers (the next forward stopped with the engine's "converted after zeroinf.shard"
+error), and `AcceleratedOptimizer` would round-trip the whole optimizer state through
+`state_dict()` at construction. Accelerate's autocast is skipped with the rest: `Config.param_dtype`
+sets the compute dtype. The Trainer methods overridden below are the ones the Trainer runs
 for DeepSpeed and FSDP in the same places; `_REQUIRED_HOOKS` checks they exist in the installed
 transformers, so an incompatible version fails at import, by name, not mid-training.
 """
@@ -157,7 +160,6 @@ class Trainer(transformers.Trainer):
                 )
         else:
             model = zeroinf.shard(model, self.zeroinf_config)
-        model._is_accelerate_prepared = True  # type: ignore[assignment]  # [Note: accelerate and the sharded model]
         return model
 
     def _sharded_model(self) -> nn.Module:
@@ -178,7 +180,6 @@ class Trainer(transformers.Trainer):
                 f"optimizers=({type(optimizer).__name__}, ...): pass a zeroinf.AdamW built on this Trainer's model "
                 "(zeroinf.AdamW(trainer_model, ...)), or leave optimizers unset to get one from TrainingArguments"
             )
-        optimizer._is_accelerate_prepared = True  # type: ignore[attr-defined]
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """zeroinf.AdamW with the plain Trainer's param groups and hyperparameters."""

@@ -223,6 +223,7 @@ class AdamW(torch.optim.Optimizer):
         # with grad_clip_norm or fp16. Without them no step needs it, so none is computed: None.
         self.last_grad_norm: float | None = None
         self.step_count = 0
+        self._is_accelerate_prepared = True  # `accelerator.prepare` returns it unchanged, as the model
         self._allocate_states()
 
     # -- setup ----------------------------------------------------------------------------------------
