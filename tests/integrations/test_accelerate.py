@@ -6,6 +6,10 @@ moved the model (world 2: wrapped it in DDP too) and the next forward stopped wi
 "converted after zeroinf.shard" error. World 2 (one spawned group), a tiny Hugging Face Llama,
 `accelerator.backward` and the prepared optimizer, against plain PyTorch on the whole batch: the
 same losses, weights within 1e-6, at stage 0 and at stage 3 with parameters and optimizer on the host.
+Then `accelerator.accumulate(model)` over 2 batches (`Config.grad_accum_steps=2`), `step()` and
+`zero_grad()` called on every batch as accelerate's examples do: they act on the second only
+(integrations/accelerate_loop.py), as plain PyTorch accumulating the two; and an Accelerator that
+accumulates over 2 batches beside `grad_accum_steps=1` is refused at the step, naming both.
 """
 
 from __future__ import annotations
@@ -59,8 +63,48 @@ def _loop(rank: int, world: int, stage: int, tier: str) -> dict[str, Any]:
     return out
 
 
+def _accumulate(rank: int, world: int) -> dict[str, Any]:
+    from accelerate import Accelerator
+
+    from tests._hf import build
+    from zeroinf.integrations.accelerate_loop import AccelerateAccumulationError
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    plain = build("llama", 0)
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, grad_accum_steps=2)
+    sharded = zeroinf.shard(copy.deepcopy(plain), cfg)
+    model, opt = accelerator.prepare(sharded, zeroinf.AdamW(sharded, lr=1e-3))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):  # optimizer steps
+        for _ in range(2):  # batches accumulated into each
+            x = torch.randint(0, 128, (4, 16), generator=g)
+            rows = x[rank * 4 // world : (rank + 1) * 4 // world]
+            with accelerator.accumulate(model):
+                accelerator.backward(model(input_ids=rows, labels=rows).loss)
+                opt.step()
+                opt.zero_grad()
+            (plain(input_ids=x, labels=x).loss / 2).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    state = model.state_dict()
+    out: dict[str, Any] = {"diff": max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())}
+    opt.close()
+    zeroinf.engine_of(model).close()
+    mismatched = zeroinf.shard(build("llama", 0), zeroinf.Config(stage=3, persist_threshold_bytes=0))
+    mismatched_opt = zeroinf.AdamW(mismatched, lr=1e-3)
+    accelerator.backward(mismatched(input_ids=rows, labels=rows).loss)
+    try:
+        mismatched_opt.step()
+    except AccelerateAccumulationError as exc:
+        out["mismatch_error"] = str(exc)
+    return out
+
+
 def run(rank: int, world: int) -> dict[str, Any]:
-    return {f"{stage} {tier}": _loop(rank, world, stage, tier) for stage, tier in STAGES}
+    out: dict[str, Any] = {f"{stage} {tier}": _loop(rank, world, stage, tier) for stage, tier in STAGES}
+    out["accumulate"] = _accumulate(rank, world)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +124,14 @@ def test_accelerate_prepare_returns_the_sharded_model_and_it_trains(
         assert case["unchanged"], rank
         assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in case["losses"]), (rank, case["losses"])
         assert case["diff"] <= 1e-6, (rank, case["diff"])
+
+
+def test_accelerate_accumulate_steps_on_the_last_batch(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        assert r["accumulate"]["diff"] <= 1e-6, (rank, r["accumulate"]["diff"])
+
+
+def test_accelerate_accumulating_over_other_batches_than_the_engine_is_refused(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        message = r["accumulate"].get("mismatch_error", "")
+        assert "gradient_accumulation_steps=2" in message and "grad_accum_steps is 1" in message, message

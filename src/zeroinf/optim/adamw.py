@@ -81,6 +81,7 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from zeroinf.comm import Handle, all_reduce
 from zeroinf.engine import Engine, engine_of
+from zeroinf.integrations.accelerate_loop import accelerate_defers_step
 from zeroinf.memory import Tier
 from zeroinf.optim.background import BackgroundSteps
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
@@ -353,6 +354,8 @@ class AdamW(torch.optim.Optimizer):
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if accelerate_defers_step(self.engine.cfg.grad_accum_steps):  # inside accelerator.accumulate
+            return
         if self._session is not None:
             raise RuntimeError(
                 "optimizer.zero_grad() after a backward that already stepped units inside it "
@@ -366,6 +369,8 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise NotImplementedError("zeroinf.AdamW.step does not take a closure")
+        if accelerate_defers_step(self.engine.cfg.grad_accum_steps):  # integrations/accelerate_loop.py
+            return
         if self.pending_save is not None:  # see zeroinf/checkpoint/saving.py [Note: saving without stopping ...]
             self.pending_save.wait()
         engine = self.engine
