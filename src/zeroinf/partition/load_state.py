@@ -86,11 +86,15 @@ class StateDictLoader:
             units.setdefault(ui, []).extend(names.items())
 
     def install(self) -> list[RemovableHandle]:
+        # hooks.eager: outside torch.compile's tracing and outside inference mode (runtime/hooks.py)
         handles = []
         for module, units in self._plan.values():
-            handles += hooks.register_load_hooks(module, functools.partial(self._pre, units=units), self._post)
+            handles += hooks.register_load_hooks(
+                module, hooks.eager(functools.partial(self._pre, units=units)), hooks.eager(self._post)
+            )
         if id(self.engine.module) not in self._plan:  # refuse assign=True even where no unit starts
-            handles += hooks.register_load_hooks(self.engine.module, functools.partial(self._pre, units={}), None)
+            refuse = hooks.eager(functools.partial(self._pre, units={}))
+            handles += hooks.register_load_hooks(self.engine.module, refuse, None)
         return handles
 
     def _pre(

@@ -167,7 +167,7 @@ def register_load_hooks(
     """Around `module`'s part of a `load_state_dict`: `before(module, state_dict, prefix,
     local_metadata, ...)` as its own values are about to be copied, `after(module, incompatible_keys)`
     once its whole subtree is loaded."""
-    handles = [module.register_load_state_dict_pre_hook(eager(before))]
+    handles = [module.register_load_state_dict_pre_hook(before)]
     if after is not None:
-        handles.append(module.register_load_state_dict_post_hook(eager(after)))
+        handles.append(module.register_load_state_dict_post_hook(after))
     return handles
