@@ -12,6 +12,7 @@
 
 from zeroinf.checkpoint import consolidate, load, save
 from zeroinf.config import Config, ConfigError, LossScaleConfig, OffloadConfig
+from zeroinf.ema import ema_update
 from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.adamw import AdamW
@@ -34,6 +35,7 @@ __all__ = [
     "TiledLinear",
     "Topology",
     "consolidate",
+    "ema_update",
     "engine_of",
     "from_pretrained",
     "gathered",

@@ -1,0 +1,77 @@
+"""`zeroinf.ema_update`: an exponential moving average of a sharded model's weights, kept in a
+second sharded model.
+
+    ema = zeroinf.shard(build_model().requires_grad_(False), zeroinf.Config(stage=3, param_dtype="fp32", ...))
+    ema.load_state_dict(model.state_dict())          # start from the trained model's weights
+    for batch in loader:
+        ...; opt.step(); opt.zero_grad()
+        zeroinf.ema_update(ema, model, decay=0.999)  # ema <- decay * ema + (1 - decay) * model
+
+`copy.deepcopy` and `torch.optim.swa_utils.AveragedModel` cannot copy a sharded model, and at
+stage 3 its parameters are empty placeholders outside forward, so the usual EMA loop over
+`model.parameters()` would average nothing. Here the EMA is a model of its own (frozen: it needs
+no optimizer; sharded and offloaded like the trained one, so a model larger than memory has an EMA
+larger than memory too), updated one unit at a time inside `zeroinf.gathered`: the trained model's
+unit is gathered to read, the EMA's to write, and the new values land in every rank's EMA shard on
+its tier. A collective: every rank calls it. Parameters are matched by name; floating-point
+buffers are not averaged (as `AveragedModel(use_buffers=False)`).
+
+Keep the EMA in fp32 (`param_dtype="fp32"` in its Config): in bf16, `(1 - decay) * (model - ema)`
+with decay 0.999 is mostly below the rounding step of bf16 and would be lost. The trained model's
+values are its compute-dtype parameters (bf16 under `param_dtype="bf16"`), what its forward uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from zeroinf.engine import owning_engine
+from zeroinf.partition.gathered import gathered
+
+
+def _unit_groups(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> Iterator[list[tuple[nn.Parameter, nn.Parameter]]]:
+    """The (ema, model) pairs grouped by the EMA unit holding the EMA parameter, in order of first
+    appearance (the same on every rank); parameters outside every unit form groups of one."""
+    groups: dict[object, list[tuple[nn.Parameter, nn.Parameter]]] = {}
+    for ema_p, model_p in pairs:
+        found = owning_engine(ema_p)
+        key: object = (id(found[0]), found[1]) if found is not None else ("plain", id(ema_p))
+        groups.setdefault(key, []).append((ema_p, model_p))
+    yield from groups.values()
+
+
+def _gathered_if_sharded(params: list[nn.Parameter], modify: bool) -> contextlib.AbstractContextManager[object]:
+    """`zeroinf.gathered` over the sharded ones among `params` (plain ones are whole already)."""
+    sharded = [p for p in params if owning_engine(p) is not None]
+    return gathered(sharded, modify=modify) if sharded else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    """`ema <- decay * ema + (1 - decay) * model` for every parameter, matched by name, one unit of
+    the EMA model at a time (see the module docstring). A collective."""
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"zeroinf.ema_update: decay = {decay!r}; use a number in [0, 1]")
+    ema_params, model_params = dict(ema.named_parameters()), dict(model.named_parameters())
+    if ema_params.keys() != model_params.keys():
+        missing = sorted(model_params.keys() - ema_params.keys())[:3]
+        extra = sorted(ema_params.keys() - model_params.keys())[:3]
+        raise ValueError(
+            f"zeroinf.ema_update: the EMA model's parameters do not match the model's (missing {missing}, "
+            f"unexpected {extra}): build the EMA model from the same class and config"
+        )
+    pairs = [(ema_params[name], model_params[name]) for name in model_params]
+    for group in _unit_groups(pairs):
+        ema_group, model_group = [e for e, _ in group], [m for _, m in group]
+        with _gathered_if_sharded(model_group, modify=False), _gathered_if_sharded(ema_group, modify=True):
+            for ema_p, model_p in group:
+                if ema_p.shape != model_p.shape:
+                    raise ValueError(
+                        f"zeroinf.ema_update: shapes differ ({tuple(ema_p.shape)} in the EMA model, "
+                        f"{tuple(model_p.shape)} in the model): build the EMA model from the same config"
+                    )
+                ema_p.lerp_(model_p.to(ema_p.dtype), 1.0 - decay)
