@@ -26,7 +26,8 @@ UNPICKLABLE = (
     "a model sharded by zeroinf cannot be pickled or deep-copied (torch.save(model), copy.deepcopy): "
     "its parameters are shards on their tiers, owned by this process. Save the weights with "
     "model.state_dict() on every rank (or zeroinf.save for training state); for a second copy (EMA, "
-    "a reference model) build the model again, shard it, and load the state dict into it"
+    "a reference model) build the model again, freeze it (requires_grad_(False)), shard it, and load the "
+    "state dict into it; zeroinf.ema_update(ema, model, decay) then averages into it"
 )
 
 
