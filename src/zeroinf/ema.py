@@ -34,12 +34,16 @@ from zeroinf.partition.gathered import gathered
 
 
 def _unit_groups(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> Iterator[list[tuple[nn.Parameter, nn.Parameter]]]:
-    """The (ema, model) pairs grouped by the EMA unit holding the EMA parameter, in order of first
-    appearance (the same on every rank); parameters outside every unit form groups of one."""
+    """The (ema, model) pairs grouped by the unit holding the EMA parameter, or where the EMA's is
+    whole (a frozen parameter below stage 3) by the unit holding the model's, so that each unit is
+    gathered once; in order of first appearance (the same on every rank)."""
     groups: dict[object, list[tuple[nn.Parameter, nn.Parameter]]] = {}
     for ema_p, model_p in pairs:
         found = owning_engine(ema_p)
-        key: object = (id(found[0]), found[1]) if found is not None else ("plain", id(ema_p))
+        side = "ema"
+        if found is None:
+            found, side = owning_engine(model_p), "model"
+        key: object = (side, id(found[0]), found[1]) if found is not None else ("plain", id(ema_p))
         groups.setdefault(key, []).append((ema_p, model_p))
     yield from groups.values()
 
