@@ -55,7 +55,9 @@ def naming_failures(kind: str, numel: int, topo: Topology) -> Iterator[None]:
             f"zeroinf: {kind} of {numel} elements failed on rank {topo.rank} of a world of {topo.world_size}: "
             f"{str(exc).strip()} (another rank died, hung past collective_timeout_s, or ran a different collective: "
             "model.state_dict() at stage 3, zeroinf.save and zeroinf.gathered are collectives, called on every "
-            "rank, not under `if rank == 0`)"
+            "rank, not under `if rank == 0`; and at stage 3 every rank must run the same units in the same order "
+            "in forward, so a layer skipped on some ranks only (LayerDrop, stochastic depth by layer) cannot run "
+            "there: skip inside the layer, by sample, instead)"
         ) from exc
 
 

@@ -146,6 +146,7 @@ class Engine:
         self.micro_step = 0  # backward passes since the last optimizer step
         self.step_memory = StepMemory(cfg.reuse_step_memory, topo.device.type)  # decided after the first step
         self._in_backward = False
+        self._gradients_agreed = False  # this backward: which parameters get a gradient is agreed at its start
         self._sync_this_backward = False
         self._reducing: deque[int] = deque()
         self._reductions_in_flight = self.unit_plan.reductions_in_flight
@@ -421,7 +422,7 @@ class Engine:
                 "(use_reentrant=True) with the weight used in several segments. Use use_reentrant=False "
                 "(Hugging Face's default) or Config.activation_checkpointing"
             )
-        if unit.accumulate_grad(param_index) and self._sync_this_backward:
+        if unit.accumulate_grad(param_index) and self._sync_this_backward and not unit.reduce_at_end:
             unit.start_reduce_grads()
             if self.scheduler is not None:
                 self.scheduler.release(unit_index)
@@ -462,15 +463,58 @@ class Engine:
                 f"{self.cfg.grad_accum_steps} backward passes, or change grad_accum_steps"
             )
         self._in_backward = True
+        self._gradients_agreed = False
         self.grad_pool.open()
         last = self.micro_step + 1 == self.cfg.grad_accum_steps
         self._sync_this_backward = last or self.cfg.sync_every_micro_step or self.policy.shard_params
         self._step_in_this_backward = last and self.backward_step is not None
         for unit in self.units:
             unit.hand_off = self._step_in_this_backward
+        if self._sync_this_backward and self.topo.is_distributed and self.units:
+            self._agree_on_reached_params()
         if self.scheduler is not None:
             self.scheduler.begin_backward()
         hooks.queue_end_of_backward(self._end_backward)
+
+    # [Note: gradients that reach some ranks only]
+    # A unit's reduction starts when the last of its parameters' gradients arrives, and every rank
+    # must issue its collectives in the same order. Where a parameter's gradient reaches some ranks
+    # only, that order would differ: an expert of a mixture of experts (one module per expert) that
+    # no token on rank 1 was routed to, or a layer skipped on one rank (LayerDrop). Rank 0 would start
+    # the unit's reduce-scatter inside backward while rank 1 waited for a gradient that never comes and
+    # reduced the unit at the end, after its next units: a collective mismatch (gloo aborts the
+    # process; NCCL hangs or mixes buffers of equal size). So at the start of each backward that
+    # communicates, every rank asks autograd which unit parameters this pass reaches (exact: the
+    # engine knows the nodes reachable from the loss; ~3 us a parameter) and one all-reduce sums
+    # that per parameter, and per unit the ranks the unit reaches at all. Then, the same on every rank:
+    # - a parameter some ranks reach and others not counts as arrived where it is not reached (it
+    #   contributes zeros to the mean, as DDP's unused parameters do) and as having a gradient for
+    #   the optimizer everywhere (a parameter no rank reaches is skipped by the step, as torch.optim
+    #   skips a `None` gradient). Its unit reduces where its last reached gradient arrives, inside its
+    #   own backward on every rank, so no other collective comes between;
+    # - a unit that some ranks do not reach at all has no such point there: it reduces at the end of
+    #   backward on every rank, with the units that never completed.
+    # A parameter no rank reaches keeps the old behaviour (its unit waits for the end of backward):
+    # inside a reentrant checkpoint it is not reachable yet but arrives later.
+    def _agree_on_reached_params(self) -> None:
+        reached = [hooks.reached_in_this_backward(unit.params) for unit in self.units]
+        counts = torch.tensor(
+            [int(r) for unit_reached in reached for r in unit_reached] + [int(any(r)) for r in reached],
+            dtype=torch.int32, device=self.topo.device,
+        )
+        all_reduce(counts, self.topo, async_op=False)
+        self.counter.add("all_reduce")
+        summed = counts.tolist()
+        world, offset = self.topo.world_size, 0
+        units_reached = summed[-len(self.units) :]
+        for unit, unit_reached, ranks_reaching in zip(self.units, reached, units_reached, strict=True):
+            n = len(unit.params)
+            unit.expect_gradients(unit_reached, summed[offset : offset + n], world)
+            unit.reduce_at_end = 0 < ranks_reaching < world
+            offset += n
+        # Every parameter is reached somewhere: which ones get a gradient is agreed already, and the
+        # end of backward needs no all-reduce of its own (one all-reduce a step, as before).
+        self._gradients_agreed = 0 not in summed[: offset]
 
     def _end_backward(self) -> None:
         if self.backward_step_barrier is not None:
@@ -490,14 +534,14 @@ class Engine:
         self.grad_pool.close()
 
     def _reduce_all(self) -> None:
-        """Agree across ranks on which parameters got gradients, then reduce every unit that has any."""
-        flags = torch.tensor(
-            [had for u in self.units for had in u.param_had_grad], dtype=torch.int32, device=self.topo.device
-        )
-        if self.topo.is_distributed:
+        """Agree across ranks on which parameters got gradients (unless the start of backward has),
+        then reduce every unit that has any."""
+        agreed = [had for u in self.units for had in u.param_had_grad]
+        if self.topo.is_distributed and not self._gradients_agreed:
+            flags = torch.tensor(agreed, dtype=torch.int32, device=self.topo.device)
             all_reduce(flags, self.topo, async_op=False)
             self.counter.add("all_reduce")
-        agreed = (flags > 0).tolist()
+            agreed = (flags > 0).tolist()
         offset = 0
         for unit in self.units:
             n = len(unit.params)
@@ -684,14 +728,17 @@ def shard(
 
     engine._hook_handles += install_load_hooks(engine)  # model.load_state_dict loads into the units
     if engine.policy.shard_params:
-        # What Hugging Face's `generate` reads to default `synced_gpus=True` at world > 1 (its FSDP2
-        # integration sets it too): parameters are sharded, so a rank that has finished generating
-        # must keep running forward passes until every rank has.
+        # What Hugging Face reads (its FSDP2 integration sets it too) to keep every rank running the
+        # same modules while parameters are sharded: `generate` defaults to `synced_gpus=True` at
+        # world > 1 (a rank that has finished goes on running forward passes until every rank has),
+        # and the encoders with LayerDrop (wav2vec2, HuBERT, WavLM, ...) run every layer. On every
+        # submodule, since those encoders ask of themselves, as FSDP1 marks every module it manages.
         # (The ignore: the stub of nn.Module.__setattr__ takes tensors and modules only, not this flag.)
-        module._is_fsdp_managed_module = True  # type: ignore[assignment]
-        # torch.compile reads the same flag and refuses to trace a module so marked unless this one is
-        # set too; true here as well: the module keeps its own nn.Parameter objects.
-        module._fsdp_use_orig_params = True  # type: ignore[assignment]
+        for sub in module.modules():
+            sub._is_fsdp_managed_module = True  # type: ignore[assignment]
+            # torch.compile reads the same flag and refuses to trace a module so marked unless this one
+            # is set too; true here as well: the module keeps its own nn.Parameter objects.
+            sub._fsdp_use_orig_params = True  # type: ignore[assignment]
     # accelerate's guard against double wrapping: `accelerator.prepare` returns the model unchanged
     # (integrations/trainer.py [Note: accelerate and the sharded model]).
     module._is_accelerate_prepared = True  # type: ignore[assignment]

@@ -192,6 +192,9 @@ class ShardedUnit:
         self.hand_off = False  # keep the next reduced shard for the optimizer (module docstring)
         self._handed: torch.Tensor | None = None
         self._arrived = [False] * len(self.params)
+        # This backward: some rank does not reach the unit at all, so it reduces at the end of
+        # backward on every rank (engine.py [Note: gradients that reach some ranks only]).
+        self.reduce_at_end = False
         # Per parameter: did any rank produce a gradient since zero_grad? (set by the engine after
         # its agreement all-reduce). Like torch.optim, the optimizer skips parameters without one.
         self.param_had_grad = [False] * len(self.params)
@@ -478,9 +481,21 @@ class ShardedUnit:
         """Param `index`'s gradient already arrived in this backward."""
         return self._arrived[index]
 
+    def expect_gradients(self, reached: list[bool], ranks_reaching: list[int], world: int) -> None:
+        """At the start of a backward: `reached[i]`, whether it reaches param i on this rank;
+        `ranks_reaching[i]`, on how many ranks. A parameter reached on some ranks only counts as
+        arrived where it is not (zeros in the mean) and as having a gradient on every rank
+        (engine.py [Note: gradients that reach some ranks only])."""
+        for i, (here, ranks) in enumerate(zip(reached, ranks_reaching, strict=True)):
+            if 0 < ranks < world:
+                self.param_had_grad[i] = True
+                if not here:
+                    self._arrived[i] = True
+
     def end_backward(self) -> None:
         """Forget which gradients arrived (the next backward starts counting again)."""
         self._arrived = [False] * len(self.params)
+        self.reduce_at_end = False
 
     @phase("zeroinf::reduce")
     def start_reduce_grads(self) -> None:

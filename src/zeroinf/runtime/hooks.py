@@ -101,6 +101,22 @@ def register_grad_ready_hooks(
     return handles
 
 
+def reached_in_this_backward(params: list[nn.Parameter]) -> list[bool]:
+    """From inside a backward pass: whether it will deliver a gradient to each of `params`.
+
+    Exact: the autograd engine has already computed the set of nodes reachable from the pass's
+    roots (the user's loss, not the model's output), and a parameter gets a gradient iff its
+    AccumulateGrad node is among them. A parameter whose forward ran inside a reentrant checkpoint
+    is not reachable yet (its backward is nested); torch without the query: every parameter.
+    ~3 us a parameter.
+    """
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None:
+        return [True] * len(params)
+    edge = torch.autograd.graph.get_gradient_edge
+    return [p.requires_grad and bool(will_execute(edge(p).node)) for p in params]
+
+
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run `callback` once the current autograd backward pass has finished (call from inside a hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
