@@ -10,7 +10,10 @@ moments included): weights within 1e-6 after every schedule of routes below.
 
 The routes are inputs, so every case of the rule holds on some step: an expert one rank uses and the
 other does not, an expert neither uses, every expert on both, and a layer one rank skips (the first,
-the last) or both skip. Stage 3 with a layer skipped on one rank cannot work (every rank must
+the last) or both skip. Also with `activation_checkpointing` (non-reentrant: the
+parameters are reachable when backward starts). Not covered: per-expert modules inside a reentrant
+checkpoint (`use_reentrant=True`), whose parameters autograd reaches only in a nested backward.
+Stage 3 with a layer skipped on one rank cannot work (every rank must
 gather the same units in forward); Hugging Face's LayerDrop encoders run every layer when they see
 the flag `zeroinf.shard` sets on every submodule at stage 3, which is checked in process.
 """
@@ -88,14 +91,16 @@ def _route(experts: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([experts[t % len(experts)] for t in range(TOKENS)])
 
 
-def _case(rank: int, world: int, stage: int, tier: str, folder: str, layerdrop: bool, accum: int) -> float:
+def _case(
+    rank: int, world: int, stage: int, tier: str, folder: str, layerdrop: bool, accum: int, checkpointing: bool
+) -> float:
     torch.manual_seed(0)
     plain = Net()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     offload = zeroinf.OffloadConfig(params=tier, optimizer=tier, nvme_dir=folder) if tier != "device" else None
     cfg = zeroinf.Config(
         stage=stage, persist_threshold_bytes=0, unit_classes=[MoELayer], grad_accum_steps=accum,
-        offload=offload or zeroinf.OffloadConfig(),
+        offload=offload or zeroinf.OffloadConfig(), activation_checkpointing=checkpointing,
     )
     model = zeroinf.shard(copy.deepcopy(plain), cfg)
     opt = zeroinf.AdamW(model, lr=1e-2)
@@ -119,10 +124,12 @@ def _case(rank: int, world: int, stage: int, tier: str, folder: str, layerdrop: 
 
 
 CASES = [
-    # (stage, tier, layerdrop, grad_accum_steps)
-    (0, "device", False, 1), (1, "device", False, 1), (2, "device", False, 1), (3, "device", False, 1),
-    (3, "host", False, 1), (3, "nvme", False, 1), (1, "device", False, 2), (3, "nvme", False, 2),
-    (0, "device", True, 1), (1, "device", True, 1), (2, "device", True, 1), (2, "device", True, 2),
+    # (stage, tier, layerdrop, grad_accum_steps, activation_checkpointing)
+    (0, "device", False, 1, False), (1, "device", False, 1, False), (2, "device", False, 1, False),
+    (3, "device", False, 1, False), (3, "host", False, 1, False), (3, "nvme", False, 1, False),
+    (1, "device", False, 2, False), (3, "nvme", False, 2, False), (3, "device", False, 1, True),
+    (0, "device", True, 1, False), (1, "device", True, 1, False), (2, "device", True, 1, False),
+    (2, "device", True, 2, False), (2, "device", True, 1, True),
 ]
 
 
@@ -131,8 +138,7 @@ def run(rank: int, world: int, root: str) -> dict[str, float]:
     for case in CASES:
         folder = os.path.join(root, "-".join(map(str, case)))
         os.makedirs(folder, exist_ok=True)
-        stage, tier, layerdrop, accum = case
-        out[str(case)] = _case(rank, world, stage, tier, folder, layerdrop, accum)
+        out[str(case)] = _case(rank, world, case[0], case[1], folder, *case[2:])
     return out
 
 
@@ -142,7 +148,7 @@ def results() -> list[dict[str, float]]:
         return run_ranks(run, 2, root, timeout_s=300)
 
 
-IDS = [f"stage{s}-{t}-{'layerdrop' if d else 'moe'}-accum{a}" for s, t, d, a in CASES]
+IDS = [f"stage{s}-{t}-{'layerdrop' if d else 'moe'}-accum{a}{'-checkpointing' if c else ''}" for s, t, d, a, c in CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
