@@ -10,14 +10,17 @@ moments included): weights within 1e-6 after every schedule of routes below.
 
 The routes are inputs, so every case of the rule holds on some step: an expert one rank uses and the
 other does not, an expert neither uses, every expert on both, and a layer one rank skips (the first,
-the last) or both skip. Hugging Face's Switch Transformer (its experts one module each, routed by a learned router) at
-stages 0 and 3 on NVMe, within 1e-5 (its fp32 T5 arithmetic over 4 steps; 1e-6 measured). Also with
-`activation_checkpointing` (non-reentrant: the
-parameters are reachable when backward starts). Not covered: per-expert modules inside a reentrant
-checkpoint (`use_reentrant=True`), whose parameters autograd reaches only in a nested backward.
-Stage 3 with a layer skipped on one rank cannot work (every rank must
-gather the same units in forward); Hugging Face's LayerDrop encoders run every layer when they see
-the flag `zeroinf.shard` sets on every submodule at stage 3, which is checked in process.
+the last) or both skip; also with `activation_checkpointing` (non-reentrant: the parameters are
+reachable when backward starts). Hugging Face's Switch Transformer (one module per expert, a learned
+router) at stages 0 and 3 on NVMe: within 1e-5 (fp32 T5 arithmetic over 4 steps; 9.8e-7 measured).
+Not covered: per-expert modules inside a reentrant checkpoint (`use_reentrant=True`), reached only
+in a nested backward.
+
+Stage 3 with a layer skipped on one rank cannot work (every rank must gather the same units in
+forward). Hugging Face's LayerDrop encoders run every layer when they see the flag `zeroinf.shard`
+sets on every submodule at stage 3: wav2vec2 with LayerDrop 0.9, drawn differently on each rank,
+trains at stage 3 as the plain model without LayerDrop (within 1e-6; with the flag on the root only,
+the ranks hung in their first forward).
 """
 
 from __future__ import annotations
@@ -178,6 +181,46 @@ def _switch_case(rank: int, world: int, stage: int, tier: str, folder: str) -> f
 SWITCH_CASES = [(0, "device"), (3, "nvme")]
 
 
+def _wav2vec2(layerdrop: float) -> nn.Module:
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(4, 4), conv_kernel=(8, 8), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, layerdrop=layerdrop, mask_time_prob=0.0, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, pad_token_id=0,
+    )
+    return Wav2Vec2ForCTC(cfg)
+
+
+def _wav2vec2_case(rank: int, world: int) -> float:
+    """Stage 3, LayerDrop 0.9 drawn differently on each rank: the encoder runs every layer (it sees
+    the FSDP flag on itself), so it trains as the plain model without LayerDrop. Without the flag on
+    the encoder (only on the root), the ranks hung in their first forward."""
+    plain = _wav2vec2(0.0)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    model = zeroinf.shard(_wav2vec2(0.9), zeroinf.Config(stage=3, persist_threshold_bytes=0))
+    opt = zeroinf.AdamW(model, lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(100 + rank)
+    for _ in range(3):
+        x, y = torch.randn(world, 400, generator=g), torch.randint(1, 12, (world, 3), generator=g)
+        (sum(plain(x[r : r + 1], labels=y[r : r + 1]).loss for r in range(world)) / world).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        model(x[rank : rank + 1], labels=y[rank : rank + 1]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    opt.close()
+    zeroinf.engine_of(model).close()
+    return diff
+
+
 def run(rank: int, world: int, root: str) -> dict[str, float]:
     out = {}
     for case in CASES:
@@ -188,6 +231,7 @@ def run(rank: int, world: int, root: str) -> dict[str, float]:
         folder = os.path.join(root, f"switch-{stage}-{tier}")
         os.makedirs(folder, exist_ok=True)
         out[f"switch {stage} {tier}"] = _switch_case(rank, world, stage, tier, folder)
+    out["wav2vec2"] = _wav2vec2_case(rank, world)
     return out
 
 
@@ -212,6 +256,11 @@ def test_hugging_face_switch_transformer_matches_plain_pytorch(
 ) -> None:
     for rank, r in enumerate(results):
         assert r[f"switch {stage} {tier}"] <= 1e-5, (rank, r)
+
+
+def test_hugging_face_layerdrop_encoder_runs_every_layer_at_stage_3(results: list[dict[str, float]]) -> None:
+    for rank, r in enumerate(results):
+        assert r["wav2vec2"] <= 1e-6, (rank, r)
 
 
 def test_the_routes_cover_every_case_of_the_rule() -> None:

@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing, no_cache_in_training
 from zeroinf.aio.engine import DISK_ACTIVITY
-from zeroinf.comm import all_reduce
+from zeroinf.comm import Handle, all_reduce
 from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.grad_pool import GradBufferPool
@@ -147,6 +147,7 @@ class Engine:
         self.step_memory = StepMemory(cfg.reuse_step_memory, topo.device.type)  # decided after the first step
         self._in_backward = False
         self._gradients_agreed = False  # this backward: which parameters get a gradient is agreed at its start
+        self._agreement: tuple[Handle, torch.Tensor, list[list[bool]]] | None = None  # in flight
         self._sync_this_backward = False
         self._reducing: deque[int] = deque()
         self._reductions_in_flight = self.unit_plan.reductions_in_flight
@@ -413,6 +414,7 @@ class Engine:
     # -- backward -------------------------------------------------------------------------------------
     def _on_grad_ready(self, unit_index: int, param_index: int) -> None:
         self._begin_backward_once()
+        self._settle_agreement()
         unit = self.units[unit_index]
         if unit.arrived(param_index) and unit.grad_state in (GradState.REDUCING, GradState.REDUCED):
             raise RuntimeError(
@@ -496,14 +498,23 @@ class Engine:
     #   backward on every rank, with the units that never completed.
     # A parameter no rank reaches keeps the old behaviour (its unit waits for the end of backward):
     # inside a reentrant checkpoint it is not reachable yet but arrives later.
+    # The all-reduce runs while the backward of the first unit computes: its result is first needed
+    # when a gradient arrives (`_settle_agreement`), so no rank waits for it at the start of backward.
     def _agree_on_reached_params(self) -> None:
         reached = [hooks.reached_in_this_backward(unit.params) for unit in self.units]
         counts = torch.tensor(
             [int(r) for unit_reached in reached for r in unit_reached] + [int(any(r)) for r in reached],
             dtype=torch.int32, device=self.topo.device,
         )
-        all_reduce(counts, self.topo, async_op=False)
+        self._agreement = (all_reduce(counts, self.topo), counts, reached)
         self.counter.add("all_reduce")
+
+    def _settle_agreement(self) -> None:
+        if self._agreement is None:
+            return
+        handle, counts, reached = self._agreement
+        self._agreement = None
+        handle.wait()
         summed = counts.tolist()
         world, offset = self.topo.world_size, 0
         units_reached = summed[-len(self.units) :]
@@ -517,6 +528,7 @@ class Engine:
         self._gradients_agreed = 0 not in summed[: offset]
 
     def _end_backward(self) -> None:
+        self._settle_agreement()
         if self.backward_step_barrier is not None:
             self.backward_step_barrier()
         self._in_backward = False
