@@ -143,11 +143,15 @@ class Engine:
                 if b is not None and b.is_floating_point() and b.dtype != cfg.param_torch_dtype:
                     sub._buffers[name] = b.to(cfg.param_torch_dtype)
         self._unit_of_param = {id(p): ui for ui, u in enumerate(self.all_units) for p in u.params}
+        self._unit_params = [p for u in self.units for p in u.params]
         self.micro_step = 0  # backward passes since the last optimizer step
         self.step_memory = StepMemory(cfg.reuse_step_memory, topo.device.type)  # decided after the first step
         self._in_backward = False
         self._gradients_agreed = False  # this backward: which parameters get a gradient is agreed at its start
         self._agreement: tuple[Handle, torch.Tensor, list[list[bool]]] | None = None  # in flight
+        self._input_gradient_pass: _InputGradientPass | None = None  # [Note: a backward for the inputs' gradients]
+        self._reach_agreed = False  # this backward's reach all-reduce already ran (to tell its kind)
+        self._reached_anywhere = True  # its result: some rank's backward reaches a unit parameter
         self._sync_this_backward = False
         self._reducing: deque[int] = deque()
         self._reductions_in_flight = self.unit_plan.reductions_in_flight
@@ -401,6 +405,9 @@ class Engine:
 
     def _pre_backward(self, index: int) -> None:
         self._begin_backward_once()
+        if self._input_gradient_pass is not None:
+            self._input_gradient_pass.gather(self.all_units[index])
+            return
         assert self.scheduler is not None
         self.scheduler.pre_backward(index)
         if self._step_in_this_backward and self.backward_prepare is not None and index < len(self.units):
@@ -409,7 +416,10 @@ class Engine:
     def _external_pre_backward(self, units: list[ShardedUnit]) -> None:
         self._begin_backward_once()
         for unit in units:
-            unit.wait_unshard()
+            if self._input_gradient_pass is not None:
+                self._input_gradient_pass.gather(unit)
+            else:
+                unit.wait_unshard()
 
     # -- backward -------------------------------------------------------------------------------------
     def _on_grad_ready(self, unit_index: int, param_index: int) -> None:
@@ -451,6 +461,13 @@ class Engine:
             self._begin_backward()
 
     def _begin_backward(self) -> None:
+        self._gradients_agreed = False
+        if (
+            self.units and not hooks.reaches_any(self._unit_params)
+            and not hooks.behind_reentrant_checkpoint() and not self._reached_on_another_rank()
+        ):
+            self._begin_input_gradient_pass()
+            return
         if self.micro_step >= self.cfg.grad_accum_steps and self.units:
             if self.optimizer_io is None:  # e.g. torch.optim.AdamW(model.parameters()): it saw no gradients
                 raise RuntimeError(
@@ -465,15 +482,15 @@ class Engine:
                 f"{self.cfg.grad_accum_steps} backward passes, or change grad_accum_steps"
             )
         self._in_backward = True
-        self._gradients_agreed = False
         self.grad_pool.open()
         last = self.micro_step + 1 == self.cfg.grad_accum_steps
         self._sync_this_backward = last or self.cfg.sync_every_micro_step or self.policy.shard_params
         self._step_in_this_backward = last and self.backward_step is not None
         for unit in self.units:
             unit.hand_off = self._step_in_this_backward
-        if self._sync_this_backward and self.topo.is_distributed and self.units:
+        if self._sync_this_backward and self.topo.is_distributed and self.units and not self._reach_agreed:
             self._agree_on_reached_params()
+        self._reach_agreed = False
         if self.scheduler is not None:
             self.scheduler.begin_backward()
         hooks.queue_end_of_backward(self._end_backward)
@@ -500,6 +517,20 @@ class Engine:
     # inside a reentrant checkpoint it is not reachable yet but arrives later.
     # The all-reduce runs while the backward of the first unit computes: its result is first needed
     # when a gradient arrives (`_settle_agreement`), so no rank waits for it at the start of backward.
+    def _reached_on_another_rank(self) -> bool:
+        """This rank's backward reaches no unit parameter: is it one for the inputs' gradients? Where
+        the ranks communicate in this backward they must all take it for the same kind, so there the
+        reach all-reduce decides (waited for at once; only ranks that reach nothing ask): a training
+        backward if any rank reaches a parameter (this one then contributes zeros)."""
+        last = self.micro_step + 1 == self.cfg.grad_accum_steps
+        sync = last or self.cfg.sync_every_micro_step or self.policy.shard_params
+        if not (sync and self.topo.is_distributed):
+            return False
+        self._agree_on_reached_params()
+        self._settle_agreement()
+        self._reach_agreed = True
+        return self._reached_anywhere
+
     def _agree_on_reached_params(self) -> None:
         reached = [hooks.reached_in_this_backward(unit.params) for unit in self.units]
         counts = torch.tensor(
@@ -518,6 +549,7 @@ class Engine:
         summed = counts.tolist()
         world, offset = self.topo.world_size, 0
         units_reached = summed[-len(self.units) :]
+        self._reached_anywhere = any(units_reached)
         for unit, unit_reached, ranks_reaching in zip(self.units, reached, units_reached, strict=True):
             n = len(unit.params)
             unit.expect_gradients(unit_reached, summed[offset : offset + n], world)
@@ -526,6 +558,43 @@ class Engine:
         # Every parameter is reached somewhere: which ones get a gradient is agreed already, and the
         # end of backward needs no all-reduce of its own (one all-reduce a step, as before).
         self._gradients_agreed = 0 not in summed[: offset]
+
+    # [Note: a backward for the inputs' gradients]
+    # `torch.autograd.grad(loss, x)` asks for the gradient of the inputs only: adversarial training
+    # (FGSM, PGD) perturbs the inputs along it, a gradient penalty (WGAN-GP, R1) adds its norm to the
+    # loss (`create_graph=True`). It runs the model's backward but delivers no gradient to any
+    # parameter. It was counted as a micro-step ("backward pass 2 since the last optimizer step" at the
+    # training backward after it), and at stage 3 it read released parameters. Such a pass (autograd
+    # reaches no unit parameter: `hooks.reaches_any`) is no micro-step and reduces nothing; at stage 3
+    # each unit is gathered at its pre-backward and released two units later (the residual path may
+    # still need the previous one), all of them at the end. With `create_graph=True` the gradient's own
+    # graph reads the parameters once more in the training backward, before any unit of it is
+    # gathered: refused at stage 3, where they are released by then; stages 0-2 keep them whole.
+    # Nor is a backward one whose parameters all run inside reentrant checkpoints (LoRA adapters in
+    # checkpointed layers, with the input made to need a gradient): autograd reaches them only in the
+    # backward each checkpoint runs of its own, later; `hooks.behind_reentrant_checkpoint` finds one
+    # below the node whose hook began the backward, the model's output (reentrant checkpoints refuse
+    # `autograd.grad` anyway).
+    # A training backward can also reach no unit parameter on one rank (its input needs a gradient,
+    # its loss no trainable parameter), so where the ranks communicate in this backward the kind is
+    # agreed: an input-gradient pass only if no rank reaches a parameter (`_reached_on_another_rank`).
+    def _begin_input_gradient_pass(self) -> None:
+        if self.policy.shard_params and torch.is_grad_enabled():
+            raise RuntimeError(
+                "torch.autograd.grad(..., create_graph=True) through a model at stage 3 (a gradient penalty such "
+                "as WGAN-GP or R1): the penalty's graph reads the parameters again in the training backward, "
+                "where stage 3 has released them. Use stage 2 for this model (its parameters stay whole on each "
+                "rank; gradients and optimizer states are still sharded and offloaded)"
+            )
+        self._in_backward = True  # an activation-checkpoint recompute in it finds its unit gathered
+        self._input_gradient_pass = _InputGradientPass()
+        hooks.queue_end_of_backward(self._end_input_gradient_pass)
+
+    def _end_input_gradient_pass(self) -> None:
+        assert self._input_gradient_pass is not None
+        self._input_gradient_pass.release_all()
+        self._input_gradient_pass = None
+        self._in_backward = False
 
     def _end_backward(self) -> None:
         self._settle_agreement()
@@ -714,6 +783,31 @@ def _traffic(counts: dict[str, float]) -> dict[str, Any]:
         "written_bytes": sum(k["written"] for k in by_kind.values()),
         "by_kind": by_kind,
     }
+
+
+class _InputGradientPass:
+    """The stage-3 units a backward for the inputs' gradients gathered, released two units later."""
+
+    LAG = 2
+
+    def __init__(self) -> None:
+        self.gathered: list[ShardedUnit] = []
+
+    def gather(self, unit: ShardedUnit) -> None:
+        unit.wait_unshard()
+        if unit not in self.gathered:
+            self.gathered.append(unit)
+        while len(self.gathered) > self.LAG + 1:
+            self._release(self.gathered.pop(0))
+
+    def release_all(self) -> None:
+        while self.gathered:
+            self._release(self.gathered.pop(0))
+
+    @staticmethod
+    def _release(unit: ShardedUnit) -> None:
+        if not unit.resident:
+            unit.reshard()
 
 
 def shard(

@@ -117,6 +117,34 @@ def reached_in_this_backward(params: list[nn.Parameter]) -> list[bool]:
     return [p.requires_grad and bool(will_execute(edge(p).node)) for p in params]
 
 
+def reaches_any(params: list[nn.Parameter]) -> bool:
+    """From inside a backward pass: whether it delivers a gradient to any of `params` (False for
+    `torch.autograd.grad(loss, inputs)` that asks for the inputs' gradients only). Stops at the
+    first reached parameter: a training backward costs one query."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None:
+        return True
+    edge = torch.autograd.graph.get_gradient_edge
+    return any(p.requires_grad and will_execute(edge(p).node) for p in params)
+
+
+def behind_reentrant_checkpoint() -> bool:
+    """From a hook inside a backward pass: whether the graph below the node running it holds a
+    reentrant checkpoint (`use_reentrant=True`), whose parameters are reached only by the backward it
+    runs of its own, later. A walk of the graph, made only for a backward that reaches no parameter."""
+    seen: set[int] = set()
+    stack: list[Any] = [torch._C._current_autograd_node()]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run `callback` once the current autograd backward pass has finished (call from inside a hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
