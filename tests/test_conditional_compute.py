@@ -36,6 +36,7 @@ from torch import nn
 
 import zeroinf
 from tests._harness import run_ranks
+from tests._parity import max_diff_then_close
 
 DIM, EXPERTS, LAYERS, TOKENS = 8, 4, 3, 6
 
@@ -121,11 +122,7 @@ def _case(
         plain_opt.zero_grad()
         opt.step()
         opt.zero_grad()
-    state = model.state_dict()
-    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
-    opt.close()
-    zeroinf.engine_of(model).close()
-    return diff
+    return max_diff_then_close(model, opt, plain)
 
 
 CASES = [
@@ -171,11 +168,7 @@ def _switch_case(rank: int, world: int, stage: int, tier: str, folder: str) -> f
         model(input_ids=x[rank : rank + 1], labels=y[rank : rank + 1]).loss.backward()
         opt.step()
         opt.zero_grad()
-    state = model.state_dict()
-    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
-    opt.close()
-    zeroinf.engine_of(model).close()
-    return diff
+    return max_diff_then_close(model, opt, plain)
 
 
 SWITCH_CASES = [(0, "device"), (3, "nvme")]
@@ -214,11 +207,7 @@ def _wav2vec2_case(rank: int, world: int) -> float:
         model(x[rank : rank + 1], labels=y[rank : rank + 1]).loss.backward()
         opt.step()
         opt.zero_grad()
-    state = model.state_dict()
-    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
-    opt.close()
-    zeroinf.engine_of(model).close()
-    return diff
+    return max_diff_then_close(model, opt, plain)
 
 
 def run(rank: int, world: int, root: str) -> dict[str, float]:

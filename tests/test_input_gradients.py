@@ -12,6 +12,7 @@ parameters again in the training backward, after stage 3 released them. A traini
 reaches no trainable parameter on one rank only (its input needs a gradient) stays a training
 backward there (the ranks agree on the kind), at stages 0 and 2; so is one whose parameters all run
 inside reentrant checkpoints (reached only by the checkpoints' own backwards), at stages 0 and 3.
+FGSM on experts routed per rank (tests/test_conditional_compute.py's model), at stages 0 and 3.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 import zeroinf
 from tests._harness import run_ranks
+from tests._parity import max_diff_then_close
 
 DIM = 8
 
@@ -83,11 +85,7 @@ def _case(
         plain_opt.zero_grad()
         opt.step()
         opt.zero_grad()
-    state = model.state_dict()
-    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
-    opt.close()
-    zeroinf.engine_of(model).close()
-    return diff
+    return max_diff_then_close(model, opt, plain)
 
 
 def _penalty_at_stage_3(rank: int, world: int) -> str:
@@ -131,11 +129,7 @@ def _one_rank_reaches_nothing(rank: int, world: int, stage: int) -> float:
         model(x[rank].requires_grad_(True), rank == 0).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    state = model.state_dict()
-    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
-    opt.close()
-    zeroinf.engine_of(model).close()
-    return diff
+    return max_diff_then_close(model, opt, plain)
 
 
 class ReentrantBlocks(nn.Module):
@@ -168,11 +162,36 @@ def _all_inside_reentrant_checkpoints(rank: int, world: int, stage: int) -> floa
         model(x[rank].requires_grad_(True)).backward()
         opt.step()
         opt.zero_grad()
-    state = model.state_dict()
-    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
-    opt.close()
-    zeroinf.engine_of(model).close()
-    return diff
+    return max_diff_then_close(model, opt, plain)
+
+
+def _fgsm_on_experts(rank: int, world: int, stage: int) -> float:
+    """FGSM on tests/test_conditional_compute.py's mixture of experts, routed per rank: the input pass
+    (whose kind the ranks agree on at stage 3) leaves the next training backward its own agreement."""
+    from tests import test_conditional_compute as moe
+
+    torch.manual_seed(0)
+    plain = moe.Net()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    cfg = zeroinf.Config(stage=stage, persist_threshold_bytes=0, unit_classes=[moe.MoELayer])
+    model = zeroinf.shard(copy.deepcopy(plain), cfg)
+    opt = zeroinf.AdamW(model, lr=1e-2)
+
+    def adversarial(net: nn.Module, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(net(x, route), x)
+        return net(x.detach() + 0.1 * grad.sign(), route)
+
+    g = torch.Generator().manual_seed(1)
+    for routes in moe.ROUTES:
+        x = torch.randn(world, moe.TOKENS, moe.DIM, generator=g)
+        (sum(adversarial(plain, x[r], moe._route(routes[r])) for r in range(world)) / world).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        adversarial(model, x[rank], moe._route(routes[rank])).backward()
+        opt.step()
+        opt.zero_grad()
+    return max_diff_then_close(model, opt, plain)
 
 
 CASES = [
@@ -196,6 +215,7 @@ def run(rank: int, world: int, root: str) -> dict[str, object]:
         out[f"one rank reaches nothing, stage {stage}"] = _one_rank_reaches_nothing(rank, world, stage)
     for stage in (0, 3):
         out[f"reentrant, stage {stage}"] = _all_inside_reentrant_checkpoints(rank, world, stage)
+        out[f"experts, stage {stage}"] = _fgsm_on_experts(rank, world, stage)
     return out
 
 
@@ -232,3 +252,9 @@ def test_a_backward_reaching_no_parameter_on_one_rank_only_is_a_training_backwar
 def test_parameters_all_inside_reentrant_checkpoints_train(results: list[dict[str, object]], stage: int) -> None:
     for rank, r in enumerate(results):
         assert r[f"reentrant, stage {stage}"] <= 1e-6, (rank, r)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_adversarial_training_of_experts_routed_per_rank(results: list[dict[str, object]], stage: int) -> None:
+    for rank, r in enumerate(results):
+        assert r[f"experts, stage {stage}"] <= 1e-6, (rank, r)  # type: ignore[operator]

@@ -461,7 +461,7 @@ class Engine:
             self._begin_backward()
 
     def _begin_backward(self) -> None:
-        self._gradients_agreed = False
+        self._gradients_agreed = self._reach_agreed = False
         if (
             self.units and not hooks.reaches_any(self._unit_params)
             and not hooks.behind_reentrant_checkpoint() and not self._reached_on_another_rank()
@@ -490,7 +490,6 @@ class Engine:
             unit.hand_off = self._step_in_this_backward
         if self._sync_this_backward and self.topo.is_distributed and self.units and not self._reach_agreed:
             self._agree_on_reached_params()
-        self._reach_agreed = False
         if self.scheduler is not None:
             self.scheduler.begin_backward()
         hooks.queue_end_of_backward(self._end_backward)
