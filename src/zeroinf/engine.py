@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing, no_cache_in_training
 from zeroinf.aio.engine import DISK_ACTIVITY
-from zeroinf.comm import Handle, all_reduce
+from zeroinf.comm import all_reduce
 from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.grad_pool import GradBufferPool
@@ -43,6 +43,7 @@ from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUn
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.runtime import hooks
+from zeroinf.runtime.reach import PENALTY_AT_STAGE_3, InputGradientPass, ReachAgreement
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 from zeroinf.runtime.streams import Transfers
 from zeroinf.telemetry import CollectiveCounter, get_logger
@@ -148,10 +149,8 @@ class Engine:
         self.step_memory = StepMemory(cfg.reuse_step_memory, topo.device.type)  # decided after the first step
         self._in_backward = False
         self._gradients_agreed = False  # this backward: which parameters get a gradient is agreed at its start
-        self._agreement: tuple[Handle, torch.Tensor, list[list[bool]]] | None = None  # in flight
-        self._input_gradient_pass: _InputGradientPass | None = None  # [Note: a backward for the inputs' gradients]
-        self._reach_agreed = False  # this backward's reach all-reduce already ran (to tell its kind)
-        self._reached_anywhere = True  # its result: some rank's backward reaches a unit parameter
+        self._agreement: ReachAgreement | None = None  # this backward's (runtime/reach.py)
+        self._input_gradient_pass: InputGradientPass | None = None  # runtime/reach.py
         self._sync_this_backward = False
         self._reducing: deque[int] = deque()
         self._reductions_in_flight = self.unit_plan.reductions_in_flight
@@ -461,7 +460,8 @@ class Engine:
             self._begin_backward()
 
     def _begin_backward(self) -> None:
-        self._gradients_agreed = self._reach_agreed = False
+        self._gradients_agreed = False
+        self._agreement = None
         if (
             self.units and not hooks.reaches_any(self._unit_params)
             and not hooks.behind_reentrant_checkpoint() and not self._reached_on_another_rank()
@@ -488,34 +488,21 @@ class Engine:
         self._step_in_this_backward = last and self.backward_step is not None
         for unit in self.units:
             unit.hand_off = self._step_in_this_backward
-        if self._sync_this_backward and self.topo.is_distributed and self.units and not self._reach_agreed:
+        if self._sync_this_backward and self.topo.is_distributed and self.units and self._agreement is None:
             self._agree_on_reached_params()
         if self.scheduler is not None:
             self.scheduler.begin_backward()
         hooks.queue_end_of_backward(self._end_backward)
 
-    # [Note: gradients that reach some ranks only]
-    # A unit's reduction starts when the last of its parameters' gradients arrives, and every rank
-    # must issue its collectives in the same order. Where a parameter's gradient reaches some ranks
-    # only, that order would differ: an expert of a mixture of experts (one module per expert) that
-    # no token on rank 1 was routed to, or a layer skipped on one rank (LayerDrop). Rank 0 would start
-    # the unit's reduce-scatter inside backward while rank 1 waited for a gradient that never comes and
-    # reduced the unit at the end, after its next units: a collective mismatch (gloo aborts the
-    # process; NCCL hangs or mixes buffers of equal size). So at the start of each backward that
-    # communicates, every rank asks autograd which unit parameters this pass reaches (exact: the
-    # engine knows the nodes reachable from the loss; ~3 us a parameter) and one all-reduce sums
-    # that per parameter, and per unit the ranks the unit reaches at all. Then, the same on every rank:
-    # - a parameter some ranks reach and others not counts as arrived where it is not reached (it
-    #   contributes zeros to the mean, as DDP's unused parameters do) and as having a gradient for
-    #   the optimizer everywhere (a parameter no rank reaches is skipped by the step, as torch.optim
-    #   skips a `None` gradient). Its unit reduces where its last reached gradient arrives, inside its
-    #   own backward on every rank, so no other collective comes between;
-    # - a unit that some ranks do not reach at all has no such point there: it reduces at the end of
-    #   backward on every rank, with the units that never completed.
-    # A parameter no rank reaches keeps the old behaviour (its unit waits for the end of backward):
-    # inside a reentrant checkpoint it is not reachable yet but arrives later.
-    # The all-reduce runs while the backward of the first unit computes: its result is first needed
-    # when a gradient arrives (`_settle_agreement`), so no rank waits for it at the start of backward.
+    # runtime/reach.py [Note: gradients that reach some ranks only]
+    def _agree_on_reached_params(self) -> None:
+        self._agreement = ReachAgreement(self.units, self.topo, self.counter)
+
+    def _settle_agreement(self) -> None:
+        if self._agreement is not None:
+            self._agreement.settle()
+            self._gradients_agreed = self._agreement.every_parameter_reached
+
     def _reached_on_another_rank(self) -> bool:
         """This rank's backward reaches no unit parameter: is it one for the inputs' gradients? Where
         the ranks communicate in this backward they must all take it for the same kind, so there the
@@ -527,66 +514,15 @@ class Engine:
             return False
         self._agree_on_reached_params()
         self._settle_agreement()
-        self._reach_agreed = True
-        return self._reached_anywhere
+        assert self._agreement is not None
+        return self._agreement.reached_anywhere
 
-    def _agree_on_reached_params(self) -> None:
-        reached = [hooks.reached_in_this_backward(unit.params) for unit in self.units]
-        counts = torch.tensor(
-            [int(r) for unit_reached in reached for r in unit_reached] + [int(any(r)) for r in reached],
-            dtype=torch.int32, device=self.topo.device,
-        )
-        self._agreement = (all_reduce(counts, self.topo), counts, reached)
-        self.counter.add("all_reduce")
-
-    def _settle_agreement(self) -> None:
-        if self._agreement is None:
-            return
-        handle, counts, reached = self._agreement
-        self._agreement = None
-        handle.wait()
-        summed = counts.tolist()
-        world, offset = self.topo.world_size, 0
-        units_reached = summed[-len(self.units) :]
-        self._reached_anywhere = any(units_reached)
-        for unit, unit_reached, ranks_reaching in zip(self.units, reached, units_reached, strict=True):
-            n = len(unit.params)
-            unit.expect_gradients(unit_reached, summed[offset : offset + n], world)
-            unit.reduce_at_end = 0 < ranks_reaching < world
-            offset += n
-        # Every parameter is reached somewhere: which ones get a gradient is agreed already, and the
-        # end of backward needs no all-reduce of its own (one all-reduce a step, as before).
-        self._gradients_agreed = 0 not in summed[: offset]
-
-    # [Note: a backward for the inputs' gradients]
-    # `torch.autograd.grad(loss, x)` asks for the gradient of the inputs only: adversarial training
-    # (FGSM, PGD) perturbs the inputs along it, a gradient penalty (WGAN-GP, R1) adds its norm to the
-    # loss (`create_graph=True`). It runs the model's backward but delivers no gradient to any
-    # parameter. It was counted as a micro-step ("backward pass 2 since the last optimizer step" at the
-    # training backward after it), and at stage 3 it read released parameters. Such a pass (autograd
-    # reaches no unit parameter: `hooks.reaches_any`) is no micro-step and reduces nothing; at stage 3
-    # each unit is gathered at its pre-backward and released two units later (the residual path may
-    # still need the previous one), all of them at the end. With `create_graph=True` the gradient's own
-    # graph reads the parameters once more in the training backward, before any unit of it is
-    # gathered: refused at stage 3, where they are released by then; stages 0-2 keep them whole.
-    # Nor is a backward one whose parameters all run inside reentrant checkpoints (LoRA adapters in
-    # checkpointed layers, with the input made to need a gradient): autograd reaches them only in the
-    # backward each checkpoint runs of its own, later; `hooks.behind_reentrant_checkpoint` finds one
-    # below the node whose hook began the backward, the model's output (reentrant checkpoints refuse
-    # `autograd.grad` anyway).
-    # A training backward can also reach no unit parameter on one rank (its input needs a gradient,
-    # its loss no trainable parameter), so where the ranks communicate in this backward the kind is
-    # agreed: an input-gradient pass only if no rank reaches a parameter (`_reached_on_another_rank`).
+    # runtime/reach.py [Note: a backward for the inputs' gradients]
     def _begin_input_gradient_pass(self) -> None:
         if self.policy.shard_params and torch.is_grad_enabled():
-            raise RuntimeError(
-                "torch.autograd.grad(..., create_graph=True) through a model at stage 3 (a gradient penalty such "
-                "as WGAN-GP or R1): the penalty's graph reads the parameters again in the training backward, "
-                "where stage 3 has released them. Use stage 2 for this model (its parameters stay whole on each "
-                "rank; gradients and optimizer states are still sharded and offloaded)"
-            )
+            raise RuntimeError(PENALTY_AT_STAGE_3)
         self._in_backward = True  # an activation-checkpoint recompute in it finds its unit gathered
-        self._input_gradient_pass = _InputGradientPass()
+        self._input_gradient_pass = InputGradientPass()
         hooks.queue_end_of_backward(self._end_input_gradient_pass)
 
     def _end_input_gradient_pass(self) -> None:
@@ -782,31 +718,6 @@ def _traffic(counts: dict[str, float]) -> dict[str, Any]:
         "written_bytes": sum(k["written"] for k in by_kind.values()),
         "by_kind": by_kind,
     }
-
-
-class _InputGradientPass:
-    """The stage-3 units a backward for the inputs' gradients gathered, released two units later."""
-
-    LAG = 2
-
-    def __init__(self) -> None:
-        self.gathered: list[ShardedUnit] = []
-
-    def gather(self, unit: ShardedUnit) -> None:
-        unit.wait_unshard()
-        if unit not in self.gathered:
-            self.gathered.append(unit)
-        while len(self.gathered) > self.LAG + 1:
-            self._release(self.gathered.pop(0))
-
-    def release_all(self) -> None:
-        while self.gathered:
-            self._release(self.gathered.pop(0))
-
-    @staticmethod
-    def _release(unit: ShardedUnit) -> None:
-        if not unit.resident:
-            unit.reshard()
 
 
 def shard(

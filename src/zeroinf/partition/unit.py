@@ -193,7 +193,7 @@ class ShardedUnit:
         self._handed: torch.Tensor | None = None
         self._arrived = [False] * len(self.params)
         # This backward: some rank does not reach the unit at all, so it reduces at the end of
-        # backward on every rank (engine.py [Note: gradients that reach some ranks only]).
+        # backward on every rank (runtime/reach.py [Note: gradients that reach some ranks only]).
         self.reduce_at_end = False
         # Per parameter: did any rank produce a gradient since zero_grad? (set by the engine after
         # its agreement all-reduce). Like torch.optim, the optimizer skips parameters without one.
@@ -485,7 +485,7 @@ class ShardedUnit:
         """At the start of a backward: `reached[i]`, whether it reaches param i on this rank;
         `ranks_reaching[i]`, on how many ranks. A parameter reached on some ranks only counts as
         arrived where it is not (zeros in the mean) and as having a gradient on every rank
-        (engine.py [Note: gradients that reach some ranks only])."""
+        (runtime/reach.py [Note: gradients that reach some ranks only])."""
         for i, (here, ranks) in enumerate(zip(reached, ranks_reaching, strict=True)):
             if 0 < ranks < world:
                 self.param_had_grad[i] = True

@@ -1,7 +1,7 @@
 """Parameters whose gradients reach some ranks only: a mixture of experts with one module per
 expert, where each rank's tokens go to some experts, and LayerDrop, where a rank skips whole layers.
 
-Before engine.py [Note: gradients that reach some ranks only], the ranks issued their gradient
+Before runtime/reach.py [Note: gradients that reach some ranks only], the ranks issued their gradient
 collectives in different orders there (gloo aborted the process: "Received data size doesn't match
 expected size"), at every stage. World 2, one spawned group, against plain PyTorch on the same
 per-rank batches (the loss is the mean of the ranks' losses, as data parallelism computes it, and

@@ -1,4 +1,4 @@
-"""Backward passes for the inputs' gradients (engine.py [Note: a backward for the inputs' gradients]).
+"""Backward passes for the inputs' gradients (runtime/reach.py [Note: a backward for the inputs' gradients]).
 
 `torch.autograd.grad(loss, x)` runs the model's backward without giving any parameter a gradient:
 adversarial training (FGSM: train on `x + eps * sign(grad_x)`) and gradient penalties (WGAN-GP:
@@ -12,7 +12,7 @@ parameters again in the training backward, after stage 3 released them. A traini
 reaches no trainable parameter on one rank only (its input needs a gradient) stays a training
 backward there (the ranks agree on the kind), at stages 0 and 2; so is one whose parameters all run
 inside reentrant checkpoints (reached only by the checkpoints' own backwards), at stages 0 and 3.
-FGSM on experts routed per rank (tests/test_conditional_compute.py's model), at stages 0 and 3.
+FGSM on experts routed per rank (tests/runtime/test_reach_conditional_compute.py's model), at stages 0 and 3.
 """
 
 from __future__ import annotations
@@ -166,9 +166,9 @@ def _all_inside_reentrant_checkpoints(rank: int, world: int, stage: int) -> floa
 
 
 def _fgsm_on_experts(rank: int, world: int, stage: int) -> float:
-    """FGSM on tests/test_conditional_compute.py's mixture of experts, routed per rank: the input pass
+    """FGSM on tests/runtime/test_reach_conditional_compute.py's mixture of experts, routed per rank: the input pass
     (whose kind the ranks agree on at stage 3) leaves the next training backward its own agreement."""
-    from tests import test_conditional_compute as moe
+    from tests.runtime import test_reach_conditional_compute as moe
 
     torch.manual_seed(0)
     plain = moe.Net()
