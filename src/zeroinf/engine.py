@@ -148,7 +148,6 @@ class Engine:
         self.micro_step = 0  # backward passes since the last optimizer step
         self.step_memory = StepMemory(cfg.reuse_step_memory, topo.device.type)  # decided after the first step
         self._in_backward = False
-        self._gradients_agreed = False  # this backward: which parameters get a gradient is agreed at its start
         self._agreement: ReachAgreement | None = None  # this backward's (runtime/reach.py)
         self._input_gradient_pass: InputGradientPass | None = None  # runtime/reach.py
         self._sync_this_backward = False
@@ -460,7 +459,6 @@ class Engine:
             self._begin_backward()
 
     def _begin_backward(self) -> None:
-        self._gradients_agreed = False
         self._agreement = None
         if (
             self.units and not hooks.reaches_any(self._unit_params)
@@ -484,7 +482,7 @@ class Engine:
         self._in_backward = True
         self.grad_pool.open()
         last = self.micro_step + 1 == self.cfg.grad_accum_steps
-        self._sync_this_backward = last or self.cfg.sync_every_micro_step or self.policy.shard_params
+        self._sync_this_backward = self._next_backward_syncs()
         self._step_in_this_backward = last and self.backward_step is not None
         for unit in self.units:
             unit.hand_off = self._step_in_this_backward
@@ -501,16 +499,18 @@ class Engine:
     def _settle_agreement(self) -> None:
         if self._agreement is not None:
             self._agreement.settle()
-            self._gradients_agreed = self._agreement.every_parameter_reached
+
+    def _next_backward_syncs(self) -> bool:
+        """Whether the backward starting now communicates (the last micro-step, or every one)."""
+        last = self.micro_step + 1 == self.cfg.grad_accum_steps
+        return last or self.cfg.sync_every_micro_step or self.policy.shard_params
 
     def _reached_on_another_rank(self) -> bool:
         """This rank's backward reaches no unit parameter: is it one for the inputs' gradients? Where
         the ranks communicate in this backward they must all take it for the same kind, so there the
         reach all-reduce decides (waited for at once; only ranks that reach nothing ask): a training
         backward if any rank reaches a parameter (this one then contributes zeros)."""
-        last = self.micro_step + 1 == self.cfg.grad_accum_steps
-        sync = last or self.cfg.sync_every_micro_step or self.policy.shard_params
-        if not (sync and self.topo.is_distributed):
+        if not (self._next_backward_syncs() and self.topo.is_distributed):
             return False
         self._agree_on_reached_params()
         self._settle_agreement()
@@ -553,7 +553,8 @@ class Engine:
         """Agree across ranks on which parameters got gradients (unless the start of backward has),
         then reduce every unit that has any."""
         agreed = [had for u in self.units for had in u.param_had_grad]
-        if self.topo.is_distributed and not self._gradients_agreed:
+        agreed_at_start = self._agreement is not None and self._agreement.every_parameter_reached
+        if self.topo.is_distributed and not agreed_at_start:
             flags = torch.tensor(agreed, dtype=torch.int32, device=self.topo.device)
             all_reduce(flags, self.topo, async_op=False)
             self.counter.add("all_reduce")

@@ -101,31 +101,32 @@ def register_grad_ready_hooks(
     return handles
 
 
-def reached_in_this_backward(params: list[nn.Parameter]) -> list[bool]:
-    """From inside a backward pass: whether it will deliver a gradient to each of `params`.
-
-    Exact: the autograd engine has already computed the set of nodes reachable from the pass's
-    roots (the user's loss, not the model's output), and a parameter gets a gradient iff its
-    AccumulateGrad node is among them. A parameter whose forward ran inside a reentrant checkpoint
-    is not reachable yet (its backward is nested); torch without the query: every parameter.
-    ~3 us a parameter.
-    """
+def _gets_gradient() -> Callable[[nn.Parameter], bool] | None:
+    """From inside a backward pass: whether it delivers a gradient to a parameter. Exact: the
+    autograd engine has already computed the set of nodes reachable from the pass's roots (the
+    user's loss, not the model's output), and a parameter gets a gradient iff its AccumulateGrad node
+    is among them. A parameter whose forward ran inside a reentrant checkpoint is not reachable yet
+    (its backward is nested). ~4 us a parameter. None: torch lacks the query."""
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
     if will_execute is None:
-        return [True] * len(params)
+        return None
     edge = torch.autograd.graph.get_gradient_edge
-    return [p.requires_grad and bool(will_execute(edge(p).node)) for p in params]
+    return lambda p: p.requires_grad and bool(will_execute(edge(p).node))
+
+
+def reached_in_this_backward(params: list[nn.Parameter]) -> list[bool]:
+    """From inside a backward pass: whether it delivers a gradient to each of `params` (without the
+    query: every one)."""
+    gets = _gets_gradient()
+    return [True] * len(params) if gets is None else [gets(p) for p in params]
 
 
 def reaches_any(params: list[nn.Parameter]) -> bool:
     """From inside a backward pass: whether it delivers a gradient to any of `params` (False for
     `torch.autograd.grad(loss, inputs)` that asks for the inputs' gradients only). Stops at the
     first reached parameter: a training backward costs one query."""
-    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
-    if will_execute is None:
-        return True
-    edge = torch.autograd.graph.get_gradient_edge
-    return any(p.requires_grad and will_execute(edge(p).node) for p in params)
+    gets = _gets_gradient()
+    return gets is None or any(gets(p) for p in params)
 
 
 def behind_reentrant_checkpoint() -> bool:
