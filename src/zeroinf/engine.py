@@ -6,14 +6,13 @@ become views into the flat buffers of units. The engine object is the one attrib
 
 Gradient flow of one backward: each parameter's gradient lands in its unit's flat buffer
 (runtime/hooks.py); on the micro-step that synchronizes, a unit whose gradients have all arrived
-starts its collective at once, overlapping the rest of backward; at the end of backward the engine
-agrees with the other ranks on which units got gradients at all (one small all-reduce, so unused
-branches on one rank never desynchronize the collectives), reduces the stragglers in unit order,
-and waits.
+starts its collective at once, overlapping the rest of backward. At the start of a backward that
+communicates, one small all-reduce makes the ranks agree on which parameters it reaches where
+(runtime/reach.py), so a branch some ranks skip cannot desynchronize the collectives; at the end
+the stragglers are reduced in unit order, and waited for.
 
-Stage 3 adds the parameter movement (runtime/schedule.py decides, this file wires the events):
-the root module's forward begins a pass, each unit's forward pre/post hooks unshard/reshard it, a
-hook on each unit's forward outputs unshards it again before its backward, and the unit is
+Stage 3 adds the parameter movement (runtime/schedule.py decides, runtime/stage3_hooks.py wires
+the forward's events, `pre_backward` here gathers a unit before its backward), and a unit is
 released once its gradients are in. Stage 3 reduces gradients on every micro-step: keeping the
 unsharded gradients of every unit across micro-steps would undo the point of sharding.
 """
@@ -29,7 +28,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing, no_cache_in_training
 from zeroinf.aio.engine import DISK_ACTIVITY
@@ -39,12 +37,13 @@ from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.partition.init import InitFn, materialize_and_build, needs_materializing
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
-from zeroinf.partition.unit import GradState, HomeFactory, ParamState, ShardedUnit, ShardingPolicy
+from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.runtime import hooks
 from zeroinf.runtime.reach import PENALTY_AT_STAGE_3, InputGradientPass, ReachAgreement
-from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
+from zeroinf.runtime.schedule import UnshardScheduler
+from zeroinf.runtime.stage3_hooks import Stage3Hooks
 from zeroinf.runtime.streams import Transfers
 from zeroinf.telemetry import CollectiveCounter, get_logger
 from zeroinf.tiers.host import StepMemory, map_large_buffers, reuse_step_buffers
@@ -178,7 +177,9 @@ class Engine:
         self._hook_handles.append(hooks.register_output_hook(module, self._begin_backward_at_output))
         self.scheduler: UnshardScheduler | None = None
         if self.policy.shard_params:
-            self._setup_stage3()
+            stage3 = Stage3Hooks(self)
+            self.scheduler = stage3.scheduler
+            self._hook_handles += stage3.install()
         self.activation_offloader: ActivationOffloader | None = None
         if cfg.activation_checkpointing:
             self._setup_activation_checkpointing()
@@ -277,131 +278,14 @@ class Engine:
         apply_activation_checkpointing(outermost, self.cfg.checkpoint_every, self.activation_offloader)
         self._hook_handles += no_cache_in_training(self.module)
 
-    # -- stage 3 wiring -------------------------------------------------------------------------------
-    def _setup_stage3(self) -> None:
-        budget = PrefetchBudget(
-            prefetch_bytes=self.cfg.prefetch_bytes,
-            max_live_bytes=self.cfg.max_live_bytes if self.cfg.max_live_bytes is not None else 2**62,
-        )
-        self.scheduler = UnshardScheduler(self.all_units, budget)
-        cache = self.param_files.cache if self.param_files is not None else None
-        if cache is not None:  # the parameter cache evicts along the traced order of units
-            names = [u.name for u in self.all_units]
-            self.scheduler.on_traced = lambda order: cache.policy.set_order([names[i] for i in order])
-        self._external: dict[int, list[ShardedUnit]] = {}  # id(module) -> units fetched for it on demand
-        self._fetch_external_eagerly = hooks.eager(self._fetch_external)  # called from traceable hooks
-        self._release_external_eagerly = hooks.eager(self._release_external)
-        handles = hooks.register_forward_hooks(self.module, self._root_pre_forward, self._root_post_forward)
-        handles.append(
-            self.module._register_state_dict_hook(
-                hooks.eager(lambda m, state_dict, prefix, local_metadata: self.gather_full_state(state_dict, prefix))
-            )
-        )
-        unit_modules = set()
-        for ui, spec in enumerate(self.all_specs):
-            if spec.name and not self.all_units[ui].resident:
-                unit_modules.add(id(spec.module))
-                handles += self._unit_hooks(ui, spec)
-        for m in self.module.modules():
-            owned = {self._unit_of_param[id(p)] for p in m.parameters(recurse=False) if id(p) in self._unit_of_param}
-            owned = {u for u in owned if not self.all_units[u].resident}
-            if owned and id(m) not in unit_modules:
-                units = tuple(self.all_units[u] for u in sorted(owned))
-                handles += hooks.register_forward_hooks(
-                    m,
-                    functools.partial(self._external_pre_forward, owned=units),
-                    self._external_post_forward,
-                    traceable=True,
-                )
-        self._hook_handles += handles
+    # -- stage 3: the forward's hooks are runtime/stage3_hooks.py; these are the backward's entries --
+    @property
+    def in_backward(self) -> bool:
+        """Inside a backward of this model (a checkpoint's recompute finds its unit gathered)."""
+        return self._in_backward
 
-    def _unit_hooks(self, ui: int, spec: UnitSpec) -> list[RemovableHandle]:
-        """The forward hooks of non-resident unit `ui` (and the hook on its inputs, frozen)."""
-        handles = hooks.register_forward_hooks(
-            spec.module, lambda m: self._unit_pre_forward(ui), lambda m, out: self._unit_post_forward(ui, out)
-        )
-        if spec.frozen:  # no gradients to say when it is done: the gradients of its inputs do
-            handles.append(hooks.register_input_hook(spec.module, lambda ins: self._frozen_inputs(ui, ins)))
-        return handles
-
-    def gather_full_state(self, state_dict: dict[str, Any], prefix: str = "") -> None:
-        """Fill `state_dict` entries of sharded parameters with full copies, one unit at a time.
-
-        A collective: every rank must call it (as `model.state_dict()` does at stage 3).
-        """
-        names_of: dict[int, list[str]] = {}  # every name of a parameter (tied ones have several)
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(p), []).append(prefix + name)
-        for unit in self.all_units:
-            was_sharded = unit.state is not ParamState.UNSHARDED
-            unit.wait_unshard()
-            for p in unit.params:
-                full = p.detach().clone()
-                for name in names_of.get(id(p), []):
-                    if name in state_dict:
-                        state_dict[name] = full
-            if was_sharded:
-                unit.reshard()
-
-    def _root_pre_forward(self, _: nn.Module) -> None:
-        assert self.scheduler is not None
-        self.transfers.order_uploads()  # parameters updated by the last step, before any kernel reads them
-        self.scheduler.begin_forward(training=torch.is_grad_enabled())
-
-    def _root_post_forward(self, _: nn.Module, output: Any) -> None:
-        assert self.scheduler is not None
-        self.scheduler.end_forward()
-
-    def _unit_pre_forward(self, index: int) -> None:
-        assert self.scheduler is not None
-        if self._in_backward:  # activation-checkpoint recompute: the unit stays until its grads are in
-            self.all_units[index].wait_unshard()
-            return
-        self.scheduler.pre_forward(index)
-
-    def _unit_post_forward(self, index: int, output: Any) -> None:
-        assert self.scheduler is not None
-        if self._in_backward:
-            return
-        self.scheduler.post_forward(index)
-        if torch.is_grad_enabled():
-            hooks.register_pre_backward(output, lambda: self._pre_backward(index))
-
-    def _frozen_inputs(self, index: int, inputs: Any) -> None:
-        """A frozen unit is released in backward once the gradients of its inputs are computed."""
-        if torch.is_grad_enabled() and not self._in_backward and self.scheduler is not None:
-            scheduler = self.scheduler
-            hooks.register_pre_backward(inputs, lambda: scheduler.release(index))
-
-    def _external_pre_forward(self, module: nn.Module, owned: tuple[ShardedUnit, ...]) -> None:
-        """A module whose parameters belong to a unit that is not gathered: fetch them on demand.
-        Usually the module runs inside its unit's forward and there is nothing to do: that path
-        only reads unit states, so `torch.compile` traces it into the unit's graph (the units are
-        passed as objects, not indices: an index would be a constant the compiled graph is
-        specialized on, one recompile per unit)."""
-        if any(unit.state is not ParamState.UNSHARDED for unit in owned):
-            self._fetch_external_eagerly(module, owned)
-
-    def _fetch_external(self, module: nn.Module, owned: tuple[ShardedUnit, ...]) -> None:
-        fetched = [unit for unit in owned if unit.state is not ParamState.UNSHARDED]
-        for unit in fetched:
-            unit.wait_unshard()
-        self._external[id(module)] = fetched
-
-    def _external_post_forward(self, module: nn.Module, output: Any) -> None:
-        if self._external:  # something was fetched for a module (rare): was it this one?
-            self._release_external_eagerly(module, output)
-
-    def _release_external(self, module: nn.Module, output: Any) -> None:
-        fetched = self._external.pop(id(module), None)
-        if not fetched:
-            return
-        if torch.is_grad_enabled():
-            hooks.register_pre_backward(output, lambda: self._external_pre_backward(fetched))
-        for unit in fetched:
-            unit.reshard()
-
-    def _pre_backward(self, index: int) -> None:
+    def pre_backward(self, index: int) -> None:
+        """Unit `index`'s backward is about to run: gather it (through the scheduler)."""
         self._begin_backward_once()
         if self._input_gradient_pass is not None:
             self._input_gradient_pass.gather(self.all_units[index])
@@ -411,7 +295,8 @@ class Engine:
         if self._step_in_this_backward and self.backward_prepare is not None and index < len(self.units):
             self.backward_prepare(index)
 
-    def _external_pre_backward(self, units: list[ShardedUnit]) -> None:
+    def gather_for_backward(self, units: list[ShardedUnit]) -> None:
+        """Units fetched for a module outside them (runtime/stage3_hooks.py), before its backward."""
         self._begin_backward_once()
         for unit in units:
             if self._input_gradient_pass is not None:

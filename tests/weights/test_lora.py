@@ -35,12 +35,13 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (GLOBAL_BATCH, 16), generator=torch.Generator().manual_seed(step))
 
 
-def _reference(path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(path: str) -> tuple[list[float], dict[str, torch.Tensor], tuple[int, int]]:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), _lora())
+    counts = model.get_nb_trainable_parameters()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(STEPS):
@@ -50,7 +51,7 @@ def _reference(path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, counts
 
 
 def _zeroinf(rank: int, world: int, path: str, swap_root: str) -> dict[str, Any]:
@@ -87,6 +88,11 @@ def _zeroinf(rank: int, world: int, path: str, swap_root: str) -> dict[str, Any]
         "optimizer_bytes": sum(report[t]["by_tag"].get("optimizer_state", 0) for t in ("device", "host", "nvme")),
         "nvme_param_bytes": report["nvme"]["by_tag"].get("param_shard", 0),
         "adapter_names": sorted(adapters),
+        "peft_counts": model.get_nb_trainable_parameters(),  # (trainable, all), between uses
+        "sharded_shapes_told": all(
+            tuple(p.ds_shape) == tuple(s) for u in engine.all_units if not u.resident
+            for p, s in zip(u.params, (slot.shape for slot in u.layout.slots), strict=True)
+        ),
     }
     state = model.state_dict()
     out["adapters"] = {n: state[n].clone() for n in adapters} if rank == 0 else None
@@ -96,7 +102,7 @@ def _zeroinf(rank: int, world: int, path: str, swap_root: str) -> dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-def run() -> tuple[tuple[list[float], dict[str, torch.Tensor]], list[dict[str, Any]]]:
+def run() -> tuple[tuple[list[float], dict[str, torch.Tensor], tuple[int, int]], list[dict[str, Any]]]:
     with tempfile.TemporaryDirectory(prefix="zeroinf-lora-") as root:
         path = os.path.join(root, "llama")
         build("llama", seed=5).save_pretrained(path, safe_serialization=True, max_shard_size="20KB")
@@ -104,7 +110,7 @@ def run() -> tuple[tuple[list[float], dict[str, torch.Tensor]], list[dict[str, A
 
 
 def test_lora_matches_plain_pytorch_and_peft(run: tuple) -> None:
-    (ref_losses, ref_adapters), per_rank = run
+    (ref_losses, ref_adapters, _), per_rank = run
     ours = per_rank[0]
     for step, (a, b) in enumerate(zip(ours["losses"], ref_losses, strict=True)):
         assert a == pytest.approx(b, rel=1e-5), f"step {step}: {a} vs {b}"
@@ -122,3 +128,13 @@ def test_only_adapters_have_optimizer_state_and_the_base_is_sharded(run: tuple) 
         # NVMe: half of every non-resident unit (fp32 shards), adapters included, base dominating
         assert r["nvme_param_bytes"] >= 4 * (r["frozen_sharded_numel"] + r["trainable_numel"]) // 2, (rank, r)
         assert r["nvme_param_bytes"] < 4 * (r["frozen_sharded_numel"] + r["trainable_numel"]) // 2 + 4096 * 8, r
+
+
+def test_peft_counts_the_full_sizes_of_sharded_parameters(run: tuple) -> None:
+    """Between uses a sharded parameter's data is an empty placeholder; PEFT reads `ds_numel` (and its
+    tuners `ds_shape`) for the real size, as it does under DeepSpeed's ZeRO-3: before, it counted
+    0 trainable parameters."""
+    (_, _, ref_counts), per_rank = run
+    for rank, r in enumerate(per_rank):
+        assert tuple(r["peft_counts"]) == tuple(ref_counts), (rank, r["peft_counts"], ref_counts)
+        assert r["peft_counts"][0] > 0 and r["sharded_shapes_told"], (rank, r)

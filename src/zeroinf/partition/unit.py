@@ -127,6 +127,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _tell_full_size(params: list[nn.Parameter], layout: FlatLayout) -> None:
+    """Give each parameter of a sharded unit its full size as `ds_numel` / `ds_shape`: between uses
+    its data is an empty placeholder, and the ecosystem reads those two attributes (DeepSpeed's
+    ZeRO-3 convention) for the real size: PEFT's `print_trainable_parameters` counted 0 trainable
+    parameters of a stage-3 LoRA model, and its tuners size adapters by `ds_shape`."""
+    for p, slot in zip(params, layout.slots, strict=True):
+        p.ds_numel = slot.numel  # type: ignore[attr-defined]
+        p.ds_shape = slot.shape  # type: ignore[attr-defined]
+
+
 class ShardedUnit:
     def __init__(
         self,
@@ -270,6 +280,8 @@ class ShardedUnit:
         self._placeholders = [
             torch.empty((0,) * max(1, len(slot.shape)), dtype=param_dtype, device=device) for slot in self.layout.slots
         ]
+        if self.policy.shard_params and not self.resident:
+            _tell_full_size(self.params, self.layout)
         if sharded_initial is not None:
             self.home = self.home_factory(self.name, sharded_initial, False)
             for p, placeholder in zip(self.params, self._placeholders, strict=True):
