@@ -67,3 +67,39 @@ def test_launching_more_ranks_than_gpus_fails_before_launch(
         check_ranks_fit(2)
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     check_ranks_fit(2)  # ranks on the CPU: any number
+
+
+_NO_INIT_SCRIPT = """
+import json, os, torch, zeroinf
+from zeroinf.models.gpt import GPT, GPTConfig
+torch.manual_seed(0)
+model = zeroinf.shard(GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)), zeroinf.Config(stage=2))
+opt = zeroinf.AdamW(model, lr=1e-2)
+rank = int(os.environ["RANK"])
+for step in range(2):  # each rank its own batch: only averaged gradients keep the ranks' weights equal
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+    opt.backward(model(x, x))
+    opt.step()
+    opt.zero_grad()
+engine = zeroinf.engine_of(model)
+weights = sum(p.detach().double().sum().item() for p in model.parameters())
+print(json.dumps({"world": engine.topo.world_size, "rank": engine.topo.rank, "weights": weights}))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_shard_under_torchrun_initializes_the_process_group() -> None:
+    """A script launched by torchrun that calls `zeroinf.shard` without initializing a process group
+    trains one world of 2, as under DeepSpeed's `initialize`: before, each rank trained a world of
+    its own, silently (its own weights, no averaging)."""
+    import json
+
+    from tests._launch import run_ranks_as_processes
+
+    ranks = run_ranks_as_processes(["-c", _NO_INIT_SCRIPT], world=2, timeout_s=120)
+    reports = []
+    for r in ranks:
+        assert r.returncode == 0, r.stderr[-3000:]
+        reports.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert [(rep["world"], rep["rank"]) for rep in reports] == [(2, 0), (2, 1)], reports
+    assert reports[0]["weights"] == reports[1]["weights"], reports

@@ -16,6 +16,15 @@ unit is gathered to read, the EMA's to write, and the new values land in every r
 its tier. A collective: every rank calls it. Parameters are matched by name; floating-point
 buffers are not averaged (as `AveragedModel(use_buffers=False)`).
 
+[Note: an EMA averaged shard to shard]
+Where the two models are sharded alike (the EMA built from the same class, sharded at stage 3 at the
+same world size: each of its units holds the parameters of one of the model's units, of the same
+names and shapes), this rank's shard of an EMA unit covers exactly the elements of its shard of the
+model's unit. The average is elementwise, so each rank averages its own shards: read both from their
+tiers (two NVMe reads in flight together), `lerp`, write the EMA's back. No all-gather, no unit held
+whole, 1/world of the arithmetic; the gathered path remains for the rest (units kept whole, a unit
+gathered at the time, EMAs laid out differently). Same values: `lerp` of the same elements.
+
 Keep the EMA in fp32 (`param_dtype="fp32"` in its Config): in bf16, `(1 - decay) * (model - ema)`
 with decay 0.999 is mostly below the rounding step of bf16 and would be lost. The trained model's
 values are its compute-dtype parameters (bf16 under `param_dtype="bf16"`), what its forward uses.
@@ -29,8 +38,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from zeroinf.engine import owning_engine
+from zeroinf.engine import Engine, engine_of, owning_engine
 from zeroinf.partition.gathered import gathered
+from zeroinf.partition.unit import ParamState, ShardedUnit
 
 
 def _unit_groups(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> Iterator[list[tuple[nn.Parameter, nn.Parameter]]]:
@@ -68,7 +78,11 @@ def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
             f"zeroinf.ema_update: the EMA model's parameters do not match the model's (missing {missing}, "
             f"unexpected {extra}): build the EMA model from the same class and config"
         )
-    pairs = [(ema_params[name], model_params[name]) for name in model_params]
+    local = _shard_to_shard(ema, model)
+    if local:
+        _average_shards(local, 1.0 - decay)
+    averaged = {name for ema_unit, _ in local for name in ema_unit.param_names}
+    pairs = [(ema_params[name], model_params[name]) for name in model_params if name not in averaged]
     for group in _unit_groups(pairs):
         ema_group, model_group = [e for e, _ in group], [m for _, m in group]
         with _gathered_if_sharded(model_group, modify=False), _gathered_if_sharded(ema_group, modify=True):
@@ -79,3 +93,47 @@ def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
                         f"{tuple(model_p.shape)} in the model): build the EMA model from the same config"
                     )
                 ema_p.lerp_(model_p.to(ema_p.dtype), 1.0 - decay)
+
+
+def _sharded_engine(module: nn.Module) -> Engine | None:
+    try:
+        return engine_of(module)
+    except TypeError:  # a plain module
+        return None
+
+
+def _shard_to_shard(ema: nn.Module, model: nn.Module) -> list[tuple[ShardedUnit, ShardedUnit]]:
+    """(EMA unit, model unit) pairs averaged shard to shard ([Note: an EMA averaged shard to shard]):
+    the same parameter names in the same layout, both sharded now. The same on every rank."""
+    ema_engine, model_engine = _sharded_engine(ema), _sharded_engine(model)
+    if ema_engine is None or model_engine is None:
+        return []
+    by_names = {tuple(u.param_names): u for u in model_engine.all_units}
+    pairs = []
+    for ema_unit in ema_engine.all_units:
+        model_unit = by_names.get(tuple(ema_unit.param_names))
+        if (
+            model_unit is not None and model_unit.layout == ema_unit.layout
+            and ema_unit.home is not None and model_unit.home is not None
+            and ema_unit.state is ParamState.SHARDED and model_unit.state is ParamState.SHARDED
+        ):
+            pairs.append((ema_unit, model_unit))
+    if pairs:
+        if ema_engine.pending_save is not None:  # a background save of the EMA may still read its shards
+            ema_engine.pending_save.wait()
+        model_engine.transfers.order_uploads()  # the last step's new parameters, before they are read
+    return pairs
+
+
+def _average_shards(pairs: list[tuple[ShardedUnit, ShardedUnit]], weight: float) -> None:
+    for ema_unit, model_unit in pairs:
+        ema_home, model_home = ema_unit.home, model_unit.home
+        assert ema_home is not None and model_home is not None
+        model_home.start_load()  # both reads under way together (NVMe)
+        ema_home.start_load()
+        values = model_home.finish_load()
+        shard = ema_home.finish_load()
+        averaged = shard.lerp(values.to(shard.dtype), weight)  # a tensor of its own: the loaded ones are lent
+        model_home.end_load()
+        ema_home.end_load()
+        ema_home.store(averaged)

@@ -48,7 +48,7 @@ from zeroinf.runtime.streams import Transfers
 from zeroinf.telemetry import CollectiveCounter, get_logger
 from zeroinf.tiers.host import StepMemory, map_large_buffers, reuse_step_buffers
 from zeroinf.tiers.nvme_tier import NvmeTier, open_grad_files, open_param_files
-from zeroinf.topology import Topology
+from zeroinf.topology import Topology, default_topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
 
 if TYPE_CHECKING:
@@ -612,7 +612,8 @@ def shard(
 ) -> ModuleT:
     """Shard `module` in place according to `cfg` (default: `Config()`) and return it.
 
-    `topology` defaults to the initialized default process group (or a single process). A module
+    `topology` defaults to the default process group (initialized here from torchrun's environment
+    if it is not yet), or a single process. A module
     built under `zeroinf.init()` is materialized here unit by unit; `init_fn(module)` runs on every
     module while its unit is unsharded (after `reset_parameters`), for custom initialization.
     `weights` (zeroinf.from_pretrained builds it): parameters it covers are read from its files,
@@ -621,7 +622,7 @@ def shard(
     if hasattr(module, _ATTR):
         raise RuntimeError("zeroinf.shard: this module is already sharded")
     cfg = cfg or Config()
-    topo = topology or Topology.current()
+    topo = topology or default_topology(cfg.collective_timeout_s)
     if cfg.is_auto:
         cfg = resolve_auto(module, cfg, topo)
     engine = Engine(module, cfg, topo, init_fn=init_fn, weights=weights)

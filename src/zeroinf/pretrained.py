@@ -34,7 +34,7 @@ from zeroinf.config import Config
 from zeroinf.engine import shard
 from zeroinf.optional import require
 from zeroinf.partition.init import init
-from zeroinf.topology import Topology
+from zeroinf.topology import Topology, default_topology
 from zeroinf.weights.safetensors_folder import SafetensorsFolder, WeightsError
 from zeroinf.weights.source import CheckpointWeights, persistent_buffers
 
@@ -75,7 +75,7 @@ def from_pretrained(
         from zeroinf.planner.api import resolve_for_ranks
         from zeroinf.planner.model_facts import from_hf
 
-        cfg, _ = resolve_for_ranks(cfg, from_hf(path), topology or Topology.current())
+        cfg, _ = resolve_for_ranks(cfg, from_hf(path), topology or default_topology(cfg.collective_timeout_s))
     folder = SafetensorsFolder(path)
     try:
         config = AutoConfig.from_pretrained(path)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zeroinf.telemetry import get_logger
+
 if dist.is_available() and not dist.is_initialized():
     import torch.distributed.nn  # noqa: F401  - see [Note: a process group that outlives destroy_process_group]
 
@@ -132,6 +134,21 @@ class Topology:
             device=device or default_device(),
             group=group,
         )
+
+
+def default_topology(timeout_s: float = 600.0) -> Topology:
+    """The topology `zeroinf.shard` / `zeroinf.init` use when given none: the default process group's.
+    Under torchrun (WORLD_SIZE > 1) with no process group yet, it is initialized here first, as
+    DeepSpeed's `initialize` and accelerate's `Accelerator` do: otherwise every rank would train a
+    world of its own, silently (the same batches, no averaging) unless something else collided."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        topo = init_distributed(timeout_s)
+        get_logger().info(
+            "initialized the default process group from torchrun's environment: rank %d of %d, %s",
+            topo.rank, topo.world_size, dist.get_backend(),
+        )
+        return topo
+    return Topology.current()
 
 
 def init_distributed(timeout_s: float = 600.0) -> Topology:

@@ -38,7 +38,7 @@ from zeroinf.partition.park import MemoryParkStore, ParamPark, ParkStore, swap_d
 from zeroinf.partition.wrap import UnitSpec
 from zeroinf.runtime import hooks as runtime_hooks
 from zeroinf.tiers.host import map_large_buffers, return_freed_memory
-from zeroinf.topology import Topology
+from zeroinf.topology import Topology, default_topology
 from zeroinf.weights.source import CheckpointWeights
 
 InitFn = Callable[[nn.Module], None]
@@ -163,7 +163,7 @@ def init(
             "zeroinf.init(cfg): cfg has 'auto' placement fields, but the placement must be known before the "
             "model exists; choose it first: cfg = zeroinf.plan(<preset, HF folder or meta-device module>, cfg).config"
         )
-    topo = topology or Topology.current()
+    topo = topology or default_topology(cfg.collective_timeout_s if cfg is not None else 600.0)
     park_dtype = cfg.param_torch_dtype if cfg is not None else None
     park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype, defer_values)
     _active.append(park)
