@@ -4,8 +4,10 @@ Two stage-3 models with identical weights (built under `zeroinf.init` from the s
 on NVMe, one with the default `prefetch_bytes` (the next units are read and gathered while the
 current one runs) and one with `prefetch_bytes=0` (each unit is fetched when its forward starts).
 Rounds alternate between them; each round decodes `--new-tokens` greedily after a warm-up generation
-(which records the inference trace). Prints JSON with tokens/s per round, the medians, their ratio,
-NVMe bytes read per token, and whether both produced the same tokens.
+(which records the inference trace). A third variant, `gathered`, decodes with the prefetched model
+inside `zeroinf.gathered(list(model.parameters()))`: every unit gathered once for the whole
+generation (where the model fits in memory), none per token. Prints JSON with tokens/s per round,
+the medians, their ratios, NVMe bytes read per token, and whether all produced the same tokens.
 
     python benchmarks/generate_offload.py --nvme-dir /tmp/zi-gen [--layers 12 --hidden 1024]
 """
@@ -13,6 +15,7 @@ NVMe bytes read per token, and whether both produced the same tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -49,10 +52,13 @@ def build(args: argparse.Namespace, folder: str, prefetch_bytes: int) -> Any:
     return model
 
 
-def generate(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float, float]:
+def generate(
+    model: Any, ids: torch.Tensor, new_tokens: int, gathered: bool = False
+) -> tuple[torch.Tensor, float, float]:
     before = zeroinf.memory_report(model)["io"]["nvme_read_bytes"]
     t0 = time.perf_counter()
-    with torch.no_grad():
+    held = zeroinf.gathered(list(model.parameters())) if gathered else contextlib.nullcontext()
+    with held, torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     seconds = time.perf_counter() - t0
@@ -74,14 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         "on_demand": build(args, os.path.join(root, "on_demand"), 0),
     }
     ids = torch.randint(0, 32000, (1, args.prompt_len), generator=torch.Generator().manual_seed(1))
-    rates: dict[str, list[float]] = {name: [] for name in models}
+    variants = {  # name: (model, inside one gathered block)
+        "prefetched": ("prefetched", False), "on_demand": ("on_demand", False), "gathered": ("prefetched", True),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in variants}
     tokens: dict[str, torch.Tensor] = {}
     read_per_token: dict[str, float] = {}
     for model in models.values():
         generate(model, ids, 2)  # warm-up: records the inference trace
     for _ in range(args.rounds):
-        for name, model in models.items():
-            out, rate, read = generate(model, ids, args.new_tokens)
+        for name, (model_name, gathered) in variants.items():
+            out, rate, read = generate(models[model_name], ids, args.new_tokens, gathered)
             rates[name].append(rate)
             tokens[name] = out
             read_per_token[name] = read / args.new_tokens
@@ -90,12 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         "params": params, "layers": args.layers, "hidden": args.hidden, "new_tokens": args.new_tokens,
         "tokens_per_s": rates, "median_tokens_per_s": {k: statistics.median(v) for k, v in rates.items()},
         "nvme_read_bytes_per_token": read_per_token,
-        "same_tokens": torch.equal(tokens["prefetched"], tokens["on_demand"]),
+        "same_tokens": all(torch.equal(tokens["prefetched"], t) for t in tokens.values()),
         "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": \t"),
         "threads": torch.get_num_threads(),
     }
     med = result["median_tokens_per_s"]
     result["speedup_prefetched_over_on_demand"] = med["prefetched"] / med["on_demand"]
+    result["speedup_gathered_over_prefetched"] = med["gathered"] / med["prefetched"]
     for model in models.values():
         zeroinf.engine_of(model).close()
     print(json.dumps(result, indent=1))

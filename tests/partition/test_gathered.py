@@ -6,7 +6,10 @@ World 2, stage 3, parameters and optimizer states on NVMe (one spawned group):
   step with lr 0 (so it reached the fp32 masters, not only the compute shard);
 - `modifier_rank=1`: rank-dependent writes end as rank 1's everywhere;
 - reading nested inside writing works; a unit gathered twice for writing is refused;
-- bf16: the masters of elements left alone keep their unrounded fp32 values.
+- bf16: the masters of elements left alone keep their unrounded fp32 values;
+- forwards inside a block: the engine releases units after use, but not one a block holds (that
+  lost the block's writes, and its commit then failed); inside a block over every parameter,
+  forwards (a generation loop) gather nothing.
 World 1 in process: parameters of a model that is not sharded are refused; parameters parked by
 `zeroinf.init()` can be edited before `shard`.
 """
@@ -105,8 +108,40 @@ def _bf16_masters(rank: int, world: int, root: str) -> dict[str, Any]:
     }
 
 
+def _forwards_inside(rank: int, world: int, root: str) -> dict[str, Any]:
+    folder = os.path.join(root, f"inside-rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(0)
+    plain = Net()
+    model = zeroinf.shard(copy.deepcopy(plain), _offloaded_cfg(folder))
+    engine = zeroinf.engine_of(model)
+    idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(rank))
+    weight = model.blocks[1].up.weight
+    out: dict[str, Any] = {}
+    with zeroinf.gathered(weight, modify=True) as (w,), torch.no_grad():
+        w.mul_(2.0)
+        plain.blocks[1].up.weight.mul_(2.0)
+        out["inside_matches_plain"] = torch.equal(model(idx), plain(idx))
+        out["held_after_forward"] = tuple(weight.shape)
+    state = model.state_dict()
+    out["write_kept"] = all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
+    gathers = engine.counter.total
+    with torch.no_grad():
+        expected = [model(idx) for _ in range(3)]
+    with zeroinf.gathered(list(model.parameters())), torch.no_grad():
+        before = gathers["all_gather"]
+        outputs = [model(idx) for _ in range(3)]  # as each decoding step of a generation
+        out["gathers_inside"] = gathers["all_gather"] - before
+    out["same_outputs"] = all(torch.equal(a, b) for a, b in zip(expected, outputs, strict=True))
+    engine.close()
+    return out
+
+
 def run(rank: int, world: int, root: str) -> dict[str, Any]:
-    return {"round_trip": _round_trip(rank, world, root), "bf16": _bf16_masters(rank, world, root)}
+    return {
+        "round_trip": _round_trip(rank, world, root), "bf16": _bf16_masters(rank, world, root),
+        "inside": _forwards_inside(rank, world, root),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +223,11 @@ def test_a_write_waits_for_a_background_save(tmp_path: Any, params: str) -> None
         assert torch.equal(value, before[key]), key
     for opt_ in (opt, resumed_opt):
         opt_.close()
+
+
+def test_forwards_inside_a_block_keep_its_units(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        t = r["inside"]
+        assert t["inside_matches_plain"] and t["held_after_forward"] == (64, 32), (rank, t)
+        assert t["write_kept"], f"rank {rank}: the forward inside the block lost its write"
+        assert t["gathers_inside"] == 0 and t["same_outputs"], (rank, t)

@@ -191,6 +191,8 @@ class ShardedUnit:
         self.grad_sq_norm: float | None = None  # NVMe shards: squared L2 norm, kept at write time
         self._master_source: Callable[[], torch.Tensor] | None = None
         self._fp32_master_from_shard = False  # fp32 built in place: the master is read from the shard
+        self.user_gathers = 0  # open `zeroinf.gathered` contexts holding this unit
+        self.user_writer = False  # one of them gathered it for writing
         if source is None:
             self._build_buffers(param_dtype, keep_fp32_master, realize)
         else:
@@ -210,8 +212,6 @@ class ShardedUnit:
         self.param_had_grad = [False] * len(self.params)
         self._grad_handles: list[Handle] = []
         self._gather_handle: Handle | None = None
-        self.user_gathers = 0  # open `zeroinf.gathered` contexts holding this unit
-        self.user_writer = False  # one of them gathered it for writing
 
     def _build_buffers(
         self, param_dtype: torch.dtype, keep_fp32_master: bool,
@@ -417,8 +417,10 @@ class ShardedUnit:
 
     @phase("zeroinf::reshard")
     def reshard(self) -> None:
-        """Free the unsharded buffer (all aliases at once) and point params at empty placeholders."""
-        if self.state is ParamState.SHARDED:
+        """Free the unsharded buffer (all aliases at once) and point params at empty placeholders.
+        Not while a `zeroinf.gathered` block holds the unit: a forward inside one (the engine's hooks
+        release units after use) lost the block's writes, and then its commit failed."""
+        if self.state is ParamState.SHARDED or self.user_gathers > 0:
             return
         if self.state is ParamState.FETCHING:  # read but never gathered: drop the staged shard
             assert self.home is not None
