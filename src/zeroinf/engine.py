@@ -198,6 +198,14 @@ class Engine:
         stepping its buffers while the model computes with copies that never change (stages 0-2), or
         fail on mixed dtypes (stage 3). Refused with the fix instead."""
         for unit in self.all_units:
+            resized = unit.resized_param()
+            if resized is not None:
+                raise RuntimeError(
+                    f"{resized}: it was resized after zeroinf.shard (model.resize_token_embeddings, or a "
+                    "parameter replaced by one of another size), which the engine's flat buffers and optimizer "
+                    "states cannot follow; at stage 3 the old values were not even there to copy. Resize before "
+                    "zeroinf.shard (or inside the `with zeroinf.init()` block, after building), then shard"
+                )
             problem = unit.replaced_param()
             if problem is not None:
                 raise RuntimeError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -164,3 +165,41 @@ def test_build_hugging_face_llama_under_init_bounded_memory_two_ranks() -> None:
     layers are parked: 32 layers of 1.6M params, the fp32 model is 207 MB."""
     _needs_clear_refs()
     _check_bounded(run_ranks(_build_big, 2, "llama", 32, timeout_s=240))
+
+
+def _resized_under_init(rank: int, world: int, arch: str) -> tuple[float, list[int]]:
+    from tests import _hf
+
+    torch.manual_seed(0)
+    plain = _hf.build(arch)
+    plain.resize_token_embeddings(140)
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
+    with zeroinf.init(cfg):
+        model = _hf.build(arch)
+        model.resize_token_embeddings(140)  # draws the new rows as a plain resize does
+    zeroinf.shard(model, cfg)
+    state = model.state_dict()
+    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    shape = list(model.get_input_embeddings().weight.shape)
+    zeroinf.engine_of(model).close()
+    return diff, shape
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "gpt2"])
+def test_resize_token_embeddings_inside_init_matches_a_plain_resize(arch: str) -> None:
+    for rank, (diff, shape) in enumerate(run_ranks(_resized_under_init, 2, arch)):
+        assert diff == 0.0 and shape == [140, 32], (rank, diff, shape)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_resize_after_shard_is_refused_with_the_fix(stage: int) -> None:
+    """After `shard` the engine's buffers cannot follow a new size (at stage 3 the old rows were not
+    even there to copy): the next forward names the resize and where to do it instead; it blamed a
+    dtype or device conversion before."""
+    from tests import _hf
+
+    model = zeroinf.shard(_hf.build("llama"), zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+    model.resize_token_embeddings(140)
+    with pytest.raises(RuntimeError, match=r"embed_tokens.weight has shape \(140, 32\).*resized after zeroinf.shard"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    zeroinf.engine_of(model).close()

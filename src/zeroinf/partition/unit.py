@@ -371,6 +371,19 @@ class ShardedUnit:
             f"engine's {flat.dtype} storage on {flat.device}"
         )
 
+    def resized_param(self) -> str | None:
+        """A parameter of this unit whose shape something outside the engine changed (Hugging Face's
+        `resize_token_embeddings` after sharding swaps in a tensor of the new size), described; else
+        None. Checked for every parameter: a resize touches one or two of them."""
+        if self.state not in (ParamState.SHARDED, ParamState.UNSHARDED):
+            return None
+        sharded = self.state is ParamState.SHARDED
+        held = [t.shape for t in self._placeholders] if sharded else [slot.shape for slot in self.layout.slots]
+        for name, p, now, slot in zip(self.param_names, self.params, held, self.layout.slots, strict=True):
+            if p.shape != now:
+                return f"parameter {name} has shape {tuple(p.shape)}, but the engine holds {tuple(slot.shape)}"
+        return None
+
     @property
     def loads_from_storage(self) -> bool:
         """True when bringing the shard in is I/O worth starting an event before the all-gather."""
