@@ -204,7 +204,8 @@ class Engine:
                     f"{resized}: it was resized after zeroinf.shard (model.resize_token_embeddings, or a "
                     "parameter replaced by one of another size), which the engine's flat buffers and optimizer "
                     "states cannot follow; at stage 3 the old values were not even there to copy. Resize before "
-                    "zeroinf.shard (or inside the `with zeroinf.init()` block, after building), then shard"
+                    "zeroinf.shard (or inside the `with zeroinf.init()` block, after building; with "
+                    "zeroinf.from_pretrained, in prepare=)"
                 )
             problem = unit.replaced_param()
             if problem is not None:

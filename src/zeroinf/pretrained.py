@@ -11,8 +11,10 @@
    and no random numbers are drawn for weights that the files will replace.
 3. `prepare(model)` runs inside the same construction context with values switched back on: new
    parameters (LoRA adapters) are built and initialized for real, and code that asks a base
-   weight's device gets the real one.
-4. Every stored key is matched to a parameter (by the names it had before `prepare`) and checked.
+   weight's device gets the real one. A base weight that `prepare` reads is read whole from the
+   files then (`resize_token_embeddings` copies the old rows and averages them): it is held like a
+   built parameter from there on, and shard does not read it again.
+4. Every other stored key is matched to a parameter (by the names it had before `prepare`) and checked.
 5. `zeroinf.shard(model, cfg, weights=...)` builds unit by unit: each rank reads only the byte
    ranges of its own shards, straight into the shard's tier; fp32 masters are read from the files
    (exact fp32 whatever the compute dtype) when an optimizer takes them. Host memory stays about one
@@ -24,10 +26,12 @@ The weights equal `AutoModelForCausalLM.from_pretrained(path)`'s, converted to `
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from zeroinf.config import Config
@@ -85,10 +89,16 @@ def from_pretrained(
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)
             buffers = persistent_buffers(model)
+            read_early: dict[int, list[str]] = {}  # parameters `prepare` read: their values are in the park
             if prepare is not None:
                 park.defer_values = False  # what `prepare` adds (adapters) is built for real
+                park.fill_deferred = functools.partial(_stored_values, folder, names, read_early)
                 model = prepare(model)
-        weights = CheckpointWeights(folder, model, names=names, buffers=buffers)
+                park.fill_deferred = None
+        weights = CheckpointWeights(
+            folder, model, names={pid: ns for pid, ns in names.items() if pid not in read_early}, buffers=buffers,
+            read_early={key for keys in read_early.values() for key in keys},
+        )
         model = shard(model, cfg, topology=topology, weights=weights)
         weights.load_buffers()
     finally:
@@ -97,3 +107,19 @@ def from_pretrained(
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     return model
+
+
+def _stored_values(
+    folder: SafetensorsFolder, names: dict[int, list[str]], read: dict[int, list[str]], p: nn.Parameter
+) -> torch.Tensor:
+    """A parameter's stored values, read whole because `prepare` reads them (resize_token_embeddings
+    copies the old rows); its keys are noted in `read`, so that shard neither reads it again nor
+    takes the keys for unexpected ones."""
+    keys = [key for key in names.get(id(p), []) if key in folder]
+    if not keys:
+        raise WeightsError(
+            f"prepare= reads a parameter of shape {tuple(p.shape)} that no weights file holds (only parameters "
+            "built from the folder's config have stored values)"
+        )
+    read[id(p)] = keys
+    return folder.read(keys[0])

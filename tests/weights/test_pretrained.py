@@ -6,7 +6,9 @@ each in fp32 and bf16 and as one file or several shards. For each folder x stage
 and buffers equal `AutoModelForCausalLM.from_pretrained(folder, dtype=fp32)` bitwise, the logits
 agree within 1e-5, tied embeddings stay tied, and the fp32 masters an optimizer takes are the stored
 values. `load_weights` streams the same files into a sharded model of another seed (and a plain
-module's safetensors into a sharded non-HF module). Bad folders are refused naming the key or file.
+module's safetensors into a sharded non-HF module). `resize_token_embeddings` in `prepare=` (its
+old rows read from the files on demand) equals Hugging Face's load followed by the same resize,
+bitwise. Bad folders are refused naming the key or file.
 """
 
 from __future__ import annotations
@@ -107,12 +109,31 @@ def _load_weights_into_other_seed(path: str, rank: int, swap_root: str) -> bool:
     return ok
 
 
+def _resized_in_prepare(path: str, rank: int, swap_root: str) -> list[str]:
+    """Keys whose values differ from Hugging Face's load + resize (empty: all equal)."""
+    from transformers import AutoModelForCausalLM
+
+    def resize(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(0)  # the new rows are drawn around the old ones' mean (mean_resizing)
+        model.resize_token_embeddings(VOCAB + 12)  # type: ignore[operator]
+        return model
+
+    reference = resize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).state_dict()
+    model = zeroinf.from_pretrained(path, _cfg("nvme", os.path.join(swap_root, f"resize-{rank}")), prepare=resize)
+    state = model.state_dict()
+    zeroinf.engine_of(model).close()
+    return [k for k, v in reference.items() if k not in state or not torch.equal(state[k], v)]
+
+
 def run(rank: int, world: int, paths: list[str], swap_root: str) -> dict[str, Any]:
     results: dict[str, Any] = {
         f"{os.path.basename(p)}/{tier}": _compare(p, tier, rank, swap_root) for p in paths for tier in TIERS
     }
     llama = next(p for p in paths if "llama" in p and "float32" in p)
     results["load_weights"] = _load_weights_into_other_seed(llama, rank, swap_root)
+    results["resized"] = {
+        os.path.basename(p): _resized_in_prepare(p, rank, swap_root) for p in paths if "float32" in p
+    }
     return results
 
 
@@ -139,7 +160,7 @@ def test_from_pretrained_equals_hugging_face(results: tuple[int, list[dict]]) ->
     world, per_rank = results
     for rank, by_case in enumerate(per_rank):
         for case, r in by_case.items():
-            if case == "load_weights":
+            if case in ("load_weights", "resized"):
                 continue
             where = f"world {world} rank {rank} {case}"
             assert r["param_diffs"] == [] and r["buffer_diffs"] == [], f"{where}: {r}"
@@ -233,3 +254,11 @@ def test_a_folder_that_is_not_hugging_face_is_refused(tmp_path: Any, llama_folde
             os.remove(os.path.join(llama_folder, name))
     with pytest.raises(WeightsError, match="not a Hugging Face weights folder"):
         zeroinf.from_pretrained(llama_folder)
+
+
+def test_resize_token_embeddings_in_prepare_equals_hugging_face(results: tuple[int, list[dict]]) -> None:
+    world, per_rank = results
+    for rank, r in enumerate(per_rank):
+        assert len(r["resized"]) == 3, r["resized"]
+        for folder, differing in r["resized"].items():
+            assert differing == [], (world, rank, folder, differing)

@@ -98,14 +98,19 @@ class ConstructionMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         park = self.park
-        if park.parked and func not in _METADATA:
+        if (park.parked or park.deferred) and func not in _METADATA:
             query = _DEVICE_QUERIES.get(func)
             if query is not None:
                 device = park.device_of(args[0])
                 if device is not None:
                     return query(device)
             else:
-                touched = park.parked_among(tree_leaves((args, kwargs)))
+                leaves = tree_leaves((args, kwargs))
+                if park.deferred and park.fill_deferred is not None:
+                    unknown = park.deferred_among(leaves)
+                    if unknown:
+                        park.fill(unknown)
+                touched = park.parked_among(leaves)
                 if touched:
                     park.unpark(touched)
                     out = func(*args, **kwargs)

@@ -44,7 +44,7 @@ import math
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -160,6 +160,9 @@ class ParamPark:
         # values kept at all (they will be read from a checkpoint; see zeroinf.from_pretrained)
         self.defer_values = defer_values
         self.deferred: dict[int, tuple[nn.Parameter, torch.device]] = {}
+        # The stored values of a deferred parameter, for code in the block that reads it (set by
+        # zeroinf.from_pretrained around `prepare`: resize_token_embeddings copies the old rows).
+        self.fill_deferred: Callable[[nn.Parameter], torch.Tensor] | None = None
         self.parked: dict[int, _Parked] = {}  # id(param) ->
         self.live: OrderedDict[int, nn.Parameter] = OrderedDict()  # built or unparked, oldest first
         self.settled: set[int] = set()  # live parameters whose module is attached to a parent: built
@@ -190,6 +193,26 @@ class ParamPark:
     def take_deferred(self, p: torch.Tensor) -> torch.device:
         """Forget a deferred parameter (its values are being loaded); its real device."""
         return self.deferred.pop(id(p))[1]
+
+    def deferred_among(self, tensors: Iterable[object]) -> list[nn.Parameter]:
+        """The deferred parameters among `tensors`, each once, in order of appearance."""
+        found: dict[int, nn.Parameter] = {}
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and id(t) in self.deferred:
+                found.setdefault(id(t), self.deferred[id(t)][0])
+        return list(found.values())
+
+    def fill(self, params: list[nn.Parameter]) -> None:
+        """Give deferred parameters that code reads their stored values (`fill_deferred`); from then
+        on they are held like built ones (parked beyond the live budget, built from the park)."""
+        assert self.fill_deferred is not None
+        for p in params:
+            values = self.fill_deferred(p)
+            device = self.take_deferred(p)
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                swap_data(p, values.to(device=device, dtype=p.dtype))
+            self.live[id(p)] = p
+            self.settled.add(id(p))
 
     def parked_among(self, tensors: Iterable[object]) -> list[nn.Parameter]:
         """The parked parameters among `tensors`, each once, in order of appearance."""

@@ -38,10 +38,12 @@ class CheckpointWeights:
         shapes: dict[int, tuple[int, ...]] | None = None,
         key_map: KeyMap | None = None,
         buffers: list[tuple[str, torch.Tensor]] | None = None,
+        read_early: set[str] | None = None,
     ) -> None:
         """`names`: id(param) -> candidate keys (default: the model's own names); `shapes`: id(param)
         -> true shape where the parameter object no longer shows it (a sharded placeholder);
-        `buffers`: (key, tensor) of the persistent buffers (default: the model's own)."""
+        `buffers`: (key, tensor) of the persistent buffers (default: the model's own); `read_early`:
+        keys already read into their parameters (from_pretrained's `prepare`), not unexpected ones."""
         self.folder = folder
         self._scratches: dict[str, torch.Tensor] = {}
         key_map = key_map or (lambda k: k)
@@ -51,7 +53,7 @@ class CheckpointWeights:
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)
         self.of_param: dict[int, StoredTensor] = {}
-        used: set[str] = set()
+        used: set[str] = set(read_early or ())
         missing = []
         params = {id(p): p for p in model.parameters()}
         for pid, candidates in names.items():
