@@ -23,6 +23,7 @@ from zeroinf.pretrained import from_pretrained
 from zeroinf.tiling import TiledLinear, tile_linears
 from zeroinf.topology import Topology, init_distributed
 from zeroinf.weights.load import load_weights
+from zeroinf.weights.save import save_pretrained
 
 __all__ = [
     "AdamW",
@@ -46,6 +47,7 @@ __all__ = [
     "memory_report",
     "plan",
     "save",
+    "save_pretrained",
     "shard",
     "tile_linears",
 ]

@@ -325,6 +325,7 @@ def export(run: FinetuneRun, args: FinetuneArgs) -> None:
     """Merge the adapters into the base (inside `zeroinf.gathered`), write the base's weights under
     its own names, its config, generation config and tokenizer (a collective; rank 0 writes)."""
     from zeroinf.weights.export import save_pretrained_weights
+    from zeroinf.weights.save import write_configs
 
     out = args.out
     assert out is not None, "export writes to args.out: call it when that is set"
@@ -351,9 +352,7 @@ def export(run: FinetuneRun, args: FinetuneArgs) -> None:
 
     save_pretrained_weights(model, out, rename=rename)
     if run.topo.rank == 0:
-        base.config.save_pretrained(out)
-        if getattr(base, "generation_config", None) is not None:
-            base.generation_config.save_pretrained(out)
+        write_configs(base, out)
         if run.tokenizer is not None:
             run.tokenizer.save_pretrained(out)
     if run.topo.is_distributed:
