@@ -1,9 +1,11 @@
-"""Stage 3 on a dozen more Hugging Face architectures, unchanged, against plain PyTorch.
+"""Stage 3 on eighteen more Hugging Face architectures, unchanged, against plain PyTorch.
 
 Tiny configs (no downloads) of T5 (encoder-decoder, shared embeddings), BERT and DistilBERT (masked
-LM, tied decoder), Mistral, Gemma (scaled, tied embeddings), Phi-3, GPT-NeoX, OPT (projected
-embeddings), BLOOM (ALiBi), Falcon, Mixtral (a mixture of experts: each rank routes its own tokens)
-and ViT (images, a class token and position embeddings held by the root). One spawned group at world
+LM, tied decoder), Mistral, Gemma (scaled, tied embeddings), Gemma 2 (sliding window, soft-capping),
+Phi-3, GPT-NeoX, GPT-J, OPT (projected embeddings), BLOOM (ALiBi), Falcon, Mixtral, Qwen2-MoE (with
+a shared expert) and DeepSeek-V3 (latent attention, a dense first layer) as mixtures of experts
+where each rank routes its own tokens, Mamba (a state-space model), Whisper (audio features into an
+encoder-decoder) and ViT (images, a class token and position embeddings held by the root). One spawned group at world
 2, parameters on NVMe, every unit sharded (`persist_threshold_bytes=0`), 3 steps of AdamW on each
 rank's half of the batch; the reference trains the whole batch with `torch.optim.AdamW(fused=True)`,
 whose arithmetic zeroinf's CPU step shares (at world 1 the weights are then bitwise equal; the
@@ -26,12 +28,15 @@ import zeroinf
 from tests._harness import run_ranks
 
 VOCAB, STEPS, BATCH, LR = 96, 3, 8, 1e-3
-ARCHS = ["t5", "bert", "distilbert", "mistral", "gemma", "phi3", "gpt_neox", "opt", "bloom", "falcon", "mixtral", "vit"]
+ARCHS = [
+    "t5", "bert", "distilbert", "mistral", "gemma", "gemma2", "phi3", "gpt_neox", "gptj", "opt", "bloom", "falcon",
+    "mixtral", "qwen2_moe", "deepseek_v3", "mamba", "whisper", "vit",
+]
 NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None}
 
 
 def build(arch: str) -> tuple[torch.nn.Module, str]:
-    """The model and its kind of batch ("clm", "mlm", "seq2seq", "image")."""
+    """The model and its kind of batch ("clm", "mlm", "seq2seq", "audio", "image")."""
     import transformers as tf
 
     tf.utils.logging.set_verbosity_error()
@@ -76,6 +81,33 @@ def build(arch: str) -> tuple[torch.nn.Module, str]:
         cfg = tf.MixtralConfig(**decoder, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                pad_token_id=None)
         return tf.MixtralForCausalLM(cfg), "clm"
+    if arch == "gemma2":
+        cfg = tf.Gemma2Config(**decoder, num_key_value_heads=2, head_dim=8, pad_token_id=None, sliding_window=4)
+        return tf.Gemma2ForCausalLM(cfg), "clm"
+    if arch == "gptj":
+        cfg = tf.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, **NO_SPECIAL_TOKENS)
+        return tf.GPTJForCausalLM(cfg), "clm"
+    if arch == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**decoder, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, pad_token_id=None)
+        return tf.Qwen2MoeForCausalLM(cfg), "clm"
+    if arch == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(**decoder, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                  q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                  v_head_dim=8, pad_token_id=None)
+        return tf.DeepseekV3ForCausalLM(cfg), "clm"
+    if arch == "mamba":
+        cfg = tf.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
+                             conv_kernel=4, pad_token_id=None, **NO_SPECIAL_TOKENS)
+        return tf.MambaForCausalLM(cfg), "clm"
+    if arch == "whisper":
+        cfg = tf.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2,
+                               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                               decoder_ffn_dim=64, max_source_positions=8, max_target_positions=16, dropout=0.0,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+        return tf.WhisperForConditionalGeneration(cfg), "audio"
     if arch == "vit":
         cfg = tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                            image_size=16, patch_size=4, num_labels=5, hidden_dropout_prob=0.0,
@@ -89,6 +121,9 @@ def batch(kind: str, step: int, rows: slice) -> dict[str, torch.Tensor]:
     if kind == "image":
         images, labels = torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 5, (BATCH,), generator=g)
         return {"pixel_values": images[rows], "labels": labels[rows]}
+    if kind == "audio":
+        features, labels = torch.randn(BATCH, 8, 16, generator=g), torch.randint(3, VOCAB, (BATCH, 6), generator=g)
+        return {"input_features": features[rows], "labels": labels[rows]}
     ids = torch.randint(2, VOCAB, (BATCH, 12), generator=g)
     if kind == "seq2seq":
         return {"input_ids": ids[rows], "labels": torch.randint(2, VOCAB, (BATCH, 6), generator=g)[rows]}
