@@ -57,7 +57,9 @@ def naming_failures(kind: str, numel: int, topo: Topology) -> Iterator[None]:
             "model.state_dict() at stage 3, zeroinf.save and zeroinf.gathered are collectives, called on every "
             "rank, not under `if rank == 0`; and at stage 3 every rank must run the same units in the same order "
             "in forward, so a layer skipped on some ranks only (LayerDrop, stochastic depth by layer) cannot run "
-            "there: skip inside the layer, by sample, instead)"
+            "there: skip inside the layer, by sample, instead; likewise `generate` must run as many forwards on "
+            "every rank: Hugging Face turns synced_gpus on for a sharded model, except where a model's own "
+            "generate defaults it off (Whisper): pass synced_gpus=True)"
         ) from exc
 
 
