@@ -36,6 +36,7 @@ from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.partition.init import InitFn, materialize_and_build, needs_materializing
+from zeroinf.partition.intact import check_params_intact
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
@@ -171,7 +172,7 @@ class Engine:
             for ui, unit in enumerate(self.units)
             for h in hooks.register_grad_ready_hooks(unit.params, functools.partial(self._on_grad_ready, ui))
         ]
-        self._hook_handles.append(hooks.register_input_hook(module, lambda _: self._check_params_intact()))
+        self._hook_handles.append(hooks.register_input_hook(module, lambda _: check_params_intact(self.all_units)))
         # The pass begins in the outermost backward, where the model's output gets its gradient (see
         # `_begin_backward_at_output`).
         self._hook_handles.append(hooks.register_output_hook(module, self._begin_backward_at_output))
@@ -191,31 +192,6 @@ class Engine:
         attributes; it holds swap files, I/O threads and this process's shards, which no copy can
         own. Refused with the ways that work, instead of pickle's "cannot pickle '_thread.lock'"."""
         raise TypeError(hooks.UNPICKLABLE)
-
-    def _check_params_intact(self) -> None:
-        """Before each forward: a conversion of the module after `shard` (`model.to(torch.bfloat16)`,
-        `.half()`, `.cuda()`) gives the parameters storage of their own; the engine would go on
-        stepping its buffers while the model computes with copies that never change (stages 0-2), or
-        fail on mixed dtypes (stage 3). Refused with the fix instead."""
-        for unit in self.all_units:
-            resized = unit.resized_param()
-            if resized is not None:
-                raise RuntimeError(
-                    f"{resized}: it was resized after zeroinf.shard (model.resize_token_embeddings, or a "
-                    "parameter replaced by one of another size), which the engine's flat buffers and optimizer "
-                    "states cannot follow; at stage 3 the old values were not even there to copy. Resize before "
-                    "zeroinf.shard (or inside the `with zeroinf.init()` block, after building; with "
-                    "zeroinf.from_pretrained, in prepare=)"
-                )
-            problem = unit.replaced_param()
-            if problem is not None:
-                raise RuntimeError(
-                    f"{problem}: the model was converted after zeroinf.shard (model.to(dtype or device), "
-                    ".half(), .bfloat16(), .cuda()), which replaces the parameters the engine trains; every "
-                    "step would leave them unchanged. Convert before zeroinf.shard, or not at all: "
-                    "Config.param_dtype sets the compute dtype, and each rank computes on its own device (for "
-                    "inference in another dtype, load model.state_dict() into a plain copy of the model)"
-                )
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
         """The unit holding `param`, or None (frozen, or not this model's)."""

@@ -353,37 +353,6 @@ class ShardedUnit:
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             p.data = self.param_flat[slot.offset : slot.end].view(slot.shape)
 
-    def replaced_param(self) -> str | None:
-        """A parameter of this unit whose storage something outside the engine replaced (a
-        conversion of the module after sharding: `.to(dtype)`, `.half()`, `.cuda()`), described; else
-        None. Gathered, each parameter must be a view of the flat buffer; sharded, a placeholder of its
-        dtype on its device. The first parameter stands for the unit: conversions replace them all."""
-        if not self.params or self.state not in (ParamState.SHARDED, ParamState.UNSHARDED):
-            return None
-        p, flat = self.params[0], self.param_flat
-        moved = p.dtype != flat.dtype or p.device != flat.device
-        if self.state is ParamState.UNSHARDED:
-            moved = moved or p.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-        if not moved:
-            return None
-        return (
-            f"parameter {self.param_names[0]} is a {p.dtype} tensor on {p.device} of its own, no longer the "
-            f"engine's {flat.dtype} storage on {flat.device}"
-        )
-
-    def resized_param(self) -> str | None:
-        """A parameter of this unit whose shape something outside the engine changed (Hugging Face's
-        `resize_token_embeddings` after sharding swaps in a tensor of the new size), described; else
-        None. Checked for every parameter: a resize touches one or two of them."""
-        if self.state not in (ParamState.SHARDED, ParamState.UNSHARDED):
-            return None
-        sharded = self.state is ParamState.SHARDED
-        held = [t.shape for t in self._placeholders] if sharded else [slot.shape for slot in self.layout.slots]
-        for name, p, now, slot in zip(self.param_names, self.params, held, self.layout.slots, strict=True):
-            if p.shape != now:
-                return f"parameter {name} has shape {tuple(p.shape)}, but the engine holds {tuple(slot.shape)}"
-        return None
-
     @property
     def loads_from_storage(self) -> bool:
         """True when bringing the shard in is I/O worth starting an event before the all-gather."""

@@ -1,0 +1,70 @@
+"""Whether a sharded module's parameters are still the engine's: checked before each forward.
+
+Plain-PyTorch habits replace what the engine trains, and would otherwise lose training silently:
+- a conversion after `shard` (`model.to(torch.bfloat16)`, `.half()`, `.cuda()`) gives every
+  parameter storage of its own: the engine would go on stepping its buffers while the model
+  computes with copies that never change (stages 0-2), or fail on mixed dtypes (stage 3);
+- a resize after `shard` (Hugging Face's `resize_token_embeddings`) swaps in a tensor of the new
+  size, which the flat buffers and optimizer states cannot follow (at stage 3 the old rows were
+  empty placeholders, with nothing to copy); it was reported as a conversion before.
+Each is refused with the fix. A conversion replaces every parameter, so one per unit stands for
+its unit; a resize touches one or two, so every parameter's shape is compared (attribute reads).
+"""
+
+from __future__ import annotations
+
+from zeroinf.partition.unit import ParamState, ShardedUnit
+
+
+def resized_param(unit: ShardedUnit) -> str | None:
+    """A parameter of `unit` whose shape something outside the engine changed, described; else None."""
+    if unit.state not in (ParamState.SHARDED, ParamState.UNSHARDED):
+        return None
+    sharded = unit.state is ParamState.SHARDED
+    for name, p, slot in zip(unit.param_names, unit.params, unit.layout.slots, strict=True):
+        # sharded, the parameter is an empty placeholder with its number of dimensions (unit.py)
+        now = (0,) * max(1, len(slot.shape)) if sharded else tuple(slot.shape)
+        if tuple(p.shape) != now:
+            return f"parameter {name} has shape {tuple(p.shape)}, but the engine holds {tuple(slot.shape)}"
+    return None
+
+
+def replaced_param(unit: ShardedUnit) -> str | None:
+    """A parameter of `unit` whose storage something outside the engine replaced, described; else
+    None. Gathered, each parameter must be a view of the flat buffer; sharded, a placeholder of its
+    dtype on its device."""
+    if not unit.params or unit.state not in (ParamState.SHARDED, ParamState.UNSHARDED):
+        return None
+    p, flat = unit.params[0], unit.param_flat
+    moved = p.dtype != flat.dtype or p.device != flat.device
+    if unit.state is ParamState.UNSHARDED:
+        moved = moved or p.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    if not moved:
+        return None
+    return (
+        f"parameter {unit.param_names[0]} is a {p.dtype} tensor on {p.device} of its own, no longer the "
+        f"engine's {flat.dtype} storage on {flat.device}"
+    )
+
+
+def check_params_intact(units: list[ShardedUnit]) -> None:
+    """Refuse, with the fix, a module whose parameters were resized or converted after `shard`."""
+    for unit in units:
+        resized = resized_param(unit)
+        if resized is not None:
+            raise RuntimeError(
+                f"{resized}: it was resized after zeroinf.shard (model.resize_token_embeddings, or a "
+                "parameter replaced by one of another size), which the engine's flat buffers and optimizer "
+                "states cannot follow; at stage 3 the old values were not even there to copy. Resize before "
+                "zeroinf.shard (or inside the `with zeroinf.init()` block, after building; with "
+                "zeroinf.from_pretrained, in prepare=)"
+            )
+        problem = replaced_param(unit)
+        if problem is not None:
+            raise RuntimeError(
+                f"{problem}: the model was converted after zeroinf.shard (model.to(dtype or device), "
+                ".half(), .bfloat16(), .cuda()), which replaces the parameters the engine trains; every "
+                "step would leave them unchanged. Convert before zeroinf.shard, or not at all: "
+                "Config.param_dtype sets the compute dtype, and each rank computes on its own device (for "
+                "inference in another dtype, load model.state_dict() into a plain copy of the model)"
+            )
