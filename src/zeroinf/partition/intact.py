@@ -23,8 +23,8 @@ def resized_param(unit: ShardedUnit) -> str | None:
     sharded = unit.state is ParamState.SHARDED
     for name, p, slot in zip(unit.param_names, unit.params, unit.layout.slots, strict=True):
         # sharded, the parameter is an empty placeholder with its number of dimensions (unit.py)
-        now = (0,) * max(1, len(slot.shape)) if sharded else tuple(slot.shape)
-        if tuple(p.shape) != now:
+        changed = (p.numel() != 0 or p.dim() != max(1, len(slot.shape))) if sharded else p.shape != slot.shape
+        if changed:
             return f"parameter {name} has shape {tuple(p.shape)}, but the engine holds {tuple(slot.shape)}"
     return None
 
