@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from zeroinf.engine import Engine, engine_of, owning_engine
+from zeroinf.engine import owning_engine, sharded_engine
 from zeroinf.partition.gathered import gathered
 from zeroinf.partition.unit import ParamState, ShardedUnit
 
@@ -95,17 +95,10 @@ def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
                 ema_p.lerp_(model_p.to(ema_p.dtype), 1.0 - decay)
 
 
-def _sharded_engine(module: nn.Module) -> Engine | None:
-    try:
-        return engine_of(module)
-    except TypeError:  # a plain module
-        return None
-
-
 def _shard_to_shard(ema: nn.Module, model: nn.Module) -> list[tuple[ShardedUnit, ShardedUnit]]:
     """(EMA unit, model unit) pairs averaged shard to shard ([Note: an EMA averaged shard to shard]):
     the same parameter names in the same layout, both sharded now. The same on every rank."""
-    ema_engine, model_engine = _sharded_engine(ema), _sharded_engine(model)
+    ema_engine, model_engine = sharded_engine(ema), sharded_engine(model)
     if ema_engine is None or model_engine is None:
         return []
     by_names = {tuple(u.param_names): u for u in model_engine.all_units}

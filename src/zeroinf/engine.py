@@ -658,8 +658,13 @@ def owning_engine(param: torch.Tensor) -> tuple[Engine, int] | None:
     return None
 
 
+def sharded_engine(module: nn.Module) -> Engine | None:
+    """The engine behind `module` if it is sharded, else None."""
+    return getattr(module, _ATTR, None)
+
+
 def engine_of(module: nn.Module) -> Engine:
-    engine = getattr(module, _ATTR, None)
+    engine = sharded_engine(module)
     if engine is None:
         raise TypeError("this module is not sharded: call `model = zeroinf.shard(model, cfg)` first")
     return engine

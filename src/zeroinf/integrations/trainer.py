@@ -54,7 +54,7 @@ from transformers.trainer_callback import TrainerCallback
 
 import zeroinf
 from zeroinf.config import Config
-from zeroinf.engine import engine_of
+from zeroinf.engine import engine_of, sharded_engine
 from zeroinf.integrations.trainer_args import TrainerArgumentsError, config_for_trainer
 from zeroinf.optim.adamw import AdamW
 
@@ -75,11 +75,7 @@ if _missing:
 
 
 def _is_sharded(model: nn.Module) -> bool:
-    try:
-        engine_of(model)
-    except TypeError:
-        return False
-    return True
+    return sharded_engine(model) is not None
 
 
 class _ScaleGradient(torch.autograd.Function):

@@ -63,9 +63,9 @@ class Stage3Hooks:
                 unit_modules.add(id(spec.module))
                 handles += self._unit_hooks(ui, spec)
         for m in module.modules():
-            owned = {engine.unit_index_of(p) for p in m.parameters(recurse=False)} - {None}
-            units = tuple(engine.all_units[u] for u in sorted(u for u in owned if u is not None))
-            units = tuple(u for u in units if not u.resident)
+            indices = {engine.unit_index_of(p) for p in m.parameters(recurse=False)}
+            owned = [engine.all_units[i] for i in sorted(i for i in indices if i is not None)]
+            units = tuple(u for u in owned if not u.resident)
             if units and id(m) not in unit_modules:
                 handles += hooks.register_forward_hooks(
                     m,
