@@ -10,7 +10,8 @@ fresh process (peak RSS is a process's high-water mark):
   need (they exceed the budget by half), the rest spilled to NVMe;
 - `nvme`: optimizer states on NVMe.
 `--reuse-step-memory true|false` overrides `Config.reuse_step_memory` ("auto" by default);
-`--grad-pool off` allocates every gradient buffer afresh (partition/grad_pool.py), to compare.
+`--grad-pool off` allocates every gradient buffer afresh (partition/grad_pool.py), to compare;
+`--split-root false` keeps the embeddings in the root unit (`Config.split_root`).
 Per variant: the RSS before the model is built (the baseline), the peak RSS (VmHWM, the same as
 ru_maxrss) over build and steps, (peak - baseline) / parameters, the engine's host and device
 ledger peaks per parameter, median seconds per step (first step dropped), the losses, and where
@@ -59,7 +60,7 @@ def child(a: argparse.Namespace) -> dict:
     offload = zeroinf.OffloadConfig(params="nvme", optimizer=optimizer, nvme_dir=folder, max_host_bytes=budget)
     cfg = zeroinf.Config(
         stage=3, param_dtype=a.dtype, persist_threshold_bytes=0, offload=offload,
-        reuse_step_memory=reuse_step_memory(a),
+        reuse_step_memory=reuse_step_memory(a), split_root=a.split_root == "true",
     )
     baseline = rss_bytes()
     t0 = time.perf_counter()
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="fp32", help="compute dtype of the parameters (fp32, bf16)")
     parser.add_argument("--variants", default="host,split,nvme")
+    parser.add_argument("--split-root", default="true", choices=["true", "false"], help="Config.split_root")
     add_step_memory_args(parser)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()

@@ -211,7 +211,9 @@ def train_zeroinf(case: Case, rank: int, world: int) -> dict[str, Any]:
     model = build(case.arch)
     _checkpointing(model, case)
     cls, keys = type(model), list(model.state_dict().keys())
-    cfg = zeroinf.Config(stage=case.stage, param_dtype=case.dtype, persist_threshold_bytes=0)
+    cfg = zeroinf.Config(  # the embeddings and head split from the root (they are smaller than a block here)
+        stage=case.stage, param_dtype=case.dtype, persist_threshold_bytes=0, split_root_min_bytes=0
+    )
     model = zeroinf.shard(model, cfg)
     engine = engine_of(model)
     opt = zeroinf.AdamW(model, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)

@@ -5,9 +5,10 @@ LM, tied decoder), Mistral, Gemma (scaled, tied embeddings), Gemma 2 (sliding wi
 Phi-3, GPT-NeoX, GPT-J, OPT (projected embeddings), BLOOM (ALiBi), Falcon, Mixtral, Qwen2-MoE (with
 a shared expert) and DeepSeek-V3 (latent attention, a dense first layer) as mixtures of experts
 where each rank routes its own tokens, Mamba (a state-space model), Whisper (audio features into an
-encoder-decoder) and ViT (images, a class token and position embeddings held by the root). One spawned group at world
-2, parameters on NVMe, every unit sharded (`persist_threshold_bytes=0`), 3 steps of AdamW on each
-rank's half of the batch; the reference trains the whole batch with `torch.optim.AdamW(fused=True)`,
+encoder-decoder) and ViT (images, a class token and position embeddings held by the root). One
+spawned group at world 2, parameters on NVMe, every unit sharded (`persist_threshold_bytes=0`),
+untied embeddings and heads split from the root (`split_root_min_bytes=0`), 3 steps of AdamW on
+each rank's half of the batch; the reference trains the whole batch with `torch.optim.AdamW(fused=True)`,
 whose arithmetic zeroinf's CPU step shares (at world 1 the weights are then bitwise equal; the
 default foreach kernel differs in the last bit, which Adam turns into ~5e-5 where gradients are
 near zero). Weights within the foundation's fp32 tolerance (tests/test_parity.py: atol 5e-5), at a
@@ -134,7 +135,8 @@ def _case(rank: int, world: int, arch: str, folder: str) -> float:
     model, kind = build(arch)
     plain = copy.deepcopy(model)
     cfg = zeroinf.Config(
-        stage=3, persist_threshold_bytes=0, offload=zeroinf.OffloadConfig(params="nvme", nvme_dir=folder)
+        stage=3, persist_threshold_bytes=0, split_root_min_bytes=0,
+        offload=zeroinf.OffloadConfig(params="nvme", nvme_dir=folder),
     )
     model = zeroinf.shard(model, cfg).train()
     opt = zeroinf.AdamW(model, lr=LR, weight_decay=0.0)

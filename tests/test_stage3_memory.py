@@ -108,6 +108,7 @@ def stage3_worker(rank: int, world: int) -> dict:
     block_bytes = block_layout.padded_numel * 4  # fp32
     cfg = zeroinf.Config(
         stage=3, persist_threshold_bytes=0, max_live_bytes=3 * block_bytes, prefetch_bytes=2**40,
+        split_root=False,  # the budget is counted in blocks; the embedding and head stay in the root
     )
     ledger = _tag_peak_ledger()
     engine = engine_mod.Engine(model, cfg, Topology.current(), ledger=ledger)

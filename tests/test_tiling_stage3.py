@@ -217,7 +217,9 @@ def tiling_worker(rank: int, world: int) -> dict:
     from zeroinf.topology import Topology
 
     torch.set_num_threads(1)  # tiny ops: threads would only spin against each other on a loaded machine
-    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, max_live_bytes=MAX_LIVE, prefetch_bytes=2**40)
+    cfg = zeroinf.Config(  # the budget is counted in tiles: the embedding stays in the root
+        stage=3, persist_threshold_bytes=0, max_live_bytes=MAX_LIVE, prefetch_bytes=2**40, split_root=False
+    )
     out: dict = {}
 
     # -- eager: tile an existing model, train against the untiled copy -------------------------------
@@ -400,7 +402,9 @@ def test_enclosing_unit_larger_than_a_tile_stays_within_budget_plus_one_tile() -
     model = Net()
     model.blocks = nn.ModuleList([AttnMlpBlock() for _ in range(N_BLOCKS)])
     assert zeroinf.tile_linears(model, max_tile_bytes=MAX_TILE) == 2 * N_BLOCKS + 1
-    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, max_live_bytes=MAX_LIVE, prefetch_bytes=2**40)
+    cfg = zeroinf.Config(  # the budget is counted in tiles: the embedding stays in the root
+        stage=3, persist_threshold_bytes=0, max_live_bytes=MAX_LIVE, prefetch_bytes=2**40, split_root=False
+    )
     ledger = _peak_ledger()
     engine = engine_mod.Engine(model, cfg, Topology.single(torch.device("cpu")), ledger=ledger)
     setattr(model, engine_mod._ATTR, engine)

@@ -276,6 +276,15 @@ class Config:
     """Stage 3: cap on unsharded bytes of non-resident units alive at once; None means no cap."""
     persist_threshold_bytes: int = 2**18
     """Stage 3: units whose unsharded size is below this stay unsharded (like the root unit)."""
+    split_root: bool = True
+    """Stage 3: each `nn.Embedding` / `nn.Linear` outside the repeated blocks whose parameters (not
+    shared with another module) are at least as large as the smallest block (and
+    `persist_threshold_bytes`) is a unit of its own, gathered only while it runs, instead of staying
+    in the root unit, which is never sharded (a language model's token embedding and LM head). false
+    keeps them in the root."""
+    split_root_min_bytes: int | None = None
+    """With `split_root`: split layers of at least this many bytes (in `param_dtype`) instead of those
+    at least as large as the smallest block (None)."""
     activation_checkpointing: bool | str = False
     """Recompute each checkpointed unit's forward in backward, keeping only its inputs; "auto": chosen
     with the placement by `zeroinf.plan`."""
@@ -333,6 +342,16 @@ class Config:
             or self.persist_threshold_bytes < 0
         ):
             raise ConfigError("persist_threshold_bytes", self.persist_threshold_bytes, "use a byte count >= 0")
+        if not isinstance(self.split_root, bool):
+            raise ConfigError("split_root", self.split_root, "use true or false")
+        if self.split_root_min_bytes is not None and (
+            isinstance(self.split_root_min_bytes, bool)
+            or not isinstance(self.split_root_min_bytes, int)
+            or self.split_root_min_bytes < 0
+        ):
+            raise ConfigError(
+                "split_root_min_bytes", self.split_root_min_bytes, "use a byte count >= 0, or leave it unset"
+            )
         if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing != AUTO:
             raise ConfigError("activation_checkpointing", self.activation_checkpointing, 'use true, false or "auto"')
         if not isinstance(self.offload_activations, bool):
@@ -381,6 +400,15 @@ class Config:
         if isinstance(self.stage, int):
             return self.stage
         raise ValueError(f'config field `stage` is {self.stage!r}: choose a placement with zeroinf.plan first')
+
+    @property
+    def split_min_numel(self) -> int | None:
+        """The fewest parameters of a layer that `split_root` makes a unit of its own; None: no split
+        (stages 0-2 keep every unit unsharded, so a split would change nothing but the units' count)."""
+        if not self.split_root or self.resolved_stage != 3:
+            return None
+        floor = max(self.persist_threshold_bytes, self.split_root_min_bytes or 0)
+        return max(1, -(-floor // DTYPES[self.param_dtype].itemsize))
 
     @property
     def param_torch_dtype(self) -> torch.dtype:

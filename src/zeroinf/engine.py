@@ -82,11 +82,12 @@ class Engine:
                     "fp32 master weights: sharding would train it in fp32. Convert the model first "
                     "(model.float()) if that is what you want"
                 )
-        specs = discover_units(module, cfg.unit_classes)
+        split, any_size = cfg.split_min_numel, cfg.split_root_min_bytes is not None
+        specs = discover_units(module, cfg.unit_classes, split_min_numel=split, split_any_size=any_size)
         self.specs = specs  # the trainable units: gradients, optimizer, checkpoints
         # Stage 3 shards frozen parameters too (a LoRA fine-tune's base): units of their own,
         # gathered like the rest, with no gradient and no optimizer state.
-        frozen_specs = discover_units(module, cfg.unit_classes, False, frozen=True) if cfg.stage == 3 else []
+        frozen_specs = discover_units(module, cfg.unit_classes, False, True, split, any_size) if cfg.stage == 3 else []
         self.all_specs = specs + frozen_specs
         self.weights = weights
         # What to build for each unit, computed before any memory is touched; `zeroinf.plan` reads the same.
@@ -253,10 +254,12 @@ class Engine:
         )
 
     def _setup_activation_checkpointing(self) -> None:
-        paths = {spec.name for spec in self.all_specs if spec.name}
+        # The blocks, not the layers split from the root: recomputing a head saves nothing (the loss
+        # keeps its output) and costs its matmul again.
+        paths = {spec.name for spec in self.all_specs if spec.name and not spec.split}
         outermost = list({
             id(spec.module): spec.module for spec in self.all_specs
-            if spec.name and not any(spec.name.startswith(f"{other}.") for other in paths)
+            if spec.name in paths and not any(spec.name.startswith(f"{other}.") for other in paths)
         }.values())
         if self.cfg.offload_activations:
             self.activation_offloader = ActivationOffloader(self.ledger, self.transfers)

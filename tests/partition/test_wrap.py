@@ -162,3 +162,76 @@ def test_buffers_are_not_params() -> None:
     model = Tiny(n_blocks=2)
     model.register_buffer("mask", torch.ones(3))
     assert all("mask" not in n for s in discover_units(model) for n in _names(s))
+
+
+# -- large layers outside the blocks (partition/wrap.py [Note: large layers outside the blocks ...]) --
+def test_large_embedding_and_head_are_split_from_the_root() -> None:
+    model = Tiny(n_blocks=2, vocab=10, dim=4)  # emb and head: 40 parameters each
+    specs = discover_units(model, split_min_numel=40)
+    assert [(s.name, s.split) for s in specs] == [
+        ("emb", True), ("blocks.0", False), ("blocks.1", False), ("head", True),
+    ]  # the root unit had nothing left: dropped
+    assert [s.order for s in specs] == sorted(s.order for s in specs)  # module order
+    assert [s.name for s in discover_units(model, split_min_numel=41)] == ["blocks.0", "blocks.1", ""]
+    assert [s.name for s in discover_units(model)] == ["blocks.0", "blocks.1", ""]  # no split asked
+
+
+def test_tied_reused_or_subclassed_layers_stay_in_the_root() -> None:
+    tied = Tiny(n_blocks=2, tied=True)  # the head's forward reads the embedding's weight
+    assert [s.name for s in discover_units(tied, split_min_numel=1)] == ["blocks.0", "blocks.1", ""]
+
+    reused = Tiny(n_blocks=2)
+    reused.head2 = reused.head  # one module at two paths: its forward runs twice a pass
+    assert [s.name for s in discover_units(reused, split_min_numel=1)] == ["emb", "blocks.0", "blocks.1", ""]
+
+    class Positions(nn.Embedding):  # a subclass may read its weight elsewhere (Whisper's positions do)
+        pass
+
+    sub = Tiny(n_blocks=2)
+    sub.emb = Positions(10, 4)
+    assert [s.name for s in discover_units(sub, split_min_numel=1)] == ["blocks.0", "blocks.1", "head", ""]
+
+    class Declared(Positions):
+        zeroinf_splittable = True  # ...unless its class says its forward is the only reader
+
+    sub.emb = Declared(10, 4)
+    assert [s.name for s in discover_units(sub, split_min_numel=1)][0] == "emb"
+
+
+def test_only_layers_outside_every_unit_are_split() -> None:
+    model = Tiny(n_blocks=2)
+    model.scale = nn.Parameter(torch.ones(4))  # a parameter of the root module itself stays in the root
+    specs = discover_units(model, split_min_numel=1)  # the blocks' own Linears stay in their blocks
+    assert [s.name for s in specs] == ["emb", "blocks.0", "blocks.1", "head", ""]
+    assert _names(specs[1])[:2] == ["blocks.0.fc.weight", "blocks.0.fc.bias"] and not specs[1].split
+    assert _names(specs[-1]) == ["scale"]
+
+
+def test_frozen_twins_split_the_same_layers() -> None:
+    model = Tiny(n_blocks=2)
+    model.head.requires_grad_(False)
+    trainable = discover_units(model, split_min_numel=1)
+    frozen = discover_units(model, (), False, True, split_min_numel=1)
+    assert [s.name for s in trainable] == ["emb", "blocks.0", "blocks.1"]
+    assert [(s.name, s.frozen, s.split) for s in frozen] == [("head", True, True)]
+
+
+def test_layers_smaller_than_a_block_stay_in_the_root_unless_any_size() -> None:
+    model = Tiny(n_blocks=2, vocab=2, dim=4)  # emb and head: 8 parameters; a block: 28
+    assert [s.name for s in discover_units(model, split_min_numel=1)] == ["blocks.0", "blocks.1", ""]
+    names = [s.name for s in discover_units(model, split_min_numel=1, split_any_size=True)]
+    assert names == ["emb", "blocks.0", "blocks.1", "head"]
+
+
+def test_split_config_fields_are_validated() -> None:
+    import zeroinf
+    from zeroinf.config import ConfigError
+
+    with pytest.raises(ConfigError, match="split_root"):
+        zeroinf.Config(split_root="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="split_root_min_bytes"):
+        zeroinf.Config(split_root_min_bytes=-1)
+    assert zeroinf.Config(stage=2).split_min_numel is None  # stages 0-2 never split
+    assert zeroinf.Config(stage=3, split_root=False).split_min_numel is None
+    bf16 = zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=4096, split_root_min_bytes=2**20)
+    assert bf16.split_min_numel == 2**19

@@ -92,7 +92,7 @@ def test_predicted_bytes_per_tier_match_the_ledger_world_1(name: str, tmp_path: 
     meas, built = measure(cfg)
     assert_close(predicted(cfg, 1), meas, name)
     # The engine built from the same per-unit plan the planner estimates from.
-    assert built == plan_units(from_gpt_config(GPT_CFG).units, cfg, 1)
+    assert built == plan_units(from_gpt_config(GPT_CFG).units_for(cfg), cfg, 1)
 
 
 def _world2(rank: int, world: int, nvme_dir: str) -> dict[str, Any]:

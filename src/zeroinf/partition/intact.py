@@ -21,10 +21,12 @@ def resized_param(unit: ShardedUnit) -> str | None:
     if unit.state not in (ParamState.SHARDED, ParamState.UNSHARDED):
         return None
     sharded = unit.state is ParamState.SHARDED
-    for name, p, slot in zip(unit.param_names, unit.params, unit.layout.slots, strict=True):
-        # sharded, the parameter is an empty placeholder with its number of dimensions (unit.py)
-        changed = (p.numel() != 0 or p.dim() != max(1, len(slot.shape))) if sharded else p.shape != slot.shape
-        if changed:
+    for name, p, slot, empty in zip(
+        unit.param_names, unit.params, unit.layout.slots, unit.placeholder_shapes, strict=True
+    ):
+        # sharded, the parameter is an empty placeholder (0, ..., 0) with its number of dimensions
+        # (unit.py); a resize of a sharded layer reads that shape and leaves e.g. (140, 0)
+        if p.shape != (empty if sharded else slot.shape):
             return f"parameter {name} has shape {tuple(p.shape)}, but the engine holds {tuple(slot.shape)}"
     return None
 

@@ -280,6 +280,7 @@ class ShardedUnit:
         self._placeholders = [
             torch.empty((0,) * max(1, len(slot.shape)), dtype=param_dtype, device=device) for slot in self.layout.slots
         ]
+        self.placeholder_shapes = [t.shape for t in self._placeholders]
         if self.policy.shard_params and not self.resident:
             _tell_full_size(self.params, self.layout)
         if sharded_initial is not None:

@@ -163,7 +163,7 @@ def plan(
     estimates = []
     for cfg in choose_mod.candidates(base, folder):
         try:
-            unit_plan = plan_units(facts.units, cfg, world_size, device.type)
+            unit_plan = plan_units(facts.units_for(cfg), cfg, world_size, device.type)
             estimates.append(estimate(unit_plan, pass_facts, work, rank_profile, capacity, facts.param_count))
         except ValueError:
             continue  # e.g. parameters on NVMe while every unit is resident

@@ -40,7 +40,9 @@ def supports(data: dict[str, Any]) -> bool:
 
 class _Linear(nn.Linear):
     """An `nn.Linear` on the meta device without init (the planner reads shapes only; `reset_parameters`
-    and `skip_init` cost seconds of first-use imports)."""
+    and `skip_init` cost seconds of first-use imports). Split from the root like transformers' lm_head."""
+
+    zeroinf_splittable = True
 
     def __init__(self, inputs: int, outputs: int, bias: bool = True) -> None:
         nn.Module.__init__(self)

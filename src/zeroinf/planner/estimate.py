@@ -185,11 +185,12 @@ def _prefetch_plans(plan: ModelPlan) -> tuple[Any, Any] | None:
 
 
 def _module_order(unit: Any) -> tuple[Any, ...]:
-    """Sort key of the order units run in: their module paths with numbers compared as numbers, a
-    frozen unit just before its trainable twin (its pre-forward hook runs first; the plan lists
+    """Sort key of the order units run in: their modules' order in the model (`UnitShape.order`),
+    then their module paths with numbers compared as numbers (shapes built by hand have no order),
+    a frozen unit just before its trainable twin (its pre-forward hook runs first; the plan lists
     frozen units after all trainable ones)."""
     parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in unit.name.split(".")) if unit.name else ()
-    return (unit.name == "", parts, not unit.frozen)
+    return (unit.name == "", getattr(unit, "order", 0), parts, not unit.frozen)
 
 
 @functools.lru_cache(maxsize=8)
@@ -523,16 +524,19 @@ def _read_once(plan: ModelPlan) -> tuple[Any, ...]:
     return tuple(plan.units[i] for i in sorted(_kept_units(plan)) if plan.units[i].key not in in_file)
 
 
-def _param_read_share(plan: ModelPlan) -> float:
-    """The share of NVMe parameter shard loads (forward, and backward but for the kept units) that
-    read the disk in a steady step: 1 without a cache; with `param_cache_bytes`, what
+def _param_read_bytes(plan: ModelPlan) -> int:
+    """Bytes of NVMe parameter shards read in a steady step's loads (forward, and backward but for
+    the kept units): all of them without a cache; with `param_cache_bytes`, what
     tiers/shard_cache.py's policy misses."""
-    slots, names = plan.param_cache_slots(), [u.key for u in plan.nvme_param_units]
-    if not slots:
-        return 1.0
+    units = plan.nvme_param_units
     once = {u.key for u in _read_once(plan)}
+    names = [u.key for u in units]
     order = names + [n for n in names[::-1] if n not in once]
-    return simulate_reads(order, slots, steps=2)[-1] / len(order)
+    sizes = {u.key: u.shard_bytes for u in units}
+    slots = plan.param_cache_slots()
+    if not slots:
+        return sum(sizes[n] for n in order)
+    return simulate_reads(order, slots, steps=2, sizes=sizes)[-1]
 
 
 def step_time(
@@ -574,8 +578,7 @@ def step_time(
     owned = plan.owned_numel
     fb_read = fb_write = opt_read = opt_write = 0
     if cfg.stage == 3 and shard_b:
-        once_b = sum(u.shard_bytes for u in _read_once(plan) if u.param_tier is Tier.NVME)
-        fb_read += accum * (2 * shard_b - once_b) * _param_read_share(plan)
+        fb_read += accum * _param_read_bytes(plan)
         opt_write += shard_b
     mode = step_in_backward_mode(cfg)
     if cfg.resolved_stage >= 2 and o.gradients == "nvme":

@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
-from zeroinf.config import DTYPES
+from zeroinf.config import DTYPES, Config
 from zeroinf.partition.wrap import discover_units
 from zeroinf.planner.unit_plan import UnitShape
 
@@ -104,7 +104,36 @@ class ModelFacts:
     it and its last block repeated up to the full depth, so a 70B plan needs no 80-block pass."""
     outer_count: int | None = None
     """Checkpointable units of the full model when `module` is a shortened one (a deep HF model)."""
+    param_order: dict[str, int] = field(default_factory=dict, repr=False)
+    """Position in `named_parameters` of the root's and the split layers' parameters: a layer a config
+    does not split goes back into the root where the engine's root holds it."""
     _passes: dict[tuple[int, int, str], PassFacts] = field(default_factory=dict, repr=False)
+
+    def units_for(self, cfg: Config) -> tuple[UnitShape, ...]:
+        """The units the engine builds under `cfg`: `units` holds every layer `Config.split_root` may
+        split as a unit of its own; those `cfg` leaves in the root (stages 0-2, the split off, smaller
+        than a block or its threshold) are merged back into it, in the engine's parameter order."""
+        min_numel = cfg.split_min_numel
+        size: dict[str, int] = defaultdict(int)  # a module's parameters: a unit and its frozen twin together
+        for u in self.units:
+            size[u.name] += u.numel
+        if min_numel is not None and cfg.split_root_min_bytes is None:  # at least as large as a block
+            names = [n for n in size if n and not any(u.split for u in self.units if u.name == n)]
+            outer = [n for n in names if not any(n.startswith(f"{o}.") for o in names)]
+            if outer:
+                min_numel = max(min_numel, min(size[n] for n in outer))
+        keep = [u for u in self.units if not u.split or (min_numel is not None and size[u.name] >= min_numel)]
+        if len(keep) == len(self.units):
+            return self.units
+        out: list[UnitShape] = []
+        for frozen in (False, True):
+            group = [u for u in keep if u.frozen == frozen and u.name]
+            merged = [p for u in self.units if u.frozen == frozen and (u.name == "" or u not in keep) for p in u.params]
+            if merged:
+                merged.sort(key=lambda p: self.param_order.get(p[0], 0))
+                group.append(UnitShape("", tuple(merged), frozen))
+            out += group
+        return tuple(out)
 
     def pass_facts(self, micro_batch: int, seq_len: int, dtype: str, device: torch.device) -> PassFacts | None:
         """The facts of one forward, or None when the planner cannot call this module."""
@@ -277,7 +306,8 @@ def expand_blocks(
             return blocks[i][1]
         new = f"{prefix}.{i}."
         params = tuple((new + n[len(old):] if n.startswith(old) else n, s) for n, s in template.params)
-        return UnitShape(f"{prefix}.{i}", params)
+        # after the template block's modules, before the next unit's (whose order is at least one more)
+        return UnitShape(f"{prefix}.{i}", params, order=template.order + (i - short + 1) / (full + 1))
 
     out = units[:first] + tuple(block(i) for i in range(full)) + units[last + 1 :]
     return out, template.numel
@@ -290,15 +320,21 @@ def from_module(
     name: str | None = None,
     seq_len: int | None = None,
 ) -> ModelFacts:
-    """Any module: real, on the meta device, or built under `zeroinf.init()` (parked parameters)."""
-    specs = discover_units(model, unit_classes)
+    """Any module: real, on the meta device, or built under `zeroinf.init()` (parked parameters).
+    Every layer `Config.split_root` may split is a unit here; `is_resident` keeps the ones a config
+    leaves in the root (below its threshold, or the split turned off) unsharded, as the engine would."""
+    specs = discover_units(model, unit_classes, split_min_numel=1, split_any_size=True)
     if not specs:
         raise ValueError("the model has no trainable parameters: nothing to plan")
     units = tuple(UnitShape.of(spec) for spec in specs)
     count = sum(p.numel() for p in model.parameters())
     if seq_len is None:
         seq_len = getattr(getattr(model, "cfg", None), "seq_len", None)
-    return ModelFacts(name or type(model).__name__, units, count, seq_len, model, example_inputs, unit_classes)
+    outside = {n for u in units if u.split or not u.name for n, _ in u.params}
+    order = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False)) if n in outside}
+    return ModelFacts(
+        name or type(model).__name__, units, count, seq_len, model, example_inputs, unit_classes, param_order=order
+    )
 
 
 # -- one forward on meta tensors ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -53,6 +53,12 @@ class UnitShape:
     frozen: bool = False
     """A unit of frozen parameters (stage 3, e.g. a LoRA base): gathered like the rest, no gradient or
     optimizer state."""
+    split: bool = False
+    """A large layer outside the blocks made a unit of its own (partition/wrap.py); with
+    `Config.split_root` off it stays unsharded, as the root would hold it."""
+    order: float = field(default=0, compare=False)  # an ordering hint, not part of the unit's identity
+    """Where the unit's module comes in the model's module order (`UnitSpec.order`): the order units
+    run in. Blocks a short model's facts add (`expand_blocks`) fall between their neighbours."""
 
     @property
     def key(self) -> str:
@@ -67,7 +73,8 @@ class UnitShape:
     def of(cls, spec: object) -> UnitShape:
         """From a `partition.wrap.UnitSpec` (its parameters may live on any device, meta included)."""
         params = tuple((n, tuple(p.shape)) for n, p in spec.params)  # type: ignore[attr-defined]
-        return cls(spec.name, params, bool(getattr(spec, "frozen", False)))  # type: ignore[attr-defined]
+        frozen, split = bool(getattr(spec, "frozen", False)), bool(getattr(spec, "split", False))
+        return cls(spec.name, params, frozen, split, getattr(spec, "order", 0))  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,8 @@ class UnitPlan:
     frozen: bool = False
     grad_buffer_itemsize: int = 0
     """Bytes per element of the unsharded gradient buffer (`gradient_buffer_dtype`); 0: `reduce_itemsize`."""
+    order: float = field(default=0, compare=False)  # an ordering hint, not part of the unit's identity
+    """`UnitShape.order`: where the unit runs in module order."""
 
     @property
     def key(self) -> str:
@@ -406,13 +415,18 @@ class ModelPlan:
     def param_staging(self) -> StagingPlan:
         """Host buffers for NVMe parameter shards in flight: the units the prefetcher may read ahead
         and `PARAM_STAGING_EXTRA`. The prefetch plan keeps the units ahead within `prefetch_bytes`
-        (runtime/prefetch.py), so at most floor(prefetch_bytes / smallest unit) of them are read at once."""
+        (runtime/prefetch.py), so at most as many of them are read at once as the smallest units that
+        fit it together (counting floor(prefetch_bytes / smallest unit) made a small unit, such as a
+        position embedding split from the root, stand for every unit: 23 buffers of a 1.0B GPT's
+        largest shard, 4.6 GB, where 2 fit)."""
         sharded = self.nvme_param_units
         if not sharded:
             raise ValueError("offload.params = 'nvme' but every unit is resident; lower persist_threshold_bytes")
-        smallest = min(u.unsharded_bytes for u in sharded)
-        prefetch = self.cfg.prefetch_bytes
-        ahead = min(len(sharded), prefetch // smallest)
+        ahead, room = 0, self.cfg.prefetch_bytes
+        for size in sorted(u.unsharded_bytes for u in sharded):
+            if size > room:
+                break
+            ahead, room = ahead + 1, room - size
         extra = PARAM_STAGING_EXTRA - self.param_writes_from_master + self.param_buffers_kept_for_masters
         return StagingPlan(ahead + extra, self._param_buffer_bytes)
 
@@ -547,11 +561,13 @@ class ModelPlan:
 
 
 def is_resident(unit: UnitShape, cfg: Config, world_size: int, layout: FlatLayout | None = None) -> bool:
-    """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded; stages 0-2 all."""
+    """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded (and, with
+    `split_root` off, the layers it would split from the root); stages 0-2 all."""
     if cfg.resolved_stage < 3:
         return True
     layout = layout or FlatLayout.build(list(unit.params), world_size)
-    return unit.name == "" or layout.padded_numel * DTYPES[cfg.param_dtype].itemsize < cfg.persist_threshold_bytes
+    small = layout.padded_numel * DTYPES[cfg.param_dtype].itemsize < cfg.persist_threshold_bytes
+    return unit.name == "" or (unit.split and not cfg.split_root) or small
 
 
 @functools.lru_cache(maxsize=4096)
@@ -575,7 +591,8 @@ def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int, device_
         tier = Tier(cfg.offload.params) if cfg.stage == 3 and not resident else Tier.DEVICE
         owned = 0 if unit.frozen else layout.shard_numel if cfg.resolved_stage >= 1 else layout.padded_numel
         planned.append(UnitPlan(
-            unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned, unit.frozen, grad_buffer_itemsize
+            unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned, unit.frozen,
+            grad_buffer_itemsize, unit.order,
         ))
     plan = ModelPlan(tuple(planned), cfg, world_size, device_type)
     return _split_params(plan)

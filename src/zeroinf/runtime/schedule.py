@@ -51,6 +51,10 @@ class UnshardScheduler:
         self.kept_for_backward: frozenset[int] = frozenset()
         self._last_forward_position: dict[int, int] = {}
         self._to_gather: list[int] = []  # read from NVMe at the previous event, gathered at the next
+        # Units whose weights model code reads outside their forward: kept gathered to each pass's end
+        # (runtime/external_reads.py); `in_pass`: from a forward's start to its pass's `release_all`.
+        self.read_outside_units: set[int] = set()
+        self.in_pass = False
         # Told the traced order of a training step (forward, then backward) once both passes are traced:
         # the NVMe parameter cache evicts along it (tiers/shard_cache.py).
         self.on_traced: Callable[[list[int]], None] | None = None
@@ -105,9 +109,20 @@ class UnshardScheduler:
     def release_all(self) -> None:
         """Reshard every non-resident unit (end of a pass, before an optimizer step)."""
         self._to_gather.clear()
+        self.in_pass = False
         for i, unit in enumerate(self.units):
             if i not in self.resident:
                 unit.reshard()
+
+    def read_outside(self, index: int) -> None:
+        """Model code reads unit `index`'s weights outside its forward: during a pass, gather it now
+        and keep it gathered to the pass's end, in this pass and every later one; outside a pass,
+        nothing (its placeholders answer metadata reads)."""
+        if not self.in_pass:
+            return
+        self.read_outside_units.add(index)
+        self._gather_fetched()
+        self.units[index].wait_unshard()
 
     # -- forward --------------------------------------------------------------------------------------
     def _pass(self) -> tuple[PassTrace, PrefetchPlan | None]:
@@ -118,6 +133,7 @@ class UnshardScheduler:
 
     def begin_forward(self, training: bool) -> None:
         self.release_all()
+        self.in_pass = True
         self._training_pass = training
         trace, plan = self._pass()
         trace.begin_pass(record=True)
@@ -140,7 +156,7 @@ class UnshardScheduler:
         position = self._forward_step_of.pop(index, None)
         _, plan = self._pass()
         keep = position is not None and plan is not None and not plan.steps[position].release_after
-        keep = keep or (
+        keep = keep or index in self.read_outside_units or (
             self._training_pass and position is not None and index in self.kept_for_backward
             and self._last_forward_position.get(index) == position
         )
@@ -169,8 +185,9 @@ class UnshardScheduler:
         self._prefetch(self.backward_plan, position)
 
     def release(self, index: int) -> None:
-        """A unit's gradients are all in: it is not needed again in this backward."""
-        if index not in self.resident:
+        """A unit's gradients are all in: it is not needed again in this backward (one read outside
+        its forward is released with the rest at the end of the backward)."""
+        if index not in self.resident and index not in self.read_outside_units:
             self.units[index].reshard()
 
     def end_backward(self) -> None:

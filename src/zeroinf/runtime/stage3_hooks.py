@@ -9,6 +9,9 @@ runtime/schedule.py decides what to gather and when; this file wires the module 
 - a module whose parameters belong to a unit it does not run inside (a head tied to an embedding
   of another unit) fetches that unit on demand and releases it after its forward, gathering it
   again before its backward;
+- a unit module's own parameters read outside its forward during a pass (a head computed as
+  `F.linear(x, self.tok_emb.weight)`) gather the unit and keep it to the pass's end
+  (runtime/external_reads.py);
 - `model.state_dict()` gathers one unit at a time into full copies.
 """
 
@@ -24,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from zeroinf.partition.unit import ParamState, ShardedUnit
 from zeroinf.partition.wrap import UnitSpec
 from zeroinf.runtime import hooks
+from zeroinf.runtime.external_reads import guard_reads
 from zeroinf.runtime.schedule import PrefetchBudget, UnshardScheduler
 
 if TYPE_CHECKING:
@@ -45,6 +49,7 @@ class Stage3Hooks:
         if cache is not None:  # the parameter cache evicts along the traced order of units
             names = [u.name for u in engine.all_units]
             self.scheduler.on_traced = lambda order: cache.policy.set_order([names[i] for i in order])
+        self._index_of = {id(unit): i for i, unit in enumerate(engine.all_units)}
         self._external: dict[int, list[ShardedUnit]] = {}  # id(module) -> units fetched for it on demand
         self._fetch_external_eagerly = hooks.eager(self._fetch_external)  # called from traceable hooks
         self._release_external_eagerly = hooks.eager(self._release_external)
@@ -58,10 +63,19 @@ class Stage3Hooks:
             )
         )
         unit_modules = set()
+        own_params: dict[int, dict[str, ShardedUnit]] = {}  # id(unit module) -> its own parameters' units
         for ui, spec in enumerate(engine.all_specs):
-            if spec.name and not engine.all_units[ui].resident:
+            unit = engine.all_units[ui]
+            if spec.name and not unit.resident:
                 unit_modules.add(id(spec.module))
                 handles += self._unit_hooks(ui, spec)
+                owned_here = {id(p) for p in unit.params}
+                for pname, p in spec.module._parameters.items():
+                    if p is not None and id(p) in owned_here:
+                        own_params.setdefault(id(spec.module), {})[pname] = unit
+        by_id = {id(spec.module): spec.module for spec in engine.all_specs}
+        for mid, names in own_params.items():
+            handles.append(guard_reads(by_id[mid], names, self._read_outside_forward))  # type: ignore[arg-type]
         for m in module.modules():
             indices = {engine.unit_index_of(p) for p in m.parameters(recurse=False)}
             owned = [engine.all_units[i] for i in sorted(i for i in indices if i is not None)]
@@ -102,6 +116,10 @@ class Stage3Hooks:
                         state_dict[name] = full
             if was_sharded:
                 unit.reshard()
+
+    def _read_outside_forward(self, unit: ShardedUnit) -> None:
+        """A unit module's own parameter is read while the unit is not gathered (external_reads.py)."""
+        self.scheduler.read_outside(self._index_of[id(unit)])
 
     def _root_pre_forward(self, _: nn.Module) -> None:
         self.engine.transfers.order_uploads()  # parameters updated by the last step, before any kernel reads them

@@ -18,7 +18,7 @@ the planner's byte counts and the tests.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from zeroinf.aio import AioHandle, BufferPool, PoolBuffer
 from zeroinf.memory import Ledger
@@ -145,10 +145,13 @@ class ShardCache:
         self._pool.close()
 
 
-def simulate_reads(order: Sequence[str], slots: int, steps: int = 3) -> list[int]:
+def simulate_reads(
+    order: Sequence[str], slots: int, steps: int = 3, sizes: Mapping[str, int] | None = None
+) -> list[int]:
     """Shards read from NVMe in each of `steps` training steps whose loads follow `order` (forward
     then backward), with a cache of `slots` shards under the policy above (the first step sees no
-    order, as a run's first step does)."""
+    order, as a run's first step does); with `sizes`, the bytes read (shards differ in size once
+    a model's embedding and head are units of their own)."""
     policy, reads = _Policy(), []
     held: list[str] = []
     for step in range(steps):
@@ -159,7 +162,7 @@ def simulate_reads(order: Sequence[str], slots: int, steps: int = 3) -> list[int
             policy.use(name)
             if name in held:
                 continue
-            count += 1
+            count += sizes[name] if sizes is not None else 1
             if slots == 0:
                 continue
             if len(held) < slots:
