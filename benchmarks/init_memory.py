@@ -5,7 +5,8 @@ the imports and a small warm-up build) and builds the model, then `zeroinf.shard
 with parameters on NVMe:
 - eager: `LlamaForCausalLM(config)` on the CPU (the whole fp32 model exists), then shard;
 - init:  the same under `with zeroinf.init(cfg)`: parameters parked on NVMe as their modules are
-  attached, `post_init` touching them through the park, then shard unit by unit.
+  attached (the embedding and head blank, as soon as registered, their initializations drawn into
+  the park piece by piece), `post_init` touching them through the park, then shard unit by unit.
 Prints JSON: per variant, RSS before, peak RSS above it (construction and shard separately),
 seconds, the park's counters and NVMe bytes; and the sizes to compare with: one decoder layer
 (a unit) and the root unit (embeddings + head, kept unsharded on the device at stage 3).
@@ -99,7 +100,8 @@ def build_once(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     out["peak_above_bytes"] = max(out["construct_peak_above_bytes"], out["shard_peak_above_bytes"])
     if park is not None:
-        out.update(parks=park.parks, unparks=park.unparks, park_written_bytes=park.parked_bytes)
+        out.update(parks=park.parks, unparks=park.unparks, park_written_bytes=park.parked_bytes,
+                   blank_parks=park.blanks, draws=park.draws)
     zeroinf.engine_of(model).close()
     return out
 

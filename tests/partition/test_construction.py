@@ -8,7 +8,10 @@ construction + `shard` and `zeroinf.init(cfg)` + `shard` from the same seed give
 for the models whose post-construction code overwrites parameters (GPT, Hugging Face); see
 [Note: parking in the compute dtype] for the one case where it may not be. Every case also checks
 that parameters really were parked during the build (the park's counters), and that the park is
-closed (its NVMe file gone) once the model is sharded.
+closed (its NVMe file gone) once the model is sharded. The "drawn" cases lower the size from which
+a parameter is parked blank and initialized piece by piece (partition/park.py [Note: a large
+parameter drawn in pieces]; 256-element pieces) so that the test models' embeddings and heads take
+that path: bitwise equal all the same, and the generator's state after the build too.
 
 One spawned group for world 2 runs every case; world 1 runs in the test process.
 """
@@ -49,24 +52,36 @@ def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list
     return [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
 
 
-def _case(model_name: str, tier: str, dtype: str, rank: int, root: str) -> dict[str, Any]:
-    nvme_dir = os.path.join(root, f"{model_name}-{tier}-{dtype}-rank{rank}")
+def _case(model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: bool = False) -> dict[str, Any]:
+    from zeroinf.partition import draw
+
+    nvme_dir = os.path.join(root, f"{model_name}-{tier}-{dtype}-{drawn}-rank{rank}")
     os.makedirs(nvme_dir, exist_ok=True)
     cfg = _cfg(tier, dtype, nvme_dir)
     eager = build(model_name)
+    rng_after_eager = torch.rand(4)
     zeroinf.shard(eager, cfg)
     expected = _snapshot(eager)
     zeroinf.engine_of(eager).close()
-    with zeroinf.init(cfg) as park:
-        model = build(model_name)
-        parked_inside = len(park.parked)
+    limits = draw.DRAW_MIN_BYTES, draw.PIECE_NUMEL
+    if drawn:
+        draw.DRAW_MIN_BYTES, draw.PIECE_NUMEL = 4096, 256
+    try:
+        with zeroinf.init(cfg) as park:
+            model = build(model_name)
+            parked_inside = len(park.parked)
+        rng_after_init = torch.rand(4)
+    finally:
+        draw.DRAW_MIN_BYTES, draw.PIECE_NUMEL = limits
     params_meta = all(p.is_meta for p in model.parameters())
     zeroinf.shard(model, cfg)
     got = _snapshot(model)
     zeroinf.engine_of(model).close()
     return {
         "differences": _differences(expected, got),
-        "parked_inside": parked_inside, "parks": park.parks, "unparks": park.unparks,
+        "parked_inside": parked_inside, "parks": park.parks, "unparks": park.unparks, "draws": park.draws,
+        "blanks": park.blanks,
+        "same_generator_state": torch.equal(rng_after_eager, rng_after_init),
         "params_meta_after_build": params_meta, "park_closed": park.closed,
         "swap_files_left": sorted(f for f in os.listdir(nvme_dir) if "park" in f),
     }
@@ -122,6 +137,8 @@ def _training(rank: int, world: int, root: str) -> dict[str, list[float]]:
 def run_matrix(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
     cases = [(m, t, "fp32") for m in MODELS for t in TIERS] + [(m, "nvme", "bf16") for m in BF16_MODELS]
     results: dict[str, dict[str, Any]] = {f"{m}/{t}/{d}": _case(m, t, d, rank, root) for m, t, d in cases}
+    drawn = [(m, t, "fp32") for m in MODELS for t in ("host", "nvme")] + [(m, "nvme", "bf16") for m in BF16_MODELS]
+    results.update({f"{m}/{t}/{d}/drawn": _case(m, t, d, rank, root, drawn=True) for m, t, d in drawn})
     results["training"] = _training(rank, world, root)
     return results
 
@@ -146,16 +163,33 @@ def test_init_builds_the_eager_model_bitwise(matrix: tuple[int, list[dict]]) -> 
             assert r["params_meta_after_build"], f"{where}: parameters should be parked (meta) until shard"
             assert r["parked_inside"] > 0 and r["parks"] >= r["parked_inside"], where
             assert r["park_closed"] and r["swap_files_left"] == [], f"{where}: park left open: {r}"
+            assert r["same_generator_state"], f"{where}: the build drew another number of random values"
+
+
+def test_large_parameters_are_drawn_in_pieces(matrix: tuple[int, list[dict]]) -> None:
+    """With the limits lowered, the embeddings and heads are parked blank and their initializations
+    drawn piece by piece (bitwise equality: the test above); with the defaults, none is that large
+    (an initialization that overwrites a parked parameter is drawn into the park either way)."""
+    world, per_rank = matrix
+    for rank, results in enumerate(per_rank):
+        for case, r in results.items():
+            if case == "training":
+                continue
+            where = f"world {world} rank {rank} {case}: {r['blanks']} blank, {r['draws']} draws"
+            assert (r["blanks"] > 0) == case.endswith("/drawn"), where
+            assert r["draws"] >= r["blanks"], where
 
 
 def test_post_construction_code_touches_parked_parameters(matrix: tuple[int, list[dict]]) -> None:
     """Hugging Face's post_init, the demo GPT's reset_parameters and Custom's parent rescale run after
-    the blocks are parked: each parked parameter is brought back (more parks than parameters)."""
+    the blocks are parked: each parked parameter is brought back (more parks than parameters) or,
+    for an initialization that overwrites it whole, drawn again straight into the park."""
     world, per_rank = matrix
     results = per_rank[0]
     for name in ("gpt", "llama", "custom"):
         r = results[f"{name}/device/fp32"]
-        assert r["parks"] > r["parked_inside"], f"world {world} {name}: nothing was touched after parking: {r}"
+        touched = r["parks"] - r["parked_inside"] + r["draws"]
+        assert touched > 0, f"world {world} {name}: nothing was touched after parking: {r}"
 
 
 def test_llama_built_under_init_trains_like_eager(matrix: tuple[int, list[dict]]) -> None:

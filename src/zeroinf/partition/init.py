@@ -9,7 +9,8 @@ See [Note: construction is eager construction] in partition/park.py. Two PyTorch
 nothing patched: the global parameter-registration hook adopts every parameter a module registers,
 and a TorchFunctionMode (`ConstructionMode`) unparks parked parameters before any torch function
 touches them. The values are therefore those of eager construction, bitwise, and memory while
-building is the live budget plus the largest parameter being built.
+building is the live budget plus the largest parameter being built, or, for a large fp32 one on the
+CPU (an embedding), one 16 MB piece of it (park.py [Note: a large parameter drawn in pieces]).
 
 `shard` then walks the units in module order and builds each one, unparking its parameters one at
 a time straight into its flat buffer, so building holds one unit (and the root, which stays
@@ -34,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroinf.config import Config
 from zeroinf.memory import Tier
+from zeroinf.partition import draw
 from zeroinf.partition.park import MemoryParkStore, ParamPark, ParkStore, swap_data
 from zeroinf.partition.wrap import UnitSpec
 from zeroinf.runtime import hooks as runtime_hooks
@@ -89,15 +91,41 @@ def deferring_park(p: torch.Tensor) -> ParamPark | None:
 
 
 class ConstructionMode(TorchFunctionMode):
-    """Unparks parked parameters before any torch function but a metadata read touches them."""
+    """Unparks parked parameters before any torch function but a metadata read touches them; draws
+    whole-overwriting initializations of large ones in pieces instead (park.py [Note: a large
+    parameter drawn in pieces]), and remembers which large tensors are fresh `torch.empty`s."""
 
     def __init__(self, park: ParamPark) -> None:
         super().__init__()
         self.park = park
+        # Storages of large CPU `torch.empty` results no torch function has touched since, held so
+        # their memory (untouched, so not resident) cannot be reused by another tensor meanwhile.
+        self.fresh: dict[int, torch.UntypedStorage] = {}
+
+    def is_fresh(self, p: torch.Tensor) -> bool:
+        """`p` is a whole fresh `torch.empty`: its values were never written. Forgets it either way."""
+        with torch._C.DisableTorchFunction():  # asking is not a use
+            storage = self.fresh.pop(p.untyped_storage().data_ptr(), None)
+            return storage is not None and p.storage_offset() == 0 and storage.nbytes() == p.nbytes
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         park = self.park
+        if self.fresh and func not in _METADATA and func not in _DEVICE_QUERIES:  # any use but metadata
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
+                    self.fresh.pop(leaf.untyped_storage().data_ptr(), None)
+        if park.parked and func not in _METADATA:
+            drawn = draw.whole_overwrite(func, args, kwargs)
+            if drawn is not None and park.draws_on(drawn[0]):
+                park.draw(drawn[0], drawn[1])
+                return_freed_memory()  # the pieces, as after a parking (see `evict`)
+                return drawn[0]
+        if func is torch.empty:
+            out = func(*args, **kwargs)
+            if out.device.type == "cpu" and out.nbytes >= draw.DRAW_MIN_BYTES:
+                self.fresh[out.untyped_storage().data_ptr()] = out.untyped_storage()
+            return out
         if (park.parked or park.deferred) and func not in _METADATA:
             query = _DEVICE_QUERIES.get(func)
             if query is not None:
@@ -172,11 +200,15 @@ def init(
     park_dtype = cfg.param_torch_dtype if cfg is not None else None
     park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype, defer_values)
     _active.append(park)
+    mode = ConstructionMode(park)
 
     guarded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def adopt(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        park.adopt(param)
+        if param is not None and park.can_draw(param) and mode.is_fresh(param):
+            park.park_blank(param)  # its module's initialization will draw it in pieces
+        else:
+            park.adopt(param)
         if module not in guarded:
             guarded.add(module)
             guards = runtime_hooks.register_load_hooks(module, _refuse_parked_load, None)
@@ -194,10 +226,11 @@ def init(
     map_large_buffers()  # parked parameters' freed storage must go back to the OS, not stay as heap
     ok = False
     try:
-        with torch.device(topo.device), ConstructionMode(park):
+        with torch.device(topo.device), mode:
             yield park
         ok = True
     finally:
+        mode.fresh.clear()
         for hook in hooks:
             hook.remove()
         if ok:

@@ -32,6 +32,23 @@ read-modify-write of a parked parameter in arithmetic (`weight.mul_(0.7)` in a p
 `__init__`) computes on rounded inputs and may then differ from eager in the last bit of the
 compute dtype. fp32 runs, and parameters touched before their module is attached, are exact.
 
+[Note: a large parameter drawn in pieces]
+Eager construction draws a 32000 x 2048 fp32 embedding whole (262 MB) in its own `__init__`, and
+`post_init` draws it again; parked in bf16 it is 131 MB, and a Llama block 88 MB: that one
+parameter was the peak of building a 1.1B Llama (330 MB above the process). So a large fp32
+parameter built on the CPU from `torch.empty` (the construction mode saw the empty tensor made, and
+nothing write it, partition/init.py) is parked *blank* when its module registers it: no values, no
+slot written. An initialization that overwrites it whole (`normal_`, `uniform_`,
+`kaiming_uniform_`, fills: partition/draw.py) is then run piece by piece, 4M elements at a time,
+each piece drawn in the parameter's dtype, cut to this rank's slice, converted and written to the
+store: the same numbers as the whole draw, bitwise, because the CPU generator's stream does not
+depend on where a normal_ or uniform_ is cut at multiples of 16 elements (measured, generator
+state after the draw included; not so on CUDA, where the draw is whole as before). Every rank
+draws every piece, so the generator advances as in eager construction. Anything else that touches
+a blank parameter unparks it as zeros (eager construction would show uninitialized memory). Any
+parked fp32 CPU parameter that such an initialization overwrites (`post_init` on a parked block)
+is drawn the same way: no read of values about to be replaced, no round trip.
+
 `zeroinf.shard` builds each unit right after its last module (partition/init.py) and unparks its
 parameters one at a time straight into the unit's flat buffer (at world 1 read from the NVMe park
 chunk by chunk), so building needs one unit's buffer in memory and no second copy of any parameter;
@@ -44,7 +61,7 @@ import math
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +69,8 @@ import torch
 from torch import nn
 
 from zeroinf.comm import all_gather_into, all_reduce
+from zeroinf.partition import draw as draw_module
+from zeroinf.partition.draw import Fill, piece_bounds
 from zeroinf.topology import Topology
 
 
@@ -61,6 +80,10 @@ class ParkStore(Protocol):
     def put(self, key: int, values: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
         """Store (or overwrite) a slice of `numel` elements in `dtype`: `values` (a view of the
         parameter, read during the call) then padding (any value: it is cut off when unparked)."""
+        ...
+
+    def put_pieces(self, key: int, pieces: Iterable[torch.Tensor], numel: int, dtype: torch.dtype) -> None:
+        """`put` of values that arrive as consecutive flat pieces, each consumed in order."""
         ...
 
     def take(self, key: int, device: torch.device) -> torch.Tensor: ...  # the slice, as a fresh tensor
@@ -80,9 +103,17 @@ class MemoryParkStore:
         self._slices: dict[int, torch.Tensor] = {}
 
     def put(self, key: int, values: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
-        kept = torch.empty(numel, dtype=dtype, device=self.device)
-        kept[: values.numel()].copy_(values)
-        kept[values.numel() :].zero_()
+        self.put_pieces(key, [values.reshape(-1)], numel, dtype)
+
+    def put_pieces(self, key: int, pieces: Iterable[torch.Tensor], numel: int, dtype: torch.dtype) -> None:
+        kept = self._slices.get(key)  # a slice drawn again is rewritten in place, not reallocated
+        if kept is None or kept.numel() != numel or kept.dtype != dtype:
+            kept = torch.empty(numel, dtype=dtype, device=self.device)
+        at = 0
+        for piece in pieces:
+            kept[at : at + piece.numel()].copy_(piece)
+            at += piece.numel()
+        kept[at:].zero_()
         self._slices[key] = kept
 
     def take(self, key: int, device: torch.device) -> torch.Tensor:
@@ -105,6 +136,7 @@ class _Parked:
     device: torch.device
     numel: int
     dtype: torch.dtype  # of the parked slice
+    blank: bool = False  # parked before any value was written: no slot in the store yet (Note above)
 
 
 def _nbytes(p: torch.Tensor) -> int:
@@ -169,7 +201,7 @@ class ParamPark:
         self.collecting = True  # inside the `with zeroinf.init()` block: new parameters are adopted
         self.closed = False
         self._key_of: dict[int, int] = {}  # a parameter parked again reuses its slot
-        self.parks = self.unparks = 0  # counters, for tests and the benchmark
+        self.parks = self.unparks = self.draws = self.blanks = 0  # counters, for tests and the benchmark
         self.parked_bytes = 0  # bytes of slices written to the store
 
     # -- queries --------------------------------------------------------------------------------------
@@ -286,9 +318,7 @@ class ParamPark:
         with torch.no_grad(), torch._C.DisableTorchFunction():
             flat = p.detach().reshape(-1)
             piece = flat[min(rank * per_rank, numel) : min((rank + 1) * per_rank, numel)]
-            dtype = p.dtype  # the slice is parked in `park_dtype` when narrower: see [Note: parking ...]
-            if self.park_dtype is not None and p.dtype.itemsize > self.park_dtype.itemsize:
-                dtype = self.park_dtype
+            dtype = self._slice_dtype(p)
             key = self._key_of.setdefault(id(p), len(self._key_of))
             self.store.put(key, piece, per_rank, dtype)
             self.parked_bytes += per_rank * dtype.itemsize
@@ -296,6 +326,58 @@ class ParamPark:
             swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
         self.parked[id(p)] = _Parked(key, p, device, numel, dtype)
         self.parks += 1
+
+    def _slice_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """`park_dtype` when narrower than the parameter's own: see [Note: parking in the compute dtype]."""
+        if self.park_dtype is not None and p.dtype.itemsize > self.park_dtype.itemsize:
+            return self.park_dtype
+        return p.dtype
+
+    # -- drawn in pieces ([Note: a large parameter drawn in pieces]) ---------------------------------
+    def can_draw(self, p: nn.Parameter) -> bool:
+        """Whether `p`, just registered, may be parked blank (its data is a fresh `torch.empty`)."""
+        return (
+            self.collecting and not self.defer_values and type(p) is nn.Parameter and p.dtype == torch.float32
+            and p.device.type == "cpu" and _nbytes(p) >= draw_module.DRAW_MIN_BYTES
+            and id(p) not in self.parked and id(p) not in self.live
+        )
+
+    def park_blank(self, p: nn.Parameter) -> None:
+        """Park `p` with no values: a whole-overwriting initialization will `draw` them."""
+        key = self._key_of.setdefault(id(p), len(self._key_of))
+        device = p.device
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        self.parked[id(p)] = _Parked(key, p, device, p.numel(), self._slice_dtype(p), blank=True)
+        self.parks += 1
+        self.blanks += 1
+
+    def draws_on(self, p: torch.Tensor) -> bool:
+        """Whether an initialization of parked `p` is drawn in pieces (fp32 on the CPU)."""
+        entry = self.parked.get(id(p))
+        return entry is not None and entry.device.type == "cpu" and p.dtype == torch.float32
+
+    def draw(self, p: torch.Tensor, fill: Fill) -> None:
+        """Run a whole-overwriting initialization of parked `p` piece by piece into the store: each
+        piece filled by `fill` in `p`'s dtype, cut to this rank's slice, converted and written."""
+        entry = self.parked[id(p)]
+        numel, world, rank = entry.numel, self.topo.world_size, self.topo.rank
+        per_rank = math.ceil(numel / world)
+        low, high = min(rank * per_rank, numel), min((rank + 1) * per_rank, numel)
+
+        def pieces() -> Iterator[torch.Tensor]:
+            for start, end in piece_bounds(numel):  # every piece, on every rank: the generator advances alike
+                with torch.no_grad(), torch._C.DisableTorchFunction():
+                    piece = torch.empty(end - start, dtype=p.dtype, device=entry.device)
+                    fill(piece)
+                if max(start, low) < min(end, high):
+                    yield piece[max(start, low) - start : min(end, high) - start]
+
+        self.store.put_pieces(entry.key, pieces(), per_rank, entry.dtype)
+        if entry.blank:
+            self.parked_bytes += per_rank * entry.dtype.itemsize
+        entry.blank = False
+        self.draws += 1
 
     def unpark(self, params: list[nn.Parameter], *, as_parked: bool = False) -> None:
         """Give parked parameters their full values again (a collective at world > 1: every rank
@@ -305,7 +387,9 @@ class ParamPark:
             entry = self._take_entry(p)
             with torch.no_grad(), torch._C.DisableTorchFunction():
                 dtype = entry.dtype if as_parked else p.dtype
-                if self.topo.world_size == 1:  # read straight into the new storage (converted on the way)
+                if entry.blank:  # never written: zeros, on every rank alike (no collective)
+                    values = torch.zeros(entry.numel, dtype=dtype, device=entry.device)
+                elif self.topo.world_size == 1:  # read straight into the new storage (converted on the way)
                     values = torch.empty(entry.numel, dtype=dtype, device=entry.device)
                     self.store.take_into(entry.key, values)
                 else:
@@ -322,7 +406,9 @@ class ParamPark:
         empty tensor of `dest`'s dtype and device). A collective at world > 1, as `unpark`."""
         entry = self._take_entry(p)
         with torch.no_grad(), torch._C.DisableTorchFunction():
-            if self.topo.world_size == 1:
+            if entry.blank:
+                dest.zero_()
+            elif self.topo.world_size == 1:
                 self.store.take_into(entry.key, dest)
             else:
                 dest.copy_(self._gathered(entry))

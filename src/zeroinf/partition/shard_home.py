@@ -254,7 +254,15 @@ class NvmeHome:
         self._from_cache = False  # the loaded buffer is a cache slot, not a staging buffer
         self._write_from_slot = False
         self._write_direct = False  # the last write reads the optimizer's master itself
-        self.store(initial)
+        if initial.device.type == "cpu" and initial.dtype == self.dtype and initial.is_contiguous() and (
+            files.cache is None
+        ):
+            # Built on the CPU: written straight from the unit's buffer and waited for, so building
+            # touches no staging buffer (each as large as the largest shard: a 1.1B Llama's 131 MB
+            # embedding, which the build kept resident until training).
+            files.wait(files.swap.swap_out(unit_name, PARAM_KIND, initial))
+        else:
+            self.store(initial)
 
     def _view(self, buf: PoolBuffer) -> torch.Tensor:
         return buf.tensor[: self.numel * self.dtype.itemsize].view(self.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 
 import torch
 
@@ -63,21 +64,41 @@ class NvmeParkStore:
 
     def put(self, key: int, values: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
         """Convert and write `values` chunk by chunk through the staging buffers (no slice-sized copy)."""
+        self.put_pieces(key, [values.detach().reshape(-1)], numel, dtype)
+
+    def put_pieces(self, key: int, pieces: Iterable[torch.Tensor], numel: int, dtype: torch.dtype) -> None:
+        """`put` of values that arrive as consecutive flat pieces (drawn one at a time: park.py
+        [Note: a large parameter drawn in pieces]); every piece is consumed, in order."""
         self._drain(key)  # the slot is about to be rewritten: its older writes land first
         slot = self._slots.get(key)
         if slot is None or slot[1:] != (dtype, numel):
             name = f"p{key}.{len(self._slots)}"
             self.swap.add_slot(name, PARK_KIND, numel * dtype.itemsize)
             slot = self._slots[key] = (name, dtype, numel)
-        flat = values.detach().reshape(-1)
         per_chunk = CHUNK_BYTES // dtype.itemsize
-        for start in range(0, flat.numel(), per_chunk):
-            piece = flat[start : start + per_chunk]
-            buffer = self._free_buffer()
-            staged = self._staging[buffer][: piece.numel() * dtype.itemsize].view(dtype)
-            staged.copy_(piece)
-            handle = self.swap.swap_out(slot[0], PARK_KIND, staged, at_bytes=start * dtype.itemsize)
+        at = filled = 0  # elements of the slot written, and staged in `buffer` since
+        buffer = -1
+
+        def write() -> None:
+            staged = self._staging[buffer][: filled * dtype.itemsize].view(dtype)
+            handle = self.swap.swap_out(slot[0], PARK_KIND, staged, at_bytes=at * dtype.itemsize)
             self._writes.append((handle, buffer, key))
+
+        for flat in pieces:  # staged whole chunks: every write but the last starts and ends aligned
+            start = 0
+            while start < flat.numel():
+                if buffer < 0:
+                    buffer, filled = self._free_buffer(), 0
+                take = min(per_chunk - filled, flat.numel() - start)
+                self._staging[buffer][filled * dtype.itemsize : (filled + take) * dtype.itemsize].view(dtype).copy_(
+                    flat[start : start + take]
+                )
+                start, filled = start + take, filled + take
+                if filled == per_chunk:
+                    write()
+                    at, buffer = at + filled, -1
+        if buffer >= 0 and filled:
+            write()
         # the padding after the values is never read back as data (unparking cuts it off)
 
     def take(self, key: int, device: torch.device) -> torch.Tensor:
