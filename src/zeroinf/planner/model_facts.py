@@ -118,7 +118,8 @@ class ModelFacts:
         for u in self.units:
             size[u.name] += u.numel
         if min_numel is not None and cfg.split_root_min_bytes is None:  # at least as large as a block
-            names = [n for n in size if n and not any(u.split for u in self.units if u.name == n)]
+            split = {u.name for u in self.units if u.split}
+            names = [n for n in size if n and n not in split]
             outer = [n for n in names if not any(n.startswith(f"{o}.") for o in names)]
             if outer:
                 min_numel = max(min_numel, min(size[n] for n in outer))
