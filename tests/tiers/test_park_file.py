@@ -48,3 +48,30 @@ def test_take_into_more_than_the_slot_is_refused(tmp_path: Path) -> None:
             store.take_into(0, torch.empty(11))
     finally:
         store.close()
+
+
+def test_pieces_and_reading_only(tmp_path: Path) -> None:
+    """`put_pieces` (values drawn piece by piece, pieces of any length) lands as one `put` would; after
+    `reading_only` the store keeps two staging buffers and still reads back and writes every chunk."""
+    from zeroinf.tiers.park_file import READING_BUFFERS, STAGING_BUFFERS
+
+    store = NvmeParkStore(str(tmp_path), rank=0, timeout_s=60.0)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        numel = (3 * CHUNK_BYTES) // 2 + 1001  # about 3 staging chunks in bf16, pieces cut off the boundaries
+        values = torch.randn(numel, generator=gen)
+        cuts = [0, 5, 4096 * 3 + 7, numel // 2, numel]
+        pieces = [values[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        store.put_pieces(0, iter(pieces), numel + 64, torch.bfloat16)
+        assert len(store._staging) == STAGING_BUFFERS
+        store.reading_only()
+        assert len(store._staging) == READING_BUFFERS
+        back = torch.empty(numel)
+        store.take_into(0, back)
+        assert torch.equal(back, values.to(torch.bfloat16).float())
+        store.put(1, values, numel, torch.float32)  # writes go on with the buffers kept
+        again = torch.empty(numel)
+        store.take_into(1, again)
+        assert torch.equal(again, values)
+    finally:
+        store.close()

@@ -92,6 +92,8 @@ class ParkStore(Protocol):
         """The slice's first `out.numel()` elements, written into `out` (converted to its dtype)."""
         ...
 
+    def reading_only(self) -> None: ...  # the build is over: mostly reads from now on (fewer buffers)
+
     def close(self) -> None: ...
 
 
@@ -122,6 +124,9 @@ class MemoryParkStore:
     def take_into(self, key: int, out: torch.Tensor) -> None:
         kept = self._slices.pop(key)
         out.view(-1).copy_(kept[: out.numel()])
+
+    def reading_only(self) -> None:
+        pass
 
     def close(self) -> None:
         self._slices.clear()
@@ -307,6 +312,7 @@ class ParamPark:
         self.live.clear()
         self.settled.clear()
         self.collecting = False
+        self.store.reading_only()
 
     def park(self, p: nn.Parameter) -> None:
         """Keep this rank's slice of `p` in the store; `p` becomes a meta tensor of its shape."""
