@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -83,8 +84,9 @@ def predicted_3b() -> dict:
 
     model = _llama(3200, 26, 8640, 32, 32000, 2048, meta=True)
     n = sum(p.numel() for p in model.parameters())
-    shapes = [UnitShape.of(spec) for spec in discover_units(model, ())]
-    tiers = ledger_bytes(plan_units(shapes, _config("bf16"), 1, "cuda"))  # type: ignore[arg-type]
+    cfg: Any = _config("bf16")  # the units the engine builds under it (the embedding and head split)
+    specs = discover_units(model, (), split_min_numel=cfg.split_min_numel, split_any_size=cfg.split_any_size)
+    tiers = ledger_bytes(plan_units([UnitShape.of(spec) for spec in specs], cfg, 1, "cuda"))
     return {
         "params": n, "device_gib": tiers.device / 2**30, "device_bytes_per_param": tiers.device / n,
         "by_tag_gib": {k: round(v / 2**30, 2) for k, v in tiers.by_tag["device"].items()},

@@ -411,6 +411,11 @@ class Config:
         return max(1, -(-floor // DTYPES[self.param_dtype].itemsize))
 
     @property
+    def split_any_size(self) -> bool:
+        """With `split_root`: split layers smaller than the smallest block too (a byte floor is set)."""
+        return self.split_root_min_bytes is not None
+
+    @property
     def param_torch_dtype(self) -> torch.dtype:
         return DTYPES[self.param_dtype]
 

@@ -82,7 +82,7 @@ class Engine:
                     "fp32 master weights: sharding would train it in fp32. Convert the model first "
                     "(model.float()) if that is what you want"
                 )
-        split, any_size = cfg.split_min_numel, cfg.split_root_min_bytes is not None
+        split, any_size = cfg.split_min_numel, cfg.split_any_size
         specs = discover_units(module, cfg.unit_classes, split_min_numel=split, split_any_size=any_size)
         self.specs = specs  # the trainable units: gradients, optimizer, checkpoints
         # Stage 3 shards frozen parameters too (a LoRA fine-tune's base): units of their own,

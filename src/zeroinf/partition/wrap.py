@@ -133,7 +133,8 @@ def _unit_modules(
         visit("", model, 0)
     blocks = [_numel(m) for path, m, depth in found if depth == 1 and path not in split]
     if split and blocks and not split_any_size:
-        small = {path for path, m, _ in found if path in split and _numel(m) < min(blocks)}
+        smallest = min(blocks)
+        small = {path for path, m, _ in found if path in split and _numel(m) < smallest}
         found, split = [f for f in found if f[0] not in small], split - small
     return found, split
 

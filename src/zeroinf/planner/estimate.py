@@ -190,7 +190,7 @@ def _module_order(unit: Any) -> tuple[Any, ...]:
     a frozen unit just before its trainable twin (its pre-forward hook runs first; the plan lists
     frozen units after all trainable ones)."""
     parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in unit.name.split(".")) if unit.name else ()
-    return (unit.name == "", getattr(unit, "order", 0), parts, not unit.frozen)
+    return (unit.name == "", unit.order, parts, not unit.frozen)
 
 
 @functools.lru_cache(maxsize=8)

@@ -117,7 +117,7 @@ class ModelFacts:
         size: dict[str, int] = defaultdict(int)  # a module's parameters: a unit and its frozen twin together
         for u in self.units:
             size[u.name] += u.numel
-        if min_numel is not None and cfg.split_root_min_bytes is None:  # at least as large as a block
+        if min_numel is not None and not cfg.split_any_size:  # at least as large as a block
             split = {u.name for u in self.units if u.split}
             names = [n for n in size if n and n not in split]
             outer = [n for n in names if not any(n.startswith(f"{o}.") for o in names)]
@@ -322,8 +322,8 @@ def from_module(
     seq_len: int | None = None,
 ) -> ModelFacts:
     """Any module: real, on the meta device, or built under `zeroinf.init()` (parked parameters).
-    Every layer `Config.split_root` may split is a unit here; `is_resident` keeps the ones a config
-    leaves in the root (below its threshold, or the split turned off) unsharded, as the engine would."""
+    Every layer `Config.split_root` may split is a unit here; `ModelFacts.units_for` merges the ones
+    a config leaves in the root back into it, as the engine builds them."""
     specs = discover_units(model, unit_classes, split_min_numel=1, split_any_size=True)
     if not specs:
         raise ValueError("the model has no trainable parameters: nothing to plan")

@@ -54,8 +54,8 @@ class UnitShape:
     """A unit of frozen parameters (stage 3, e.g. a LoRA base): gathered like the rest, no gradient or
     optimizer state."""
     split: bool = False
-    """A large layer outside the blocks made a unit of its own (partition/wrap.py); with
-    `Config.split_root` off it stays unsharded, as the root would hold it."""
+    """A large layer outside the blocks made a unit of its own (partition/wrap.py); the planner's
+    facts hold every such layer, and `ModelFacts.units_for` merges back those a config does not split."""
     order: float = field(default=0, compare=False)  # an ordering hint, not part of the unit's identity
     """Where the unit's module comes in the model's module order (`UnitSpec.order`): the order units
     run in. Blocks a short model's facts add (`expand_blocks`) fall between their neighbours."""
@@ -561,13 +561,12 @@ class ModelPlan:
 
 
 def is_resident(unit: UnitShape, cfg: Config, world_size: int, layout: FlatLayout | None = None) -> bool:
-    """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded (and, with
-    `split_root` off, the layers it would split from the root); stages 0-2 all."""
+    """Stage 3 keeps the root unit and units below `persist_threshold_bytes` unsharded; stages 0-2 all."""
     if cfg.resolved_stage < 3:
         return True
     layout = layout or FlatLayout.build(list(unit.params), world_size)
     small = layout.padded_numel * DTYPES[cfg.param_dtype].itemsize < cfg.persist_threshold_bytes
-    return unit.name == "" or (unit.split and not cfg.split_root) or small
+    return unit.name == "" or small
 
 
 @functools.lru_cache(maxsize=4096)
