@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from zeroinf.memory import Ledger, Tier, format_bytes, parse_bytes
+from zeroinf.memory import Ledger, Tier, format_bytes, format_decimal_bytes, parse_bytes, ssd_wear
 
 
 def test_reserve_release_live_and_peak() -> None:
@@ -158,6 +158,18 @@ def test_parse_bytes_message_names_input_and_fix() -> None:
 )
 def test_format_bytes(nbytes: int, text: str) -> None:
     assert format_bytes(nbytes) == text
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [(512, "512 B"), (1500, "1.50 kB"), (4.2e6, "4.20 MB"), (27.5e9, "27.50 GB"), (275e12, "275.00 TB")],
+)
+def test_format_decimal_bytes(nbytes: float, text: str) -> None:
+    assert format_decimal_bytes(nbytes) == text
+
+
+def test_ssd_wear_states_a_step_and_ten_thousand() -> None:
+    assert ssd_wear(27.5e9).startswith("27.50 GB written a step, 275.00 TB per 10,000 steps (SSD wear")
 
 
 @pytest.mark.parametrize("nbytes", [1, 1536, 3 * 2**20, 7 * 2**30])

@@ -94,6 +94,16 @@ def test_cli_train_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert len(json.loads(report.read_text())["losses"]) == 3
 
 
+def test_cli_states_the_ssd_writes_of_an_nvme_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--model", "tiny", "--steps", "2", "--batch", "2", "--seq-len", "16", "--eval-batches", "0",
+            "--dtype", "fp32", "--stage", "3", "--offload-params", "nvme", "--offload-optimizer", "nvme",
+            "--nvme-dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    wear = [line for line in out.splitlines() if line.startswith("nvme per rank: about ")]
+    assert len(wear) == 1 and "B written a step, " in wear[0] and "B per 10,000 steps" in wear[0], out
+
+
 def test_cli_reports_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["train", "--model", "tiny", "--steps", "1", "--no-progress", "--data", str(tmp_path / "nope.txt")]
     assert cli.main(argv) == 2

@@ -98,6 +98,28 @@ def format_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+# SSD endurance is rated in terabytes written (TBW); consumer NVMe drives are typically rated for a few
+# hundred TB per TB of capacity (e.g. 600 TBW for 1 TB), datacenter ones for several thousand.
+WEAR_STEPS = 10_000
+
+
+def format_decimal_bytes(nbytes: float) -> str:
+    """Decimal size, as drives are sold and rated: 1.5e9 -> '1.50 GB'."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def ssd_wear(written_per_step: float) -> str:
+    """NVMe writes of one step and of WEAR_STEPS steps."""
+    return (
+        f"{format_decimal_bytes(written_per_step)} written a step, "
+        f"{format_decimal_bytes(written_per_step * WEAR_STEPS)} per {WEAR_STEPS:,} steps "
+        "(SSD wear: compare with the drive's rated TBW; a 1 TB consumer drive is often rated for about 600 TB)"
+    )
+
+
 def parse_bytes(text: str, what: str = "byte size") -> int:
     """'4GiB' -> 4294967296, '512MB' -> 512000000, '1048576' -> 1048576.
 

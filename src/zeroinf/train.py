@@ -28,7 +28,7 @@ from zeroinf.checkpoint.saving import finish_pending_save
 from zeroinf.comm import naming_failures
 from zeroinf.config import Config
 from zeroinf.data import DEFAULT_MAX_CORPUS_BYTES, BatchSampler, load_corpus, split_corpus
-from zeroinf.memory import format_bytes
+from zeroinf.memory import format_bytes, ssd_wear
 from zeroinf.models.gpt import GPT, GPTConfig
 from zeroinf.telemetry import phase_scope, record_phases
 from zeroinf.topology import Topology
@@ -475,8 +475,10 @@ def print_summary(result: TrainResult) -> None:
     io = result.memory.get("io", {})
     if io.get("nvme_read_bytes") or io.get("nvme_written_bytes"):
         lines.append(
-            f"nvme: read {format_bytes(io['nvme_read_bytes'])}, written {format_bytes(io['nvme_written_bytes'])} "
-            f"(SSD wear), waited {io['io_wait_s']:.1f} s of {io['io_busy_s']:.1f} s in flight: "
+            f"nvme: read {format_bytes(io['nvme_read_bytes'])}, written {format_bytes(io['nvme_written_bytes'])}, "
+            f"waited {io['io_wait_s']:.1f} s of {io['io_busy_s']:.1f} s in flight: "
             f"{io['overlap_pct']:.0f}% of I/O hidden behind compute"
         )
+        if io.get("nvme_written_bytes") and result.losses:  # per rank; the first step's writes include setup's
+            lines.append(f"nvme per rank: about {ssd_wear(io['nvme_written_bytes'] / len(result.losses))}")
     print("\n".join(lines), flush=True)

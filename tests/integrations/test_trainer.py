@@ -85,6 +85,36 @@ def test_matches_plain_trainer(tmp_path, plain_llama, stage: int) -> None:
     assert trainer.model is trainer.model_wrapped  # no DDP or other wrapper
 
 
+def test_the_logged_parameter_count_is_the_full_size(tmp_path) -> None:
+    """Stage 3: the Trainer's "Number of trainable parameters" log counts each parameter at its full
+    size (between passes a parameter is an empty placeholder; the plain Trainer logged 0), and the
+    Trainer's own counting function is put back after training."""
+    import logging
+
+    import transformers.trainer as hf_trainer
+
+    from tests._hf import build
+
+    full = sum(p.numel() for p in build("llama").parameters())
+    counted = hf_trainer.get_model_param_count
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    trainer_logger = logging.getLogger("transformers.trainer")
+    level = trainer_logger.level
+    trainer_logger.addHandler(handler)
+    trainer_logger.setLevel(logging.INFO)
+    try:
+        trainer = run_zeroinf("llama", str(tmp_path), 3, max_steps=2)
+    finally:
+        trainer_logger.removeHandler(handler)
+        trainer_logger.setLevel(level)
+    logged_counts = [r for r in records if "Number of trainable parameters" in r]
+    assert logged_counts == [f"  Number of trainable parameters = {full:,}"], logged_counts
+    assert hf_trainer.get_model_param_count is counted
+    assert counted(trainer.model) < full  # what the plain count sees between passes: placeholders
+
+
 def test_offloaded_to_nvme_matches_plain_trainer(tmp_path, plain_llama) -> None:
     offload = zeroinf.OffloadConfig(params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=str(tmp_path / "swap"))
     os.makedirs(tmp_path / "swap")

@@ -43,6 +43,10 @@ class Custom(nn.Module):
             for block in self.blocks:
                 block.proj.weight.mul_(0.5)
         self.head = nn.Linear(d, VOCAB, bias=False)
+        # the initialization of Hugging Face v4 and of many remote-code models: through `.data`
+        self.emb.weight.data.normal_(mean=0.0, std=0.02)
+        self.emb.weight.data[0].zero_()  # a padding row: a write to a part of it
+        self.head.weight.data.normal_(mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.emb(idx) * self.scale + self.positions[: idx.shape[1], None] + self.table[0]

@@ -1,10 +1,11 @@
 """`zeroinf.init()` builds exactly the eager model: bitwise, at world 1 and 2, on every parameter tier.
 
 The matrix: models {demo GPT, Hugging Face Llama, GPT-2 (tied), Qwen2 (tied), a custom module with
-`torch.ones`/`randn`-in-`__init__` parameters, computed buffers and a parent that rescales its
-children} x stage-3 parameter tier {device, host, nvme} x world {1, 2}, fp32. For each: eager
-construction + `shard` and `zeroinf.init(cfg)` + `shard` from the same seed give a gathered
-`state_dict` and buffers equal bit for bit. bf16 (slices parked in the compute dtype) is exact
+`torch.ones`/`randn`-in-`__init__` parameters, computed buffers, a parent that rescales its
+children and an initialization through `.data` (`weight.data.normal_()`, a padding row zeroed)} x
+stage-3 parameter tier {device, host, nvme} x world {1, 2}, fp32. For each: eager construction +
+`shard` and `zeroinf.init(cfg)` + `shard` from the same seed give a gathered `state_dict` and
+buffers equal bit for bit. bf16 (slices parked in the compute dtype) is exact
 for the models whose post-construction code overwrites parameters (GPT, Hugging Face); see
 [Note: parking in the compute dtype] for the one case where it may not be. Every case also checks
 that parameters really were parked during the build (the park's counters), and that the park is
@@ -178,6 +179,46 @@ def test_large_parameters_are_drawn_in_pieces(matrix: tuple[int, list[dict]]) ->
             where = f"world {world} rank {rank} {case}: {r['blanks']} blank, {r['draws']} draws"
             assert (r["blanks"] > 0) == case.endswith("/drawn"), where
             assert r["draws"] >= r["blanks"], where
+
+
+class _DataInit(torch.nn.Module):
+    """Initialized the Hugging Face v4 way, through `.data`, with a parent that does it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(512, 32)
+        self.head = torch.nn.Linear(32, 512, bias=False)
+        for module in (self.emb, self.head):
+            module.weight.data.normal_(mean=0.0, std=0.02)
+        torch.nn.init.kaiming_uniform_(self.head.weight.data, a=5**0.5)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_an_initialization_through_data_is_drawn_without_bringing_values_back(tmp_path, tier: str) -> None:
+    """`weight.data.normal_()` on a large parked parameter is drawn into the park like
+    `weight.normal_()`: no unpark (no read of values about to be replaced), and the eager values."""
+    from zeroinf.partition import draw
+
+    cfg = _cfg(tier, "fp32", str(tmp_path))
+    torch.manual_seed(0)
+    eager = _DataInit()
+    limits = draw.DRAW_MIN_BYTES, draw.PIECE_NUMEL
+    draw.DRAW_MIN_BYTES, draw.PIECE_NUMEL = 4096, 256
+    try:
+        torch.manual_seed(0)
+        with zeroinf.init(cfg) as park:
+            model = _DataInit()
+            views = len(park.data_views)
+    finally:
+        draw.DRAW_MIN_BYTES, draw.PIECE_NUMEL = limits
+    # drawn: each reset_parameters (normal_, kaiming_uniform_), each `.data.normal_()`, the kaiming again
+    assert (park.blanks, park.draws, park.unparks) == (2, 5, 0), (park.blanks, park.draws, park.unparks)
+    assert views == 0  # each `.data` was a temporary
+    zeroinf.shard(model, cfg)
+    got = model.state_dict()
+    for name, ref in eager.state_dict().items():
+        assert torch.equal(got[name], ref), name
+    zeroinf.engine_of(model).close()
 
 
 def test_post_construction_code_touches_parked_parameters(matrix: tuple[int, list[dict]]) -> None:

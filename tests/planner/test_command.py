@@ -13,6 +13,7 @@ import pytest
 
 import zeroinf
 from zeroinf import cli
+from zeroinf.memory import format_decimal_bytes
 
 SRC = str(Path(zeroinf.__file__).resolve().parents[1])
 LLAMA_70B = {  # Llama 3.1 70B's config.json, the fields that shape the model
@@ -42,6 +43,20 @@ def test_table_lists_placements_and_marks_the_best(capsys: pytest.CaptureFixture
     assert "fastest that fits" in out and "yes*" in out
     assert "st params optim  grads  ckpt" in out and "step s" in out and "bound" in out
     assert "machine profile: conservative defaults; run `zeroinf plan --measure`" in out
+
+
+def test_an_nvme_placement_states_its_ssd_writes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The writes a step makes to the SSD, and over 10,000 steps (drives are rated in TB written)."""
+    argv = ["plan", "--model", "small", "--stage", "3", "--offload-params", "nvme", "--offload-optimizer", "nvme",
+            "--nvme-dir", str(tmp_path)]
+    code, out, _ = _main(argv, capsys)
+    assert code == 0
+    code, js, _ = _main([*argv, "--json"], capsys)
+    written = json.loads(js)["best"]["time"]["nvme_written_bytes"]
+    assert written > 0
+    per_step, per_10k = format_decimal_bytes(written), format_decimal_bytes(written * 10_000)
+    assert f"nvme per rank in that placement: {per_step} written a step, {per_10k} per 10,000 steps" in out, out
+    assert "rated TBW" in out
 
 
 def test_json_is_one_object_for_programs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

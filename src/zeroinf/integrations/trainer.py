@@ -23,6 +23,9 @@ What differs from the plain Trainer, and where it happens:
   or placement; the Trainer restores RNG and data position as usual.
 - `save_model`: `model.state_dict()` on every rank (at stage 3 a collective that gathers unit by
   unit), written by rank 0 with `save_pretrained`.
+- Parameter counts (`floating_point_ops`, the "Number of trainable parameters" log): each parameter at
+  its full size (`ds_numel`), where the plain Trainer reads that only under DeepSpeed and logged 0
+  trainable parameters of a stage-3 model, whose parameters are empty placeholders between passes.
 - `torch_compile=True`: the loss is computed through `torch.compile` of the sharded model
   (`torch_compile_backend`, `torch_compile_mode`), docs/design.md "torch.compile".
 
@@ -42,8 +45,10 @@ transformers, so an incompatible version fails at import, by name, not mid-train
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -72,6 +77,34 @@ if _missing:
         f"zeroinf.integrations.Trainer needs transformers.Trainer methods {_missing}, absent from transformers "
         f"{transformers.__version__}; it is tested with transformers 5.x: pip install -U 'transformers>=5'"
     )
+
+
+def _full_numel(p: nn.Parameter) -> int:
+    """A parameter's full size: between passes a stage-3 parameter is an empty placeholder that carries
+    its size as `ds_numel` (partition/unit.py `_tell_full_size`, DeepSpeed's convention)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+@contextlib.contextmanager
+def _full_size_parameter_count() -> Iterator[None]:
+    """While training, the Trainer's "Number of trainable parameters" log counts full sizes: it reads
+    `ds_numel` only when DeepSpeed's ZeRO-3 is on, so it logged 0 for a stage-3 model. The count is a
+    module-level function of transformers.trainer, replaced for the duration and put back."""
+    import transformers.trainer as hf_trainer
+
+    counted = getattr(hf_trainer, "get_model_param_count", None)
+    if counted is None:  # another transformers: nothing to correct
+        yield
+        return
+
+    def full_size(model: nn.Module, trainable_only: bool = False) -> int:
+        return sum(_full_numel(p) for p in model.parameters() if p.requires_grad or not trainable_only)
+
+    hf_trainer.get_model_param_count = full_size
+    try:
+        yield
+    finally:
+        hf_trainer.get_model_param_count = counted
 
 
 def _is_sharded(model: nn.Module) -> bool:
@@ -235,11 +268,13 @@ class Trainer(transformers.Trainer):
         main_input = getattr(model, "main_input_name", "input_ids")
         if main_input not in inputs or not hasattr(model, "num_parameters"):
             return 0
-        units = engine_of(model).units
-        full_numel = {id(p): slot.numel for u in units for p, slot in zip(u.params, u.layout.slots, strict=True)}
         embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
-        numel = sum(full_numel.get(id(p), p.numel()) for n, p in model.named_parameters() if n not in embeddings)
+        numel = sum(_full_numel(p) for n, p in model.named_parameters() if n not in embeddings)
         return 6 * inputs[main_input].numel() * numel
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        with _full_size_parameter_count():
+            return super().train(*args, **kwargs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         norm = getattr(self.optimizer, "last_grad_norm", None)

@@ -77,6 +77,8 @@ _DEVICE_QUERIES: dict[Any, Callable[[torch.device], Any]] = {
     _T.get_device: lambda d: d.index if d.type != "cpu" and d.index is not None else -1,
 }
 
+_DATA_GET = _descriptor("data").__get__
+
 _active: list[ParamPark] = []  # parks of builds in progress or not yet sharded
 
 
@@ -117,16 +119,20 @@ class ConstructionMode(TorchFunctionMode):
                     self.fresh.pop(leaf.untyped_storage().data_ptr(), None)
         if park.parked and func not in _METADATA:
             drawn = draw.whole_overwrite(func, args, kwargs)
-            if drawn is not None and park.draws_on(drawn[0]):
-                park.draw(drawn[0], drawn[1])
-                return_freed_memory()  # the pieces, as after a parking (see `evict`)
-                return drawn[0]
+            if drawn is not None:
+                target = park.behind_view(drawn[0])  # `p.data.normal_()` draws `p`
+                if park.draws_on(target):
+                    park.draw(target, drawn[1])
+                    return_freed_memory()  # the pieces, as after a parking (see `evict`)
+                    return drawn[0]
+            if func == _DATA_GET and park.draws_on(args[0]):
+                return park.data_view(args[0])  # stands for it until a torch function needs its values
         if func is torch.empty:
             out = func(*args, **kwargs)
             if out.device.type == "cpu" and out.nbytes >= draw.DRAW_MIN_BYTES:
                 self.fresh[out.untyped_storage().data_ptr()] = out.untyped_storage()
             return out
-        if (park.parked or park.deferred) and func not in _METADATA:
+        if (park.parked or park.deferred or park.data_views) and func not in _METADATA:
             query = _DEVICE_QUERIES.get(func)
             if query is not None:
                 device = park.device_of(args[0])
@@ -138,9 +144,13 @@ class ConstructionMode(TorchFunctionMode):
                     unknown = park.deferred_among(leaves)
                     if unknown:
                         park.fill(unknown)
-                touched = park.parked_among(leaves)
+                behind = park.views_among(leaves)
+                touched = park.parked_among(leaves + behind)
                 if touched:
                     park.unpark(touched)
+                if behind:  # data views: the op runs on their parameters' data
+                    args, kwargs = park.resolve_views((args, kwargs))  # type: ignore[misc]
+                if touched or behind:
                     out = func(*args, **kwargs)
                     evict(park)
                     return out

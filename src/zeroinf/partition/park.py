@@ -47,7 +47,10 @@ state after the draw included; not so on CUDA, where the draw is whole as before
 draws every piece, so the generator advances as in eager construction. Anything else that touches
 a blank parameter unparks it as zeros (eager construction would show uninitialized memory). Any
 parked fp32 CPU parameter that such an initialization overwrites (`post_init` on a parked block)
-is drawn the same way: no read of values about to be replaced, no round trip.
+is drawn the same way: no read of values about to be replaced, no round trip. So is one through
+`.data` (`weight.data.normal_(mean=0.0, std=0.02)`, Hugging Face v4's and many remote-code models'
+init): `p.data` of such a parked parameter is a meta tensor standing for it (`data_view`), which any
+other torch function resolves to `p`'s real data, unparked (`weight.data[pad].zero_()`).
 
 `zeroinf.shard` builds each unit right after its last module (partition/init.py) and unparks its
 parameters one at a time straight into the unit's flat buffer (at world 1 read from the NVMe park
@@ -67,6 +70,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zeroinf.comm import all_gather_into, all_reduce
 from zeroinf.partition import draw as draw_module
@@ -206,6 +211,11 @@ class ParamPark:
         self.collecting = True  # inside the `with zeroinf.init()` block: new parameters are adopted
         self.closed = False
         self._key_of: dict[int, int] = {}  # a parameter parked again reuses its slot
+        # `p.data` of parked parameters that are drawn in pieces: meta tensors standing for them, so that
+        # `p.data.normal_()` is drawn too ([Note: a large parameter drawn in pieces]). Weak on the view
+        # (usually a temporary); the parameter is held, as a view of its data would hold its storage
+        # (a weak reference would stop `swap_tensors`).
+        self.data_views: WeakIdKeyDictionary = WeakIdKeyDictionary()  # view -> its parameter
         self.parks = self.unparks = self.draws = self.blanks = 0  # counters, for tests and the benchmark
         self.parked_bytes = 0  # bytes of slices written to the store
 
@@ -218,6 +228,12 @@ class ParamPark:
         return id(p) in self._key_of and not self.closed
 
     def device_of(self, p: torch.Tensor) -> torch.device | None:
+        param = self.behind_view(p)
+        if param is not p:  # a data view: its parameter's device, parked or not
+            if id(param) not in self.parked:
+                with torch._C.DisableTorchFunction():
+                    return param.device
+            p = param
         entry = self.parked.get(id(p))
         if entry is not None:
             return entry.device
@@ -340,6 +356,37 @@ class ParamPark:
         return p.dtype
 
     # -- drawn in pieces ([Note: a large parameter drawn in pieces]) ---------------------------------
+    def data_view(self, p: nn.Parameter) -> torch.Tensor:
+        """`p.data` of a parked parameter: a meta tensor of its shape standing for it. An initialization
+        that overwrites the view whole is drawn into `p`'s slot; anything else resolves the view to
+        `p`'s real data (`resolve_views`)."""
+        with torch._C.DisableTorchFunction():
+            view = p.data
+        self.data_views[view] = p
+        return view
+
+    def behind_view(self, t: torch.Tensor) -> torch.Tensor:
+        """The parameter a data view stands for, else `t` itself."""
+        param = self.data_views.get(t)
+        return t if param is None else param
+
+    def views_among(self, tensors: Iterable[object]) -> list[nn.Parameter]:
+        """The parameters behind the data views among `tensors`."""
+        found = (self.behind_view(t) for t in tensors if isinstance(t, torch.Tensor) and t in self.data_views)
+        return [p for p in found if isinstance(p, nn.Parameter)]
+
+    def resolve_views(self, tree: object) -> object:
+        """`tree` with each data view replaced by its parameter's data, which must be unparked by now."""
+
+        def real(t: object) -> object:
+            if not isinstance(t, torch.Tensor) or t not in self.data_views:
+                return t
+            param = self.behind_view(t)
+            with torch._C.DisableTorchFunction():
+                return param.data if param is not t else t
+
+        return tree_map(real, tree)
+
     def can_draw(self, p: nn.Parameter) -> bool:
         """Whether `p`, just registered, may be parked blank (its data is a fresh `torch.empty`)."""
         return (

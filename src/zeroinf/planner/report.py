@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeroinf.memory import format_bytes
+from zeroinf.memory import format_bytes, ssd_wear
 from zeroinf.planner.estimate import Estimate
 
 
@@ -55,6 +55,8 @@ def summary(plan: Any) -> list[str]:
             f"fastest that fits ({len(fitting)} of {len(plan.estimates)} placements fit): {format_estimate(best)}; "
             f"{w.tokens_per_step / best.time.step_s:,.0f} tokens/s"
         )
+        if best.time.nvme_written_bytes:
+            lines.append(f"nvme per rank in that placement: {ssd_wear(best.time.nvme_written_bytes)}")
     elif plan.estimates:
         least = plan.estimates[0]  # the closest to fitting
         lines.append(
