@@ -128,10 +128,11 @@ def test_the_plan_predicts_the_files_and_the_bytes(tmp_path: Path) -> None:
             assert estimate.ledger.by_tag["nvme"][tag] == got["ledger_nvme"][tag], tag
         last = got["traffic"][-1]
         read = last[("params", "read")] + last[("optimizer", "read")]
+        # without a cache, the shard kept from the end of forward serves its unit's step (counted since
+        # stop 40; the estimate said one shard more)
+        assert estimate.time.nvme_read_bytes == read, (cache, estimate.time.nvme_read_bytes, read)
         if cache:
-            assert estimate.time.nvme_read_bytes == read == last[("optimizer", "read")]
-        else:  # the plan does not count the shard kept from the end of forward to the start of backward
-            assert estimate.time.nvme_read_bytes == read + got["last_shard_bytes"]
+            assert read == last[("optimizer", "read")]
         assert estimate.time.nvme_written_bytes == last[("params", "written")] + last[("optimizer", "written")]
 
 

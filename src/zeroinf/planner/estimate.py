@@ -521,7 +521,14 @@ def _read_once(plan: ModelPlan) -> tuple[Any, ...]:
     file holds a kept unit's masters, its step reads them from there instead of taking them from the
     backward's staged shard: the same load, through the same cache, moved to the step."""
     in_file = {u.key for u, held in zip(plan.trainable_units, plan.masters_in_param_file, strict=True) if held}
-    return tuple(plan.units[i] for i in sorted(_kept_units(plan)) if plan.units[i].key not in in_file)
+    kept = _kept_units(plan)
+    # The last shards the forward loaded stay in the buffers kept for masters (partition/shard_home.py
+    # [Note: a shard kept for its masters]); backward steps those units first, from there: read once.
+    keep = plan.param_buffers_kept_for_masters
+    loaded = sorted((i for i, u in enumerate(plan.units) if u in plan.nvme_param_units), key=lambda i: _module_order(
+        plan.units[i]))
+    still_kept = set(loaded[-keep:]) if keep else set()
+    return tuple(plan.units[i] for i in sorted(kept) if plan.units[i].key not in in_file or i in still_kept)
 
 
 def _param_read_bytes(plan: ModelPlan) -> int:
