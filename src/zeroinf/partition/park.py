@@ -372,8 +372,7 @@ class ParamPark:
 
     def views_among(self, tensors: Iterable[object]) -> list[nn.Parameter]:
         """The parameters behind the data views among `tensors`."""
-        found = (self.behind_view(t) for t in tensors if isinstance(t, torch.Tensor) and t in self.data_views)
-        return [p for p in found if isinstance(p, nn.Parameter)]
+        return [self.data_views[t] for t in tensors if isinstance(t, torch.Tensor) and t in self.data_views]
 
     def resolve_views(self, tree: object) -> object:
         """`tree` with each data view replaced by its parameter's data, which must be unparked by now."""
@@ -381,9 +380,8 @@ class ParamPark:
         def real(t: object) -> object:
             if not isinstance(t, torch.Tensor) or t not in self.data_views:
                 return t
-            param = self.behind_view(t)
             with torch._C.DisableTorchFunction():
-                return param.data if param is not t else t
+                return self.data_views[t].data
 
         return tree_map(real, tree)
 

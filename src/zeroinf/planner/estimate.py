@@ -519,16 +519,18 @@ def pass_seconds(facts: PassFacts | None, dtype: str, profile: MachineProfile, u
 def _read_once(plan: ModelPlan) -> tuple[Any, ...]:
     """The kept units whose NVMe shard is read once a micro-step, not twice. Where the parameter
     file holds a kept unit's masters, its step reads them from there instead of taking them from the
-    backward's staged shard: the same load, through the same cache, moved to the step."""
+    backward's staged shard: the same load, through the same cache, moved to the step; unless the
+    shard is still in a buffer kept for masters."""
     in_file = {u.key for u, held in zip(plan.trainable_units, plan.masters_in_param_file, strict=True) if held}
-    kept = _kept_units(plan)
-    # The last shards the forward loaded stay in the buffers kept for masters (partition/shard_home.py
+    # The shards the forward loaded last stay in the buffers kept for masters (partition/shard_home.py
     # [Note: a shard kept for its masters]); backward steps those units first, from there: read once.
     keep = plan.param_buffers_kept_for_masters
-    loaded = sorted((i for i, u in enumerate(plan.units) if u in plan.nvme_param_units), key=lambda i: _module_order(
+    on_nvme = {u.key for u in plan.nvme_param_units}
+    loaded = sorted((i for i, u in enumerate(plan.units) if u.key in on_nvme), key=lambda i: _module_order(
         plan.units[i]))
     still_kept = set(loaded[-keep:]) if keep else set()
-    return tuple(plan.units[i] for i in sorted(kept) if plan.units[i].key not in in_file or i in still_kept)
+    kept = sorted(_kept_units(plan))
+    return tuple(plan.units[i] for i in kept if plan.units[i].key not in in_file or i in still_kept)
 
 
 def _param_read_bytes(plan: ModelPlan) -> int:
