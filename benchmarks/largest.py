@@ -1,6 +1,7 @@
 """The largest Hugging Face Llama this machine trains (full fine-tune: AdamW, fp32 master weights).
 
     python benchmarks/largest.py --nvme-dir /tmp/zi-largest [--dtype fp32] [--seq-len 32] [--plan-only]
+        [--moment-dtype bf16]   # Adam's moments in bf16 (offload.moment_dtype): 8 bytes of states per parameter
 
 1. By plan: a ladder of Llama shapes (Llama-7B's width, 4096, with a growing number of layers, then
    Llama-13B's, 5120) is estimated by `zeroinf.plan` (built on the meta device from a config.json,
@@ -45,18 +46,19 @@ def llama_config(hidden: int, layers: int) -> dict:
 
 
 def ladder() -> list[tuple[int, int]]:
-    return [(4096, layers) for layers in range(8, 41, 2)] + [(5120, layers) for layers in range(40, 61, 4)]
+    return [(4096, layers) for layers in range(8, 61, 2)] + [(5120, layers) for layers in range(40, 61, 4)]
 
 
 def configs(args: argparse.Namespace, host_budget: int) -> dict:
     import zeroinf
 
     common = dict(stage=3, param_dtype=args.dtype, persist_threshold_bytes=0)
+    moments = args.moment_dtype
     return {
         "split": zeroinf.Config(**common, offload=zeroinf.OffloadConfig(
-            params="nvme", optimizer="host", nvme_dir=args.nvme_dir, max_host_bytes=host_budget)),
+            params="nvme", optimizer="host", nvme_dir=args.nvme_dir, max_host_bytes=host_budget, moment_dtype=moments)),
         "nvme": zeroinf.Config(**common, offload=zeroinf.OffloadConfig(
-            params="nvme", optimizer="nvme", nvme_dir=args.nvme_dir)),
+            params="nvme", optimizer="nvme", nvme_dir=args.nvme_dir, moment_dtype=moments)),
     }
 
 
@@ -161,6 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-dir", required=True)
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--moment-dtype", default="fp32", choices=["fp32", "bf16"], help="offload.moment_dtype")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)

@@ -1,15 +1,19 @@
 """Optimizer step time with the states on device, host and nvme (and nvme sub-group sizes).
 
     python benchmarks/optimizer_tiers.py --params 50e6 --dir /tmp --rounds 5
+    python benchmarks/optimizer_tiers.py --params 200e6 --sub-groups 4194304 --moment-dtypes fp32,bf16
 
 One model per setting (a stack of square Linear units, stage 0, world 1) gets a gradient once per
-round from a one-token backward, then only `optimizer.step()` is timed. Settings alternate within
+round from a one-token backward, then only `optimizer.step()` is timed (`step_in_backward` off, so
+the whole update happens there). Settings alternate within
 each round (A B C A B C ...) so that all see the same background load. The JSON printed at the end
 holds every timing, the medians, the optimizer-state bytes moved per step and tier, the effective
 update rate (params/s) and, for nvme, the disk throughput the step reached (read + written bytes
 over the step time), the host bytes the offload held, the time of the same swaps with no update
 (`io_only_median_s`) and the overlap of update and I/O: (io + update - step) / min(io, update),
-with the host setting's step as the update time (1: the shorter one fully hidden; 0: in sequence).
+with the host setting's step of the same moment dtype as the update time (1: the shorter one fully
+hidden; 0: in sequence). `--moment-dtypes fp32,bf16` runs every setting with each dtype of Adam's
+moments (`offload.moment_dtype`), interleaved like the rest.
 """
 
 from __future__ import annotations
@@ -77,19 +81,29 @@ def main() -> None:
     parser.add_argument(
         "--sub-groups", default="1048576,4194304,16777216", help="nvme sub_group_numel values"
     )
+    parser.add_argument("--moment-dtypes", default="fp32", help="offload.moment_dtype values, e.g. fp32,bf16")
     args = parser.parse_args()
     layers = max(1, round(args.params / args.width**2))
     swap_root = Path(tempfile.mkdtemp(prefix="zeroinf-bench-opt-", dir=args.dir))
-    settings = [("device", zeroinf.OffloadConfig()), ("host", zeroinf.OffloadConfig(optimizer="host"))]
-    for numel in (int(n) for n in args.sub_groups.split(",")):
-        folder = swap_root / f"sg{numel}"
-        folder.mkdir()
-        settings.append(
-            (
-                f"nvme sub_group_numel={numel}",
-                zeroinf.OffloadConfig(optimizer="nvme", nvme_dir=str(folder), sub_group_numel=numel),
+    settings = []
+    for moments in args.moment_dtypes.split(","):
+        suffix = "" if moments == "fp32" else f" {moments} moments"
+        settings += [
+            (f"device{suffix}", zeroinf.OffloadConfig(moment_dtype=moments, step_in_backward=False)),
+            (f"host{suffix}", zeroinf.OffloadConfig(optimizer="host", moment_dtype=moments, step_in_backward=False)),
+        ]
+        for numel in (int(n) for n in args.sub_groups.split(",")):
+            folder = swap_root / f"sg{numel}-{moments}"
+            folder.mkdir()
+            settings.append(
+                (
+                    f"nvme sub_group_numel={numel}{suffix}",
+                    zeroinf.OffloadConfig(
+                        optimizer="nvme", nvme_dir=str(folder), sub_group_numel=numel, moment_dtype=moments,
+                        step_in_backward=False,
+                    ),
+                )
             )
-        )
     runs = [build(name, offload, layers, args.width) for name, offload in settings]
     for run in runs:  # warm-up: first touch of every buffer and file
         timed_step(run)
@@ -98,8 +112,13 @@ def main() -> None:
     for _ in range(args.rounds):
         for run in runs:
             timed_step(run)
-    results = []
+    results: list[dict] = []
     numel = sum(p.numel() for p in runs[0]["model"].parameters())
+    host_step = {}  # moment dtype: the host setting's median step, the update time without I/O
+    for run in runs:
+        moments = zeroinf.engine_of(run["model"]).cfg.offload.moment_dtype
+        if run["opt"].states.tier is Tier.HOST:
+            host_step[moments] = statistics.median(run["times_s"])
     for run in runs:
         opt, ledger = run["opt"], zeroinf.engine_of(run["model"]).ledger
         median = statistics.median(run["times_s"])
@@ -119,7 +138,8 @@ def main() -> None:
             )
             # The update (the host setting's step) and the I/O alone, against the step doing both:
             # overlap 1 means the shorter of the two is fully hidden, 0 means they ran in sequence.
-            io_s, update_s = statistics.median(run["io_only_s"]), results[1]["median_step_s"]
+            moments = zeroinf.engine_of(run["model"]).cfg.offload.moment_dtype
+            io_s, update_s = statistics.median(run["io_only_s"]), host_step[moments]
             entry["io_only_median_s"] = round(io_s, 4)
             entry["overlap"] = round((io_s + update_s - median) / min(io_s, update_s), 2)
         results.append(entry)

@@ -2,6 +2,7 @@
 against the kernel's (`/proc/self/io`), with the disk-busy share of each step.
 
     python benchmarks/step_io.py --nvme-dir /tmp/zi-io [--preset 125m] [--seq-len 64] [--steps 3] [--param-cache 2GiB]
+        [--moment-dtype bf16]   # Adam's moments in bf16: 4 bytes per parameter fewer each way
 
 Stage 3, world 1, fp32 (the issue's setting; `--dtype bf16` computes in bf16 with fp32 masters, for a
 CPU with bf16 hardware), parameters, gradients and optimizer states on NVMe.
@@ -48,12 +49,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--param-cache", default="0", help="offload.param_cache_bytes, e.g. 2GiB (0: none)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="param_dtype (compute)")
+    parser.add_argument("--moment-dtype", default="fp32", choices=["fp32", "bf16"], help="offload.moment_dtype")
     add_step_memory_args(parser)
     a = parser.parse_args()
     os.makedirs(a.nvme_dir, exist_ok=True)
     gpt = GPTConfig.preset(a.preset, seq_len=a.seq_len)
     offload = zeroinf.OffloadConfig(
-        params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=a.nvme_dir, param_cache_bytes=a.param_cache)
+        params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=a.nvme_dir, param_cache_bytes=a.param_cache,
+        moment_dtype=a.moment_dtype)
     cfg = zeroinf.Config(stage=3, param_dtype=a.dtype, reuse_step_memory=reuse_step_memory(a), offload=offload)
     run = build(gpt, cfg, a.batch)
     apply_grad_pool(run, a)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from zeroinf.checkpoint.format import CheckpointError
-from zeroinf.config import AUTO, DTYPES, Config, OffloadConfig
+from zeroinf.config import AUTO, DTYPES, MOMENT_DTYPES, Config, OffloadConfig
 from zeroinf.models.gpt import PRESETS
 from zeroinf.telemetry import configure_cli_logging
 from zeroinf.topology import check_ranks_fit
@@ -112,7 +112,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_host_memory_arguments(group: argparse._ArgumentGroup) -> None:
-    """`--max-host-bytes` and `--param-cache`, shared by train, finetune and plan."""
+    """`--max-host-bytes`, `--param-cache` and `--moment-dtype`, shared by train, finetune and plan."""
     group.add_argument(
         "--max-host-bytes", metavar="SIZE",
         help="cap on host memory for offload, e.g. 16GiB; with --nvme-dir, host parameter shards and optimizer "
@@ -121,6 +121,11 @@ def add_host_memory_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--param-cache", metavar="SIZE",
         help="host memory that keeps parameter shards on NVMe between uses, e.g. 4GiB (offload.param_cache_bytes)",
+    )
+    group.add_argument(
+        "--moment-dtype", choices=MOMENT_DTYPES,
+        help="dtype of Adam's two moments: bf16 keeps 8 bytes of optimizer state per parameter instead of 12, "
+        "rounded stochastically (offload.moment_dtype)",
     )
 
 
@@ -201,12 +206,15 @@ def engine_config(ns: argparse.Namespace, default: Config = DEFAULT_CONFIG) -> C
             cfg = dataclasses.replace(cfg, stage=AUTO)
     tiers = {k: v for k, v in tiers.items() if v is not None}
     cap, cache = getattr(ns, "max_host_bytes", None), getattr(ns, "param_cache", None)
-    if tiers or ns.nvme_dir or cap or cache:
+    moments = getattr(ns, "moment_dtype", None)
+    if tiers or ns.nvme_dir or cap or cache or moments:
         merged = {**dataclasses.asdict(cfg.offload), **tiers}
         if cap:
             merged["max_host_bytes"] = cap
         if cache:
             merged["param_cache_bytes"] = cache
+        if moments:
+            merged["moment_dtype"] = moments
         if ns.nvme_dir:
             merged["nvme_dir"] = ns.nvme_dir
         elif {"nvme", AUTO} & {merged["params"], merged["optimizer"], merged["gradients"]} and not merged["nvme_dir"]:

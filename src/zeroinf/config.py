@@ -24,6 +24,7 @@ import torch
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 TIERS = ("device", "host", "nvme")
+MOMENT_DTYPES = ("fp32", "bf16")  # Adam's moments: fp32, or bf16 with stochastic rounding
 AUTO = "auto"
 """A field set to "auto" is chosen for the machine: `param_dtype` at once (bf16 where the device computes
 it natively, else fp32), the placement fields (`stage`, the `offload` tiers, `activation_checkpointing`)
@@ -153,12 +154,18 @@ class OffloadConfig:
     """Tier of the compute-dtype parameter shards; "auto": chosen by `zeroinf.plan` (fastest that fits)."""
     optimizer: str = "device"
     """Tier of the fp32 master weights and Adam moments; with `host` or `nvme` the update runs on the CPU."""
+    moment_dtype: str = "fp32"
+    """Dtype of Adam's two moments, wherever they live: "fp32" (12 bytes per parameter with the fp32
+    master), or "bf16" (8 bytes: a third less memory, disk and NVMe traffic for the states; each moment
+    is updated in fp32 and rounded to bf16 stochastically, so it stays unbiased; optim/moments.py).
+    Not bitwise torch.optim's AdamW: within its rounding (docs/design.md, "Optimizer step")."""
     gradients: str = "device"
     """Tier of the fp32 gradient shards."""
     nvme_dir: str | None = None
     """Folder for the swap files, required when any tier is `nvme`; created if missing, checked for room."""
     sub_group_numel: int = 2**22
-    """Most elements per optimizer sub-group on `nvme`; staging takes 12 B/element (48 MiB per buffer)."""
+    """Most elements per optimizer sub-group on `nvme`; staging takes 12 B/element (48 MiB per buffer;
+    8 B/element with bf16 moments)."""
     buffer_count: int | str = AUTO
     """Host staging buffers for `nvme` sub-groups (>= 2); 3 overlap reading k+1 and writing k-1 with k.
     "auto": room to read a unit's states while its backward runs as the previous unit's are written
@@ -212,6 +219,9 @@ class OffloadConfig:
         for name in ("step_in_backward", "step_thread"):
             if getattr(self, name) not in (True, False, AUTO):
                 raise ConfigError(f"offload.{name}", getattr(self, name), f"use true, false or {AUTO!r}")
+        object.__setattr__(self, "moment_dtype", _normalize_dtype("offload.moment_dtype", self.moment_dtype))
+        if self.moment_dtype not in MOMENT_DTYPES:
+            raise ConfigError("offload.moment_dtype", self.moment_dtype, f"use one of {list(MOMENT_DTYPES)}")
         _positive_int("offload.sub_group_numel", self.sub_group_numel)
         count = self.buffer_count
         if count != AUTO and (isinstance(count, bool) or not isinstance(count, int) or count < 2):

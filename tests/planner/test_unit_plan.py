@@ -40,8 +40,15 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
         stage=3, activation_checkpointing=True, offload_activations=True
     ),
     "stage 3, accumulation 2": dict(stage=3, grad_accum_steps=2),
+    "stage 3, optimizer host, bf16 moments": dict(stage=3, offload=Off(optimizer="host", moment_dtype="bf16")),
+    "stage 3, params + optimizer nvme, bf16 moments": dict(
+        stage=3, offload=Off(params="nvme", optimizer="nvme", moment_dtype="bf16")
+    ),
 }
-WORLD2 = ("stage 2, optimizer host", "stage 3 in memory", "stage 3, optimizer nvme", "stage 3, params + optimizer nvme")
+WORLD2 = (
+    "stage 2, optimizer host", "stage 3 in memory", "stage 3, optimizer nvme", "stage 3, params + optimizer nvme",
+    "stage 3, params + optimizer nvme, bf16 moments",
+)
 
 
 def config(name: str, nvme_dir: str) -> zeroinf.Config:

@@ -1,6 +1,7 @@
 """zeroinf.AdamW: AdamW over the shards a rank owns, behind the torch.optim.Optimizer protocol.
 
-Each unit's owned range has an fp32 master copy and two fp32 moments (the optimizer states).
+Each unit's owned range has an fp32 master copy and two moments (the optimizer states; the moments
+in fp32, or in bf16 with `offload.moment_dtype`: optim/moments.py [Note: bf16 moments]).
 At stage 0 the owned range is the whole flat buffer; from stage 1 on it is this rank's shard, so
 the optimizer-state bytes fall as 1/world_size. The states live on the tier `offload.optimizer`
 names (`device`, `host` or `nvme`, see optim/states.py) and are stepped in sub-groups by the
@@ -85,6 +86,7 @@ from zeroinf.integrations.accelerate_loop import accelerate_defers_step
 from zeroinf.memory import Tier
 from zeroinf.optim.background import BackgroundSteps
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
+from zeroinf.optim.moments import Bf16MomentStep, Piece, param_key
 from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline, SubGroupStream
 from zeroinf.optim.states import MasterHome, MasterSource, ResidentStateStore, build_state_store
 from zeroinf.partition.unit import GradState, ShardedUnit
@@ -102,6 +104,7 @@ class Run:
     slot_index: int  # the parameter this run belongs to
     start: int
     end: int
+    param_start: int = 0  # index of `start`'s element inside the parameter
 
 
 @dataclass
@@ -244,7 +247,7 @@ class AdamW(torch.optim.Optimizer):
             for piece in unit.layout.pieces(unit.owned_start, unit.owned_end):
                 gi = group_of[id(unit.params[piece.slot_index])]
                 start, end = piece.start - unit.owned_start, piece.end - unit.owned_start
-                self.runs[gi].append(Run(ui, piece.slot_index, start, end))
+                self.runs[gi].append(Run(ui, piece.slot_index, start, end, piece.param_offset))
         offload = self.engine.cfg.offload
         units = self.engine.units
         # [Note: masters in the memory shard] (optim/states.py): such a unit's shard is its master.
@@ -308,13 +311,17 @@ class AdamW(torch.optim.Optimizer):
 
                 self.engine.backward_step_barrier = drain
         self.engine.optimizer_io = (self.states, self._pipeline)  # for the engine's I/O report
-        # Per sub-group: (param group, [(slot, start, end) relative to the sub-group]) per group it meets.
-        self._sub_group_runs: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
+        # Per sub-group: (param group, [(slot, start, end) relative to the sub-group, index of the cut's
+        # first element inside its parameter]) per group it meets.
+        self._sub_group_runs: list[list[tuple[int, list[tuple[int, int, int, int]]]]] = []
         for sg in self.states.sub_groups:
             pieces = []
             for gi, runs in enumerate(self.runs):
                 cuts = [
-                    (r.slot_index, max(r.start, sg.start) - sg.start, min(r.end, sg.end) - sg.start)
+                    (
+                        r.slot_index, max(r.start, sg.start) - sg.start, min(r.end, sg.end) - sg.start,
+                        r.param_start + max(r.start, sg.start) - r.start,
+                    )
                     for r in runs
                     if r.unit_index == sg.unit_index and r.start < sg.end and sg.start < r.end
                 ]
@@ -327,6 +334,14 @@ class AdamW(torch.optim.Optimizer):
         # The fused kernel increments the step tensors it is given; these are set to each parameter's
         # count before every call (one tensor per cut: a parameter split over sub-groups is counted once).
         self._step_tensors: dict[tuple[int, int], list[torch.Tensor]] = {}
+        # bf16 moments (offload.moment_dtype): the update runs in fp32 windows ([Note: bf16 moments]).
+        self._bf16_moments: Bf16MomentStep | None = None
+        if offload.moment_dtype == "bf16":
+            self._bf16_moments = Bf16MomentStep(
+                self.engine.ledger, Tier.DEVICE if offload.optimizer == "device" else Tier.HOST,
+                max((sg.numel for sg in self.states.sub_groups), default=1),
+            )
+            self._param_keys = [[param_key(name) for name in unit.param_names] for unit in self.engine.units]
 
     def _wants_step_thread(self) -> bool:
         """`offload.step_thread`: states wholly in host memory (a CPU kernel, nothing to swap), and
@@ -666,19 +681,30 @@ class AdamW(torch.optim.Optimizer):
         those hyperparameters instead of the groups' current ones)."""
         had_grad, steps = self.engine.units[sg.unit_index].param_had_grad, self.param_steps[sg.unit_index]
         for gi, all_cuts in self._sub_group_runs[sg.index]:
-            cuts = [(slot, a, b) for slot, a, b in all_cuts if had_grad[slot]]
+            cuts = [cut for cut in all_cuts if had_grad[cut[0]]]
             if not cuts:
                 continue
             group = self.param_groups[gi] if hyper is None else hyper[gi]
             beta1, beta2 = group["betas"]
+            if self._bf16_moments is not None:
+                keys = self._param_keys[sg.unit_index]
+                self._bf16_moments.step(
+                    [
+                        Piece(views.master[a:b], grad[a:b], views.exp_avg[a:b], views.exp_avg_sq[a:b], keys[slot],
+                              param_start, steps[slot])
+                        for slot, a, b, param_start in cuts
+                    ],
+                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                )
+                continue
             step_tensors = self._steps_for(sg.index, gi, len(all_cuts), grad.device)[: len(cuts)]
-            for t, (slot, _, _) in zip(step_tensors, cuts, strict=True):
+            for t, (slot, *_) in zip(step_tensors, cuts, strict=True):
                 t.fill_(float(steps[slot]))
             functional_adamw(
-                [views.master[a:b] for _, a, b in cuts],
-                [grad[a:b] for _, a, b in cuts],
-                [views.exp_avg[a:b] for _, a, b in cuts],
-                [views.exp_avg_sq[a:b] for _, a, b in cuts],
+                [views.master[a:b] for _, a, b, _ in cuts],
+                [grad[a:b] for _, a, b, _ in cuts],
+                [views.exp_avg[a:b] for _, a, b, _ in cuts],
+                [views.exp_avg_sq[a:b] for _, a, b, _ in cuts],
                 [],
                 step_tensors,
                 fused=True,
@@ -771,4 +797,6 @@ class AdamW(torch.optim.Optimizer):
             self.engine.backward_step_barrier = None
             self._background.close()
             self._background = None
+        if self._bf16_moments is not None:
+            self._bf16_moments.close()
         self.states.close()

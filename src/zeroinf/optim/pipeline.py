@@ -39,7 +39,8 @@ _ALIGN_NUMEL = 1024  # split points of a unit fall on 4 KiB of fp32
 
 
 class StateViews(NamedTuple):
-    """The three fp32 states of one sub-group (1-D, same numel, same device)."""
+    """The three states of one sub-group (1-D, same numel, same device): the fp32 master, and the
+    moments in the store's moment dtype (fp32, or bf16: optim/moments.py)."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor

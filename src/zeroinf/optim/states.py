@@ -1,9 +1,12 @@
 """Where the optimizer states live: fp32 master weights and Adam moments on `device`, `host` or `nvme`.
 
-An `OptimizerStateStore` holds, for every unit, the three fp32 states of the unit's owned range,
-and hands them to the step one sub-group at a time: `start_swap_in(k)` gives a `Pending` whose
-`wait()` returns the sub-group's `Staged` views, and `start_swap_out(staged)` puts them back.
-The step never knows the tier; the pipeline (optim/pipeline.py) drives both calls.
+An `OptimizerStateStore` holds, for every unit, the three states of the unit's owned range (the
+fp32 master, and two moments in `offload.moment_dtype`: fp32, or bf16 as optim/moments.py
+explains), and hands them to the step one sub-group at a time: `start_swap_in(k)` gives a `Pending`
+whose `wait()` returns the sub-group's `Staged` views, and `start_swap_out(staged)` puts them back.
+The step never knows the tier; the pipeline (optim/pipeline.py) drives both calls. Everything else
+(`read_unit`, `write_unit`, `iter_segments`, `segment_for_write`: state dicts, checkpoints, user
+writes) sees fp32 states whatever the moments' dtype, so checkpoints load across that setting.
 
 - `ResidentStateStore` (`device`, `host`): the states stay in memory for the whole run, one tensor
   per unit and state; a sub-group is a whole unit and its swaps are views that complete at once.
@@ -75,10 +78,15 @@ import torch
 
 from zeroinf.aio import AioConfig, AioHandle, BufferPool, PoolBuffer
 from zeroinf.aio.errors import AioError
-from zeroinf.config import OffloadConfig
+from zeroinf.config import DTYPES, OffloadConfig
 from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.pipeline import Pending, Staged, StateViews, SubGroup, plan_sub_groups
-from zeroinf.planner.unit_plan import OPTIMIZER_SWAP_KINDS, OptimizerSplit, plan_optimizer_staging, shadow_key
+from zeroinf.planner.unit_plan import (
+    OPTIMIZER_SWAP_KINDS,
+    OptimizerSplit,
+    plan_optimizer_staging,
+    shadow_key,
+)
 from zeroinf.telemetry import get_logger, phase
 from zeroinf.tiers.host import check_host_cap, host_zeros, release_host
 from zeroinf.tiers.nvme import NvmeSwap
@@ -87,6 +95,11 @@ from zeroinf.tiers.nvme_tier import NvmeTier
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 SWAP_KINDS = OPTIMIZER_SWAP_KINDS  # swap file kinds and NVME ledger tags: optimizer_<state kind>
 _FP32_BYTES = 4
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """A fresh fp32 copy of a state (a moment may be held in bf16)."""
+    return t.clone() if t.dtype == torch.float32 else t.float()
 
 
 def wait_all(handles: Sequence[AioHandle]) -> None:
@@ -174,15 +187,19 @@ class ResidentStateStore:
     staging_slots = None
 
     def __init__(
-        self, masters: Sequence[torch.Tensor] | MasterSource, tier: Tier, ledger: Ledger, max_host_bytes: int | None
+        self, masters: Sequence[torch.Tensor] | MasterSource, tier: Tier, ledger: Ledger, max_host_bytes: int | None,
+        moment_dtype: torch.dtype = torch.float32,
     ) -> None:
         source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
         self.tier, self.ledger, self.traffic = tier, ledger, StepTraffic()
         self.sub_groups = plan_sub_groups(source.numels, None)
+        self.moment_dtype = moment_dtype
+        self._element_bytes = _FP32_BYTES + 2 * moment_dtype.itemsize  # the three states of one element
         # A shared master is its unit's parameter shard: counted there, not allocated here.
         self._shared = [source.is_shared(i) for i in range(len(source.numels))]
         self._nbytes = sum(
-            (2 if shared else 3) * _FP32_BYTES * n for n, shared in zip(source.numels, self._shared, strict=True)
+            (self._element_bytes - (_FP32_BYTES if shared else 0)) * n
+            for n, shared in zip(source.numels, self._shared, strict=True)
         )
         self.states: list[StateViews] = []
         if tier is Tier.HOST:
@@ -198,7 +215,7 @@ class ResidentStateStore:
             # master crosses to the device (updated parameters): the moments are never pinned.
             for i, numel in enumerate(source.numels):
                 moments = [
-                    host_zeros(numel, torch.float32, ledger, "optimizer_state", pin=False) for _ in STATE_KINDS[1:]
+                    host_zeros(numel, moment_dtype, ledger, "optimizer_state", pin=False) for _ in STATE_KINDS[1:]
                 ]
                 if self._shared[i]:
                     self.states.append(StateViews(source.take(i), *moments))
@@ -209,7 +226,8 @@ class ResidentStateStore:
         else:
             for i in range(len(source.numels)):
                 master = source.take(i)
-                self.states.append(StateViews(master, torch.zeros_like(master), torch.zeros_like(master)))
+                zeros = [torch.zeros_like(master, dtype=moment_dtype) for _ in STATE_KINDS[1:]]
+                self.states.append(StateViews(master, *zeros))
             ledger.reserve(Tier.DEVICE, self._nbytes, "optimizer_state")
         self._closed = False
         self._backups: dict[int, StateViews] | None = None  # while speculating: states before the update
@@ -219,11 +237,11 @@ class ResidentStateStore:
 
     def start_swap_in(self, index: int) -> Pending:
         sg = self.sub_groups[index]
-        self.traffic.add(self.tier, "read", 3 * _FP32_BYTES * sg.numel)
+        self.traffic.add(self.tier, "read", self._element_bytes * sg.numel)
         unit = self.states[sg.unit_index]
         if self._backups is not None and index not in self._backups:
             self._backups[index] = StateViews(*(t[sg.start : sg.end].clone() for t in unit))
-            self.ledger.reserve(self.tier, 3 * _FP32_BYTES * sg.numel, "optimizer_backup")
+            self.ledger.reserve(self.tier, self._element_bytes * sg.numel, "optimizer_backup")
         return Pending("swap_in", Staged(sg, StateViews(*(t[sg.start : sg.end] for t in unit))))
 
     def speculate(self) -> None:
@@ -244,18 +262,18 @@ class ResidentStateStore:
 
     def _drop_backups(self) -> None:
         for index in self._backups or {}:
-            self.ledger.release(self.tier, 3 * _FP32_BYTES * self.sub_groups[index].numel, "optimizer_backup")
+            self.ledger.release(self.tier, self._element_bytes * self.sub_groups[index].numel, "optimizer_backup")
         self._backups = None
 
     def start_swap_out(self, staged: Staged) -> Pending:
-        self.traffic.add(self.tier, "written", 3 * _FP32_BYTES * staged.sub_group.numel)
+        self.traffic.add(self.tier, "written", self._element_bytes * staged.sub_group.numel)
         return Pending("swap_out", staged)
 
     def collect_master(self, staged: Staged) -> torch.Tensor | None:
         return self.states[staged.sub_group.unit_index].master  # sub-groups are whole units
 
     def read_unit(self, unit_index: int) -> StateViews:
-        return StateViews(*(t.clone() for t in self.states[unit_index]))
+        return StateViews(*(_fp32(t) for t in self.states[unit_index]))
 
     def write_unit(self, unit_index: int, states: StateViews) -> None:
         for dst, src in zip(self.states[unit_index], states, strict=True):
@@ -266,7 +284,7 @@ class ResidentStateStore:
 
     def iter_segments(self, unit_index: int) -> Iterator[tuple[int, int, StateViews]]:
         views = self.states[unit_index]
-        yield 0, views.master.numel(), StateViews(*(t.detach().cpu() for t in views))
+        yield 0, views.master.numel(), StateViews(*(t.detach().cpu().float() for t in views))
 
     def land_master_writes(self) -> None:
         return None  # the masters are here
@@ -274,7 +292,7 @@ class ResidentStateStore:
     @contextlib.contextmanager
     def segment_for_write(self, unit_index: int, start: int, end: int) -> Iterator[StateViews]:
         views = StateViews(*(t[start:end] for t in self.states[unit_index]))
-        if views.master.device.type == "cpu":
+        if views.master.device.type == "cpu" and self.moment_dtype == torch.float32:
             yield views  # filled in place
             return
         staged = StateViews(*(torch.empty(end - start, dtype=torch.float32) for _ in STATE_KINDS))
@@ -346,12 +364,14 @@ class NvmeStateStore:
         plan = plan_optimizer_staging(source.numels, cfg, aio)  # the sizes zeroinf.plan predicts
         self.sub_groups = list(plan.sub_groups)
         self.staging_slots = plan.pool.count
-        self._state_bytes = plan.state_bytes
+        self.moment_dtype = DTYPES[cfg.moment_dtype]
+        self._offsets, self._itemsizes = plan.state_offsets, plan.itemsizes
+        self._kind_bytes = dict(zip(SWAP_KINDS, plan.itemsizes, strict=True))  # per element
         assembly_numel = plan.assembly_numel
         check_host_cap(
             plan.host_bytes + aio.workers * aio.block_bytes,
             cfg.max_host_bytes,
-            f"the optimizer's nvme staging ({plan.pool.count} buffers of {3 * self._state_bytes} bytes, "
+            f"the optimizer's nvme staging ({plan.pool.count} buffers of {plan.pool.buffer_bytes} bytes, "
             f"a {assembly_numel * _FP32_BYTES}-byte assembly buffer, {aio.workers} I/O buffers)",
             "raise the cap, or lower offload.sub_group_numel or offload.buffer_count",
         )
@@ -397,10 +417,11 @@ class NvmeStateStore:
     # -- the step ---------------------------------------------------------------------------------------
     def _views(self, flat: torch.Tensor, numel: int) -> StateViews:
         """The three states of a `numel` sub-group inside a staging buffer, each at an aligned offset."""
+        dtypes = (torch.float32, self.moment_dtype, self.moment_dtype)
         return StateViews(
             *(
-                flat[i * self._state_bytes : i * self._state_bytes + numel * _FP32_BYTES].view(torch.float32)
-                for i in range(3)
+                flat[at : at + numel * size].view(dtype)
+                for at, size, dtype in zip(self._offsets, self._itemsizes, dtypes, strict=True)
             )
         )
 
@@ -451,8 +472,9 @@ class NvmeStateStore:
             staged.release()
             raise
         # This store's files only: a master read from the parameter file counts as parameter traffic.
-        own_kinds = len(SWAP_KINDS) - (self._master_homes[sg.unit_index] is not None)
-        self.traffic.add(Tier.NVME, "read", own_kinds * _FP32_BYTES * sg.numel)
+        home = self._master_homes[sg.unit_index]
+        own = sum(n for kind, n in self._kind_bytes.items() if home is None or kind != SWAP_KINDS[0])
+        self.traffic.add(Tier.NVME, "read", own * sg.numel)
         return Pending("swap_in", staged, handles)
 
     @phase("zeroinf::swap_out")
@@ -471,7 +493,7 @@ class NvmeStateStore:
             raise
         if self._written_aside is not None:
             self._written_aside.add(sg.index)
-        self.traffic.add(Tier.NVME, "written", len(handles) * _FP32_BYTES * sg.numel)
+        self.traffic.add(Tier.NVME, "written", sum(self._kind_bytes[kind] for kind in kinds) * sg.numel)
         return Pending("swap_out", staged, handles, release_when_done=True)
 
     # -- the speculative step: updates go to each sub-group's other slot until commit or rollback --------
@@ -504,7 +526,7 @@ class NvmeStateStore:
         groups = self._unit_groups.get(unit_index, [])
         numel = groups[-1].end if groups else 0
         out = StateViews(*(torch.empty(numel, dtype=torch.float32) for _ in STATE_KINDS))
-        for start, end, views in self.iter_segments(unit_index):
+        for start, end, views in self._iter_staged(unit_index):
             for dst, src in zip(out, views, strict=True):
                 dst[start:end].copy_(src)
         return out
@@ -534,10 +556,18 @@ class NvmeStateStore:
                 home.land_writes()
 
     def iter_segments(self, unit_index: int, ahead: int = 2) -> Iterator[tuple[int, int, StateViews]]:
-        """Yield each sub-group's states in a staging buffer, valid until the next item; the reads of
-        the next `ahead - 1` sub-groups run while the caller uses this one. A checkpoint may run this
-        on a background thread while training gathers parameters: masters held by the parameter file
-        are read from the file alone (`land_master_writes` ran first, on the training thread)."""
+        """Yield each sub-group's states in fp32, valid until the next item (in a staging buffer, or
+        widened copies of bf16 moments); the reads of the next `ahead - 1` sub-groups run while the
+        caller uses this one. A checkpoint may run this on a background thread while training gathers
+        parameters: masters held by the parameter file are read from the file alone
+        (`land_master_writes` ran first, on the training thread)."""
+        for start, end, views in self._iter_staged(unit_index, ahead):
+            if self.moment_dtype != torch.float32:
+                views = StateViews(views.master, views.exp_avg.float(), views.exp_avg_sq.float())
+            yield start, end, views
+
+    def _iter_staged(self, unit_index: int, ahead: int = 2) -> Iterator[tuple[int, int, StateViews]]:
+        """`iter_segments` with the states as stored (the moments in `moment_dtype`)."""
         self.require_healthy()
         assert self._pool is not None and self._swap is not None
         groups = self._unit_groups.get(unit_index, [])
@@ -583,7 +613,13 @@ class NvmeStateStore:
             raise ValueError(f"unit {unit_index} has no sub-group [{start}, {end}): see segment_bounds()")
         with self._pool.reserve() as flat:
             views = self._views(flat, sg.numel)
-            yield views
+            if self.moment_dtype == torch.float32:
+                yield views  # filled in place
+            else:  # fp32 for the caller, the moments rounded into the staging buffer after
+                staged = StateViews(views.master, *(torch.empty(sg.numel) for _ in STATE_KINDS[1:]))
+                yield staged
+                views.exp_avg.copy_(staged.exp_avg)
+                views.exp_avg_sq.copy_(staged.exp_avg_sq)
             wait_all(self._swap_all("swap_out", sg, views))
 
     # -- health and lifetime ------------------------------------------------------------------------------
@@ -776,7 +812,9 @@ def build_state_store(
         # Each part takes its units' masters one at a time, each dropped once stored.
         nvme = NvmeStateStore(masters.subset(split.nvme_units), cfg, ledger, rank, shadow=shadow, tier=tier)
         try:
-            host = ResidentStateStore(masters.subset(split.host_units), Tier.HOST, ledger, None)
+            host = ResidentStateStore(
+                masters.subset(split.host_units), Tier.HOST, ledger, None, DTYPES[cfg.moment_dtype]
+            )
         except BaseException:
             nvme.close()
             raise
@@ -784,4 +822,4 @@ def build_state_store(
         return SplitStateStore(host, nvme, split)
     if cfg.optimizer == "nvme":
         return NvmeStateStore(masters, cfg, ledger, rank, shadow=shadow, tier=tier, master_homes=master_homes)
-    return ResidentStateStore(masters, Tier(cfg.optimizer), ledger, cfg.max_host_bytes)
+    return ResidentStateStore(masters, Tier(cfg.optimizer), ledger, cfg.max_host_bytes, DTYPES[cfg.moment_dtype])

@@ -86,6 +86,8 @@ def plan_config(ns: argparse.Namespace) -> Config:
         offload["max_host_bytes"] = ns.max_host_bytes
     if ns.param_cache:
         offload["param_cache_bytes"] = ns.param_cache
+    if ns.moment_dtype:
+        offload["moment_dtype"] = ns.moment_dtype
     return dataclasses.replace(base, **changes, offload=OffloadConfig(**offload))  # type: ignore[arg-type]
 
 

@@ -22,7 +22,8 @@ Memory, per rank, by ledger tag:
   device, the shards reduced so far (at world 1 the unsharded buffer adopted as the shard). A device
   buffer a host shard is reduced into on an accelerator (`grad_reduce_out`, shard-sized, at most
   two) is not counted.
-- `optimizer_state`: 12 bytes per owned element on `offload.optimizer` (NVMe: three swap files,
+- `optimizer_state`: 12 bytes per owned element (8 with `offload.moment_dtype` bf16) on
+  `offload.optimizer` (NVMe: three swap files,
   `optimizer_staging` and `optimizer_assembly` on the host); split by `max_host_bytes`
   (`ModelPlan.optimizer_split`): the host part on the host, the rest as on NVMe.
 - `transfer_staging` (host): NVMe gradient shards land in pool buffers, a few per shard size.
@@ -47,6 +48,7 @@ from typing import Any
 from zeroinf.aio.buffers import round_up
 from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Tier
+from zeroinf.optim.moments import WINDOW_TAG, window_bytes
 from zeroinf.partition.shard_home import MAX_GRAD_WRITES_IN_FLIGHT
 from zeroinf.planner.model_facts import PassFacts
 from zeroinf.planner.profile import MachineProfile
@@ -56,6 +58,7 @@ from zeroinf.planner.unit_plan import (
     SWAP_ALIGN_BYTES,
     ModelPlan,
     OptimizerSplit,
+    state_element_bytes,
     step_in_backward_mode,
 )
 from zeroinf.runtime.prefetch import kept_for_backward, plan_prefetch
@@ -64,6 +67,7 @@ from zeroinf.tiers.shard_cache import simulate_reads
 
 RAM_HEADROOM = 0.9  # plan to use at most this share of the available RAM
 DEVICE_HEADROOM = 0.9
+BF16_MOMENTS_ADAM_COST = 2.1  # AdamW time with bf16 moments over fp32 ones (optim/moments.py; CPU measured)
 OP_OVERHEAD_S = 20e-6  # fixed cost of one operator launch (CPU) when the profile has none
 
 
@@ -467,17 +471,18 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("host", "aio_buffers", engine_bytes)
         elif o.gradients == "host" and not _released(plan):  # device shards: counted in the moments above
             add(o.gradients, "grad_shard", sum(u.grad_shard_bytes for u in plan.trainable_units))
-    state_bytes = 3 * FP32_BYTES * plan.owned_numel - FP32_BYTES * sum(u.owned_numel for u in shared)
+    element = state_element_bytes(o)  # 12, or 8 with bf16 moments
+    state_bytes = element * plan.owned_numel - FP32_BYTES * sum(u.owned_numel for u in shared)
     split = plan.optimizer_split()
     if split is not None:  # the host part's states (and copies) on the host, the rest as on NVMe below
-        add("host", "optimizer_state", 3 * FP32_BYTES * split.host_numel)
+        add("host", "optimizer_state", element * split.host_numel)
         if mode == "speculative":
-            add("host", "optimizer_backup", 3 * FP32_BYTES * split.host_numel)
+            add("host", "optimizer_backup", element * split.host_numel)
     if o.optimizer == "nvme" or split is not None:
         staging = plan.optimizer_staging()
-        for kind in OPTIMIZER_SWAP_KINDS:  # a speculative step writes each sub-group's second slot
-            elsewhere = plan.masters_in_param_file if kind == OPTIMIZER_SWAP_KINDS[0] else ()
-            add("nvme", kind, staging.file_bytes(mode == "speculative", elsewhere))
+        for k, kind in enumerate(OPTIMIZER_SWAP_KINDS):  # a speculative step writes each sub-group's second slot
+            elsewhere = plan.masters_in_param_file if k == 0 else ()
+            add("nvme", kind, staging.file_bytes(mode == "speculative", elsewhere, kind=k))
         add("host", "optimizer_staging", staging.pool.total_bytes)
         add("host", "optimizer_assembly", staging.assembly_numel * FP32_BYTES)
         add("host", "aio_buffers", engine_bytes)
@@ -485,9 +490,23 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
         add(o.optimizer, "optimizer_state", state_bytes)
         if mode == "speculative":  # the states before the step, kept until step() validates it
             add(o.optimizer, "optimizer_backup", state_bytes)
+    if o.moment_dtype == "bf16" and plan.owned_numel:  # the update's fp32 windows, where it runs
+        add("device" if o.optimizer == "device" else "host", WINDOW_TAG, window_bytes(_largest_sub_group(plan)))
     add("host", "activation_offload", activation_offload_bytes)
     device, host, nvme = (sum(tags[t].values()) for t in ("device", "host", "nvme"))
     return TierBytes(device, host, nvme, by_tag=tags)
+
+
+def _largest_sub_group(plan: ModelPlan) -> int:
+    """The most elements the optimizer updates at once: a whole unit's owned range in memory, at most
+    `offload.sub_group_numel` of it on NVMe (optim/states.py)."""
+    o = plan.cfg.offload
+    split = plan.optimizer_split()
+    in_memory = [u.owned_numel for u in plan.trainable_units] if o.optimizer != "nvme" else []
+    if split is not None:
+        in_memory = [split.owned_numels[i] for i in split.host_units]
+    on_nvme = [sg.numel for sg in plan.optimizer_staging().sub_groups] if o.optimizer == "nvme" or split else []
+    return max([*in_memory, *on_nvme, 1])
 
 
 def activation_peak(facts: PassFacts | None, cfg: Config) -> tuple[int, int]:
@@ -604,18 +623,21 @@ def step_time(
     held = zip(plan.trainable_units, plan.masters_in_param_file, strict=True)
     in_params = sum(u.owned_numel for u, in_file in held if in_file)
     in_memory = plan.param_cache_slots() >= len(plan.nvme_param_units) or plan.param_buffers_kept_for_masters
-    opt_read += 3 * FP32_BYTES * on_nvme - (FP32_BYTES * in_params if in_memory else 0)
-    opt_write += 3 * FP32_BYTES * on_nvme - FP32_BYTES * in_params
+    element = state_element_bytes(o)
+    opt_read += element * on_nvme - (FP32_BYTES * in_params if in_memory else 0)
+    opt_write += element * on_nvme - FP32_BYTES * in_params
     rd, wr = profile.disk_read_bps, profile.disk_write_bps
     fb_io_s = fb_read / rd + fb_write / wr
     opt_io_s = opt_read / rd + opt_write / wr
     # The optimizer: fused AdamW where the states are, then the new compute-dtype values.
     adam_rate = profile.device_adam_params_per_s if o.optimizer == "device" else profile.adam_params_per_s
     itemsize = DTYPES[cfg.param_dtype].itemsize
+    if o.moment_dtype == "bf16":  # widened, updated, rounded back (optim/moments.py [Note: bf16 moments])
+        adam_rate /= BF16_MOMENTS_ADAM_COST
     optimizer_s = owned / adam_rate + owned * (FP32_BYTES + itemsize) / profile.copy_bps
     if on_nvme:  # the pipeline waits for the first sub-group's read and the last one's write
         staging = plan.optimizer_staging()
-        first = 3 * staging.state_bytes
+        first = sum(staging.state_bytes)
         optimizer_s += first / rd + first / wr
     fb_s = max(compute_s + collectives_s, fb_io_s)
     opt_s = max(optimizer_s, opt_io_s)

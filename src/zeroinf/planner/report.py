@@ -38,7 +38,8 @@ def summary(plan: Any) -> list[str]:
     lines = [
         f"{plan.model}: {plan.param_count / 1e9:.3g}B parameters; {plan.workload.world_size} rank(s), "
         f"{w.tokens_per_step} tokens/step (micro-batch {w.micro_batch} x {w.seq_len} per rank), "
-        f"{plan.estimates[0].config.param_dtype if plan.estimates else '?'} compute",
+        f"{plan.estimates[0].config.param_dtype if plan.estimates else '?'} compute"
+        + (", bf16 Adam moments" if plan.estimates and plan.estimates[0].config.offload.moment_dtype == "bf16" else ""),
         f"machine: {plan.profile.cpu}, {plan.profile.cores} cores, device {plan.profile.device}, "
         f"{'native' if plan.profile.bf16_native else 'no native'} bf16; per rank {_mib(plan.capacity.ram_bytes)} RAM "
         "available"

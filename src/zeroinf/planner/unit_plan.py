@@ -41,6 +41,17 @@ SWAP_ALIGN_BYTES = 4096  # offsets of shards in the swap files, and staging buff
 PARAM_STAGING_EXTRA = 2
 OPTIMIZER_SWAP_KINDS = ("optimizer_master", "optimizer_exp_avg", "optimizer_exp_avg_sq")  # swap kinds = NVME tags
 FP32_BYTES = 4
+
+
+def state_itemsizes(offload: OffloadConfig) -> tuple[int, int, int]:
+    """Bytes per element of the master, exp_avg and exp_avg_sq (`offload.moment_dtype`)."""
+    moment = DTYPES[offload.moment_dtype].itemsize
+    return FP32_BYTES, moment, moment
+
+
+def state_element_bytes(offload: OffloadConfig) -> int:
+    """Optimizer-state bytes per owned element: 12 with fp32 moments, 8 with bf16 ones."""
+    return sum(state_itemsizes(offload))
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient collectives in flight in backward before the oldest is finished
 
 
@@ -148,11 +159,20 @@ class OptimizerStaging:
     """How NVMe optimizer states stream: sub-groups, staging buffers, and the master assembly buffer."""
 
     sub_groups: tuple[SubGroup, ...]
-    state_bytes: int
-    """Bytes of one state of the largest sub-group, aligned; a staging buffer holds three."""
+    state_bytes: tuple[int, int, int]
+    """Bytes of each state (master, exp_avg, exp_avg_sq) of the largest sub-group, aligned; a staging
+    buffer holds the three one after the other."""
     pool: StagingPlan
     assembly_numel: int
     """fp32 elements of the buffer that assembles a unit split into several sub-groups (0: none)."""
+    itemsizes: tuple[int, int, int] = (FP32_BYTES, FP32_BYTES, FP32_BYTES)
+    """Bytes per element of each state (`state_itemsizes`)."""
+
+    @property
+    def state_offsets(self) -> tuple[int, int, int]:
+        """Where each state starts in a staging buffer (aligned)."""
+        master, exp_avg, _ = self.state_bytes
+        return 0, master, master + exp_avg
 
     @property
     def host_bytes(self) -> int:
@@ -167,29 +187,33 @@ class OptimizerStaging:
         keys = [sg.key for sg in self.sub_groups] + ([shadow_key(sg.key) for sg in self.sub_groups] if shadow else [])
         by_key = {sg.key: sg for sg in self.sub_groups}
         slots = {}
-        for kind in OPTIMIZER_SWAP_KINDS:
+        for kind, itemsize in zip(OPTIMIZER_SWAP_KINDS, self.itemsizes, strict=True):
             for key in keys:
                 sg = by_key[key.removesuffix(SHADOW_SUFFIX)]
                 if kind == OPTIMIZER_SWAP_KINDS[0] and _marked(masters_elsewhere, sg.unit_index):
                     continue
-                slots[(key, kind)] = sg.numel * FP32_BYTES
+                slots[(key, kind)] = sg.numel * itemsize
         return slots
 
     @cached_property
-    def _slot_bytes(self) -> int:  # a plan weighs many placements of the same sub-groups: summed once
-        return sum(round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES) for sg in self.sub_groups)
+    def _slot_bytes(self) -> dict[int, int]:  # a plan weighs many placements of the same sub-groups: summed once
+        return {
+            size: sum(round_up(max(sg.numel * size, 1), SWAP_ALIGN_BYTES) for sg in self.sub_groups)
+            for size in set(self.itemsizes)
+        }
 
-    def file_bytes(self, shadow: bool = False, masters_elsewhere: Sequence[bool] = ()) -> int:
-        """Bytes of one moment's swap file, as tiers/nvme.py lays it out; with `masters_elsewhere`,
-        of the master file, which holds only the units not marked."""
-        if masters_elsewhere:
+    def file_bytes(self, shadow: bool = False, masters_elsewhere: Sequence[bool] = (), kind: int = 1) -> int:
+        """Bytes of the swap file of state `kind` (0 master, 1 exp_avg, 2 exp_avg_sq), as tiers/nvme.py
+        lays it out; with `masters_elsewhere`, the master file holds only the units not marked."""
+        itemsize = self.itemsizes[kind]
+        if masters_elsewhere and kind == 0:
             nbytes = sum(
-                round_up(max(sg.numel * FP32_BYTES, 1), SWAP_ALIGN_BYTES)
+                round_up(max(sg.numel * itemsize, 1), SWAP_ALIGN_BYTES)
                 for sg in self.sub_groups
                 if not _marked(masters_elsewhere, sg.unit_index)
             )
         else:
-            nbytes = self._slot_bytes
+            nbytes = self._slot_bytes[itemsize]
         return 2 * nbytes if shadow else nbytes
 
 
@@ -246,7 +270,9 @@ def plan_optimizer_staging(owned_numels: Sequence[int], offload: OffloadConfig, 
     count = offload.buffer_count
     if count == AUTO:
         count = 0 if offload.max_host_bytes is None else AUTO_STAGING_UNDER_CAP
-    return _optimizer_staging(tuple(owned_numels), offload.sub_group_numel, int(count), aio.alignment_bytes)
+    return _optimizer_staging(
+        tuple(owned_numels), offload.sub_group_numel, int(count), aio.alignment_bytes, state_itemsizes(offload)
+    )
 
 
 AUTO_STAGING_BYTES = 2**30
@@ -257,18 +283,22 @@ AUTO_STAGING_UNDER_CAP = 3
 
 @functools.lru_cache(maxsize=16)  # a plan weighs many placements of the same units
 def _optimizer_staging(
-    owned_numels: tuple[int, ...], sub_group_numel: int, buffer_count: int, alignment: int
+    owned_numels: tuple[int, ...], sub_group_numel: int, buffer_count: int, alignment: int,
+    itemsizes: tuple[int, int, int] = (FP32_BYTES, FP32_BYTES, FP32_BYTES),
 ) -> OptimizerStaging:
     """`buffer_count` 0: "auto", room for two units' sub-groups and two more within AUTO_STAGING_BYTES
     (optim/adamw.py [Note: states read while their unit's backward runs])."""
     sub_groups = tuple(plan_sub_groups(list(owned_numels), sub_group_numel))
     slot_numel = max((sg.numel for sg in sub_groups), default=1)
-    state_bytes = round_up(slot_numel * FP32_BYTES, alignment)
+    master, exp_avg, exp_avg_sq = (round_up(slot_numel * size, alignment) for size in itemsizes)
+    buffer_bytes = master + exp_avg + exp_avg_sq
     assembly_numel = max((sg.unit_numel for sg in sub_groups if not sg.whole_unit), default=0)
     if buffer_count == 0:
         per_unit = max(collections.Counter(sg.unit_index for sg in sub_groups).values(), default=1)
-        buffer_count = max(3, min(2 * per_unit + 2, AUTO_STAGING_BYTES // (3 * state_bytes)))
-    return OptimizerStaging(sub_groups, state_bytes, StagingPlan(buffer_count, 3 * state_bytes), assembly_numel)
+        buffer_count = max(3, min(2 * per_unit + 2, AUTO_STAGING_BYTES // buffer_bytes))
+    return OptimizerStaging(
+        sub_groups, (master, exp_avg, exp_avg_sq), StagingPlan(buffer_count, buffer_bytes), assembly_numel, itemsizes
+    )
 
 
 @dataclass(frozen=True)
@@ -281,6 +311,8 @@ class OptimizerSplit:
     owned_numels: tuple[int, ...]
     budget_bytes: int
     """Host bytes the states may take: `max_host_bytes` less the engine's other host buffers."""
+    element_bytes: int = 3 * FP32_BYTES
+    """State bytes per element (`state_element_bytes`)."""
 
     @property
     def host_units(self) -> tuple[int, ...]:
@@ -307,10 +339,11 @@ class OptimizerSplit:
     def describe(self) -> str:
         host, nvme = self.host_numel, self.nvme_numel
         share = host / (host + nvme) if host + nvme else 0.0
+        per = self.element_bytes
         return (
             f"optimizer states split: {len(self.host_units)} units ({100 * share:.0f}%, "
-            f"{3 * FP32_BYTES * host / 2**30:.2f} GiB) on host, {len(self.nvme_units)} units "
-            f"({3 * FP32_BYTES * nvme / 2**30:.2f} GiB) on nvme, interleaved along the step order"
+            f"{per * host / 2**30:.2f} GiB) on host, {len(self.nvme_units)} units "
+            f"({per * nvme / 2**30:.2f} GiB) on nvme, interleaved along the step order"
         )
 
 
@@ -548,11 +581,12 @@ class ModelPlan:
         if o.optimizer != "host" or o.max_host_bytes is None or o.nvme_dir is None:
             return None
         owned = tuple(u.owned_numel for u in self.trainable_units)
-        per_element = 3 * FP32_BYTES * (2 if step_in_backward_mode(self.cfg) == "speculative" else 1)
+        element = state_element_bytes(o)
+        per_element = element * (2 if step_in_backward_mode(self.cfg) == "speculative" else 1)
         if sum(owned) * per_element <= o.max_host_bytes - self.other_host_bytes(optimizer_on_nvme=False):
             return None  # everything fits: no split
         budget = max(0, o.max_host_bytes - self.other_host_bytes())
-        return OptimizerSplit(choose_host_units(owned, budget, per_element), owned, budget)
+        return OptimizerSplit(choose_host_units(owned, budget, per_element), owned, budget, element)
 
     def optimizer_split(self) -> OptimizerSplit | None:
         """The host/NVMe split of the optimizer states, when `offload.optimizer` = "host", its states
