@@ -92,15 +92,21 @@ def test_a_pieces_noise_is_the_parameters_noise_where_the_piece_is() -> None:
 
 
 # -- training against a plain loop ----------------------------------------------------------------------
-def train_reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_reference(
+    steps: int = STEPS, device: torch.device | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch on the whole global batch, AdamW with bf16 moments written out parameter by parameter."""
-    model = build_model()
-    table = NoiseTable(torch.device("cpu"))
-    moments = {n: [torch.zeros(p.numel(), dtype=torch.bfloat16) for _ in range(2)] for n, p in model.named_parameters()}
+    device = device or torch.device("cpu")
+    model = build_model().to(device)
+    table = NoiseTable(device)
+    moments = {
+        n: [torch.zeros(p.numel(), dtype=torch.bfloat16, device=device) for _ in range(2)]
+        for n, p in model.named_parameters()
+    }
     counts = dict.fromkeys(moments, 0)
     losses = []
     for step in range(steps):
-        x, y = global_batch(step)
+        x, y = (t.to(device) for t in global_batch(step))
         loss = model(x, y)
         loss.backward()
         losses.append(loss.item())
@@ -108,7 +114,8 @@ def train_reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Te
             for name, p in model.named_parameters():
                 m, v = (t.float() for t in moments[name])
                 functional_adamw(
-                    [p.view(-1)], [p.grad.view(-1)], [m], [v], [], [torch.tensor(float(counts[name]))], fused=True,
+                    [p.view(-1)], [p.grad.view(-1)], [m], [v], [], [torch.tensor(float(counts[name]), device=device)],
+                    fused=True,
                     amsgrad=False, beta1=BETAS[0], beta2=BETAS[1], lr=LR, weight_decay=WEIGHT_DECAY, eps=1e-8,
                     maximize=False,
                 )
@@ -116,7 +123,7 @@ def train_reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Te
                 for k, (wide, kept) in enumerate(zip((m, v), moments[name], strict=True)):
                     kept.copy_(round_stochastic_(wide, table.of(param_key(name), p.numel(), counts[name], k)))
                 p.grad = None
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 CASES: dict[str, tuple[int, dict[str, Any]]] = {
