@@ -11,7 +11,8 @@ fresh process (peak RSS is a process's high-water mark):
 - `nvme`: optimizer states on NVMe.
 `--reuse-step-memory true|false` overrides `Config.reuse_step_memory` ("auto" by default);
 `--grad-pool off` allocates every gradient buffer afresh (partition/grad_pool.py), to compare;
-`--split-root false` keeps the embeddings in the root unit (`Config.split_root`).
+`--split-root false` keeps the embeddings in the root unit (`Config.split_root`);
+`--moment-dtype bf16` keeps Adam's moments in bf16 (`offload.moment_dtype`: 8 bytes of states per parameter).
 Per variant: the RSS before the model is built (the baseline), the peak RSS (VmHWM, the same as
 ru_maxrss) over build and steps, (peak - baseline) / parameters, the engine's host and device
 ledger peaks per parameter, median seconds per step (first step dropped), the losses, and where
@@ -56,8 +57,11 @@ def child(a: argparse.Namespace) -> dict:
     optimizer = "nvme" if a.child == "nvme" else "host"
     budget = None
     if a.child == "split":
-        budget = int(STATE_BYTES_PER_PARAM * gpt.param_count / 1.5)
-    offload = zeroinf.OffloadConfig(params="nvme", optimizer=optimizer, nvme_dir=folder, max_host_bytes=budget)
+        per_param = STATE_BYTES_PER_PARAM if a.moment_dtype == "fp32" else STATE_BYTES_PER_PARAM - 4
+        budget = int(per_param * gpt.param_count / 1.5)
+    offload = zeroinf.OffloadConfig(
+        params="nvme", optimizer=optimizer, nvme_dir=folder, max_host_bytes=budget, moment_dtype=a.moment_dtype
+    )
     cfg = zeroinf.Config(
         stage=3, param_dtype=a.dtype, persist_threshold_bytes=0, offload=offload,
         reuse_step_memory=reuse_step_memory(a), split_root=a.split_root == "true",
@@ -111,6 +115,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", help="compute dtype of the parameters (fp32, bf16)")
     parser.add_argument("--variants", default="host,split,nvme")
     parser.add_argument("--split-root", default="true", choices=["true", "false"], help="Config.split_root")
+    parser.add_argument("--moment-dtype", default="fp32", choices=["fp32", "bf16"], help="offload.moment_dtype")
     add_step_memory_args(parser)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()
