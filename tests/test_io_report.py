@@ -41,7 +41,7 @@ def test_step_io_is_counted_per_kind_and_engines_use_offload_aio(tmp_path: Path,
     kinds = last["by_kind"]
     owned = sum(u.owned_numel for u in engine.units)
     # The optimizer swaps its fp32 states in and out once per step: the two moments, and the masters
-    # of the units whose parameter file does not hold them (optim/states.py [Note: masters in the
+    # of the units whose parameter file does not hold them (optim/nvme_states.py [Note: masters in the
     # parameter file]; here the resident root).
     held = zip(engine.units, engine.unit_plan.masters_in_param_file, strict=True)
     in_params = sum(u.owned_numel for u, in_file in held if in_file)

@@ -1,4 +1,4 @@
-"""fp32 masters kept in the parameter file (optim/states.py [Note: masters in the parameter file]):
+"""fp32 masters kept in the parameter file (optim/nvme_states.py [Note: masters in the parameter file]):
 when it applies, that no master file is laid out for those units, the bytes a step moves (with a
 cache holding every shard, and without one, where the step takes each master from the shard kept
 after the unit's backward gather), bitwise parity with the host optimizer, state_dict, and the

@@ -33,7 +33,7 @@ SMALL_STAGING: dict = {"sub_group_numel": 2048, "buffer_count": 3, "aio": {"work
 )
 def test_predicted_nvme_reads_per_step_match_the_engine(tmp_path: Path, dtype: str, optimizer: str, cache: int) -> None:
     """Also with the optimizer states half on the host, half on NVMe (the split), and fully on NVMe in
-    fp32, where the parameter file holds the masters (optim/states.py [Note: masters in the parameter
+    fp32, where the parameter file holds the masters (optim/nvme_states.py [Note: masters in the parameter
     file]): the forward's last shard stays in the buffer kept for masters, and its step reads no file
     (the estimate counted one more shard read a step there)."""
     cap = _half_the_states_on_host(tmp_path) if optimizer == "split" else None

@@ -75,7 +75,7 @@ def test_a_cached_run_equals_the_uncached_one_and_reads_less(tmp_path: pathlib.P
             assert torch.equal(run["state"][key], value), key
     shard = plain["shard_bytes"]
     assert plain["cache"] is None
-    # With the states on NVMe the parameter file also holds the masters (optim/states.py [Note: masters in
+    # With the states on NVMe the parameter file also holds the masters (optim/nvme_states.py [Note: masters in
     # the parameter file]); the step takes them from the shard a unit keeps after its backward gather, and
     # that kept shard also spares the read of the last unit of forward, the first of backward. Once both
     # passes are traced the forward keeps three of the four units gathered for the backward (they fit the

@@ -87,12 +87,13 @@ from zeroinf.memory import Tier
 from zeroinf.optim.background import BackgroundSteps
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
 from zeroinf.optim.moments import Bf16MomentStep, Piece, param_key
+from zeroinf.optim.nvme_states import MasterHome
 from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline, SubGroupStream
-from zeroinf.optim.states import MasterHome, MasterSource, ResidentStateStore, build_state_store
-from zeroinf.partition.unit import GradState, ShardedUnit
+from zeroinf.optim.states import MasterSource, ResidentStateStore, build_state_store
+from zeroinf.optim.step_grads import GradOnDisk, GradsToHost
+from zeroinf.partition.unit import GradState
 from zeroinf.planner.unit_plan import step_in_backward_mode
 from zeroinf.precision import DynamicLossScaler
-from zeroinf.runtime.streams import Landing, Transfers, typed_view
 from zeroinf.telemetry import phase, phase_scope
 
 
@@ -118,71 +119,6 @@ class _BackwardStep:
     stepped: list[int] = field(default_factory=list)  # units, in the order backward completed them
     handles: list[Handle] = field(default_factory=list)
     hyper_changed: RuntimeError | None = None
-
-
-class _GradOnDisk:
-    """A unit's reduced gradient shard on NVMe: read when its first sub-group is updated, kept
-    for that unit's other sub-groups, then dropped (one unit's shard in memory at a time)."""
-
-    def __init__(self, unit: ShardedUnit) -> None:
-        self.unit, self.coef = unit, 1.0
-        self._loaded: torch.Tensor | None = None
-
-    def load(self) -> torch.Tensor:
-        if self._loaded is None:
-            self._loaded = self.unit.owned_grad()
-            assert self._loaded is not None
-            if self.coef != 1.0:
-                self._loaded.mul_(self.coef)
-        return self._loaded
-
-    def drop(self) -> None:
-        self._loaded = None
-        self.unit.release_owned_grad()
-
-
-class _GradsToHost:
-    """Gradients reduced on the device for a step on the CPU (optimizer states on host or nvme,
-    gradients on the device): each sub-group's gradient slice crosses through a pool buffer of the
-    transfer owner, the next one's copy in flight while this one is updated. With the states on the
-    device (`states_tier` DEVICE) nothing crosses: `get` gives None and the update reads the gradient
-    where it is."""
-
-    def __init__(
-        self, transfers: Transfers, grads: list, sub_groups: list[SubGroup], order: list[int], states_tier: Tier
-    ) -> None:
-        self.transfers, self.grads, self.sub_groups, self.order = transfers, grads, sub_groups, order
-        self._crosses = states_tier is not Tier.DEVICE
-        self._position = {index: pos for pos, index in enumerate(order)}
-        self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor, Landing]] = {}
-
-    def _start(self, pos: int) -> None:
-        if not self._crosses or pos >= len(self.order) or pos in self._in_flight:
-            return
-        sg = self.sub_groups[self.order[pos]]
-        grad = self.grads[sg.unit_index]
-        if not isinstance(grad, torch.Tensor) or grad.device.type == "cpu":
-            return
-        piece = grad[sg.start : sg.end]
-        raw = self.transfers.pool.acquire(piece.numel() * piece.element_size(), "grad_to_host")
-        host = typed_view(raw, piece)
-        self._in_flight[pos] = (raw, host, self.transfers.to_host(piece, host))
-
-    def get(self, sg: SubGroup) -> torch.Tensor | None:
-        """The host copy of `sg`'s gradient slice, or None when it needs none."""
-        pos = self._position[sg.index]
-        self._start(pos)
-        self._start(pos + 1)
-        if pos not in self._in_flight:
-            return None
-        _, host, landing = self._in_flight[pos]
-        self.transfers.retire(landing)
-        return host
-
-    def done(self, sg: SubGroup) -> None:
-        entry = self._in_flight.pop(self._position[sg.index], None)
-        if entry is not None:
-            self.transfers.pool.release(entry[0], tag="grad_to_host")
 
 
 class AdamW(torch.optim.Optimizer):
@@ -405,10 +341,10 @@ class AdamW(torch.optim.Optimizer):
             for unit in engine.units:
                 unit.land_handed_off()
             engine.transfers.retire()
-        # Gradient shards on NVMe are read one unit at a time during the update (`_GradOnDisk`); their
+        # Gradient shards on NVMe are read one unit at a time during the update (`GradOnDisk`); their
         # squared norms were kept when they were written, so the global norm needs no read.
-        grads: list[torch.Tensor | _GradOnDisk | None] = [
-            _GradOnDisk(unit) if unit.grad_files is not None and unit.grad_state is not GradState.EMPTY
+        grads: list[torch.Tensor | GradOnDisk | None] = [
+            GradOnDisk(unit) if unit.grad_files is not None and unit.grad_state is not GradState.EMPTY
             and not unit.grad_in_memory
             else self._fp32(unit.owned_grad())
             for ui, unit in enumerate(engine.units)
@@ -417,7 +353,7 @@ class AdamW(torch.optim.Optimizer):
             for ui in session.stepped:
                 grads[ui] = None
         present = [g for g in grads if isinstance(g, torch.Tensor)]
-        on_disk_sq = sum(float(g.unit.grad_sq_norm or 0.0) for g in grads if isinstance(g, _GradOnDisk))
+        on_disk_sq = sum(float(g.unit.grad_sq_norm or 0.0) for g in grads if isinstance(g, GradOnDisk))
         sharded = engine.policy.shard_optimizer and engine.topo.is_distributed
         need_norm = self.scaler is not None or engine.cfg.grad_clip_norm is not None
         self.last_step_skipped = False
@@ -457,7 +393,7 @@ class AdamW(torch.optim.Optimizer):
             for g in present:
                 g.mul_(coef)
             for grad in grads:
-                if isinstance(grad, _GradOnDisk):
+                if isinstance(grad, GradOnDisk):
                     grad.coef = coef
         if session is not None:
             self._check_hyperparameters(session)
@@ -516,19 +452,19 @@ class AdamW(torch.optim.Optimizer):
 
         return update
 
-    def _update_states(self, grads: list[torch.Tensor | _GradOnDisk | None], session: _BackwardStep | None) -> None:
+    def _update_states(self, grads: list[torch.Tensor | GradOnDisk | None], session: _BackwardStep | None) -> None:
         """Swap in, update and swap out every sub-group with a gradient; write the new params. With a
         session, the sub-groups it stepped inside backward are done and its stream goes on."""
         units, store, transfers = self.engine.units, self.states, self.engine.transfers
         handles: list[Handle] = session.handles if session is not None else []
-        on_disk: list[_GradOnDisk | None] = [None]
+        on_disk: list[GradOnDisk | None] = [None]
         order = [sg.index for sg in store.sub_groups if grads[sg.unit_index] is not None]
-        crossing = _GradsToHost(transfers, grads, store.sub_groups, order, store.tier)
+        crossing = GradsToHost(transfers, grads, store.sub_groups, order, store.tier)
 
         def grad_of(sg: SubGroup) -> torch.Tensor:
             grad = grads[sg.unit_index]
             assert grad is not None
-            if isinstance(grad, _GradOnDisk):
+            if isinstance(grad, GradOnDisk):
                 if on_disk[0] is not None and on_disk[0] is not grad:
                     on_disk[0].drop()  # sub-groups come unit by unit: the previous unit is done
                 on_disk[0] = grad
@@ -608,7 +544,7 @@ class AdamW(torch.optim.Optimizer):
         grad = raw * session.coef if session.coef != 1.0 else raw  # the original stays for a redo
         grads: list = [None] * len(self.engine.units)
         grads[ui] = grad
-        crossing = _GradsToHost(
+        crossing = GradsToHost(
             self.engine.transfers, grads, self.states.sub_groups, self._unit_sub_groups[ui], self.states.tier
         )
 

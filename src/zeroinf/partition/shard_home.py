@@ -24,7 +24,7 @@ unit's size, and one copy of every shard less per step.
 
 [Note: a shard kept for its masters]
 Where the parameter file holds the optimizer's fp32 masters and the step runs inside backward
-(optim/states.py [Note: masters in the parameter file]), the step needs each unit's shard again
+(optim/nvme_states.py [Note: masters in the parameter file]), the step needs each unit's shard again
 right after the unit's backward gathered it. So a home's `end_load` keeps the staging buffer instead
 of returning it (`NvmeParamFiles.keep`), and the step's master reads copy from it rather than read
 the file again: 28 bytes per parameter a step instead of 32. A unit is stepped once its gradient

@@ -499,7 +499,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
 
 def _largest_sub_group(plan: ModelPlan) -> int:
     """The most elements the optimizer updates at once: a whole unit's owned range in memory, at most
-    `offload.sub_group_numel` of it on NVMe (optim/states.py)."""
+    `offload.sub_group_numel` of it on NVMe (optim/states.py, optim/nvme_states.py)."""
     o = plan.cfg.offload
     split = plan.optimizer_split()
     in_memory = [u.owned_numel for u in plan.trainable_units] if o.optimizer != "nvme" else []

@@ -493,7 +493,7 @@ class ModelPlan:
     @cached_property
     def masters_in_param_file(self) -> tuple[bool, ...]:
         """Per trainable unit: its fp32 masters are its NVMe parameter shard, one copy on disk, not two
-        (optim/states.py [Note: masters in the parameter file]). Holds for the units whose shard is on
+        (optim/nvme_states.py [Note: masters in the parameter file]). Holds for the units whose shard is on
         NVMe when parameters are fp32 (the shard equals the master bit for bit), the optimizer states
         are all on NVMe, and no speculative step needs the masters before it (a second copy)."""
         cfg = self.cfg

@@ -2,7 +2,7 @@
 
 An engine builds one `NvmeTier` from its `OffloadConfig` (`nvme_dir`, `aio`, `io_timeout_s`). The
 unit homes (parameters, gradients: `open_param_files`, `open_grad_files`), the optimizer's state
-store (optim/states.py) and checkpoint streaming ask it for swap files and engines; the
+store (optim/nvme_states.py) and checkpoint streaming ask it for swap files and engines; the
 construction-time park (tiers/park_file.py) and the pretrained-weights reader (weights/) take an
 engine from `tiers.nvme.open_engine`. tests/tiers/test_tier_ownership.py checks that no module outside `aio/`
 and `tiers/` constructs an `AioEngine` or an `NvmeSwap` or lays out a swap file, so every NVMe byte
