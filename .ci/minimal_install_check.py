@@ -1,8 +1,9 @@
 """Run by .ci/minimal_install in a fresh venv holding only torch and `pip install .` (no extras).
 
 Trains a tiny model a step with everything on NVMe, saves, loads into a fresh model, consolidates,
-and reads the consolidated safetensors back by hand: every run-time feature of the package must work
-without the test extras (numpy, safetensors, transformers), which this checks are absent.
+and reads the consolidated safetensors back by hand, with Adam's moments in fp32 and in bf16: every
+run-time feature of the package must work without the test extras (numpy, safetensors,
+transformers), which this checks are absent.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import zeroinf
 from zeroinf.models.gpt import GPT, PRESETS
 
 
-def build(swap: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(swap: str, moments: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    offload = zeroinf.OffloadConfig(params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=swap)
+    offload = zeroinf.OffloadConfig(params="nvme", optimizer="nvme", gradients="nvme", nvme_dir=swap,
+                                    moment_dtype=moments)
     model = zeroinf.shard(GPT(PRESETS["tiny"]), zeroinf.Config(stage=3, offload=offload, persist_threshold_bytes=0))
     return model, zeroinf.AdamW(model, lr=1e-3)
 
@@ -49,9 +51,16 @@ def main() -> int:
     if extras:
         print(f"minimal install check: {extras} installed, so this venv is not a minimal install", file=sys.stderr)
         return 1
+    for moments in ("fp32", "bf16"):
+        count = round_trip(moments)
+    print(f"minimal install check: saved, loaded and consolidated {count} tensors (zeroinf {zeroinf.__file__})")
+    return 0
+
+
+def round_trip(moments: str) -> int:
     with tempfile.TemporaryDirectory(prefix="zeroinf-minimal-") as tmp:
         swap, ckpt, out = (os.path.join(tmp, name) for name in ("swap", "ckpt", "consolidated"))
-        model, opt = build(swap)  # the swap folder is missing: it is created
+        model, opt = build(swap, moments)  # the swap folder is missing: it is created
         x = torch.randint(0, 256, (2, 32))
         opt.backward(model(x, x))
         opt.step()
@@ -61,7 +70,7 @@ def main() -> int:
         opt.close()
         zeroinf.engine_of(model).close()
 
-        model, opt = build(swap)
+        model, opt = build(swap, moments)
         info = zeroinf.load(ckpt, model, opt)
         loaded = model.state_dict()
         assert info["step"] == 1, info
@@ -74,8 +83,7 @@ def main() -> int:
             torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=f"consolidated {name}")
         opt.close()
         zeroinf.engine_of(model).close()
-    print(f"minimal install check: saved, loaded and consolidated {len(weights)} tensors (zeroinf {zeroinf.__file__})")
-    return 0
+    return len(weights)
 
 
 if __name__ == "__main__":
