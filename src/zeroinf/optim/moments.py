@@ -30,8 +30,9 @@ shifts the whole tensor's roundings together, by that table's luck. A second mom
 times by 0.999 (4096 elements) ended 0.3-1.0% off its expected mean with tables of 2^18 entries
 (six seeds), within 0.3% with 2^22, as with fresh random bits for every element and step (0.2%).
 
-Cost (AMD EPYC, 2 threads, 64M elements, states in RAM): 0.97 ns per element against 0.46 for fp32
-moments (widening 0.16, rounding 0.26, narrowing 0.16); the window (`WINDOW_NUMEL` elements, two
+Cost (AMD EPYC, 2 threads, 64M elements in RAM, these operations timed alone): 0.97 ns per element
+against 0.46 for fp32 moments (widening 0.16, rounding 0.26, narrowing 0.16; in the engine, a 201M
+optimizer step with host states: 1.7x, benchmarks/optimizer_tiers.py); the window (`WINDOW_NUMEL` elements, two
 fp32 buffers of 4 MiB each per device, allocated once) keeps the widened moments in cache, so the
 DRAM traffic is 20 bytes per element instead of 28. Where the states stream from NVMe, the 8 bytes
 per element fewer to read and write are what counts.

@@ -102,7 +102,7 @@ class NvmeStateStore:
         self.sub_groups = list(plan.sub_groups)
         self.staging_slots = plan.pool.count
         self.moment_dtype = DTYPES[cfg.moment_dtype]
-        self._offsets, self._itemsizes = plan.state_offsets, plan.itemsizes
+        self._offsets = plan.state_offsets
         self._kind_bytes = dict(zip(SWAP_KINDS, plan.itemsizes, strict=True))  # per element
         assembly_numel = plan.assembly_numel
         check_host_cap(
@@ -158,7 +158,7 @@ class NvmeStateStore:
         return StateViews(
             *(
                 flat[at : at + numel * size].view(dtype)
-                for at, size, dtype in zip(self._offsets, self._itemsizes, dtypes, strict=True)
+                for at, size, dtype in zip(self._offsets, self._kind_bytes.values(), dtypes, strict=True)
             )
         )
 

@@ -482,7 +482,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
         staging = plan.optimizer_staging()
         for k, kind in enumerate(OPTIMIZER_SWAP_KINDS):  # a speculative step writes each sub-group's second slot
             elsewhere = plan.masters_in_param_file if k == 0 else ()
-            add("nvme", kind, staging.file_bytes(mode == "speculative", elsewhere, kind=k))
+            add("nvme", kind, staging.file_bytes(mode == "speculative", elsewhere, state=k))
         add("host", "optimizer_staging", staging.pool.total_bytes)
         add("host", "optimizer_assembly", staging.assembly_numel * FP32_BYTES)
         add("host", "aio_buffers", engine_bytes)

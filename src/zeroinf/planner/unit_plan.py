@@ -202,11 +202,11 @@ class OptimizerStaging:
             for size in set(self.itemsizes)
         }
 
-    def file_bytes(self, shadow: bool = False, masters_elsewhere: Sequence[bool] = (), kind: int = 1) -> int:
-        """Bytes of the swap file of state `kind` (0 master, 1 exp_avg, 2 exp_avg_sq), as tiers/nvme.py
-        lays it out; with `masters_elsewhere`, the master file holds only the units not marked."""
-        itemsize = self.itemsizes[kind]
-        if masters_elsewhere and kind == 0:
+    def file_bytes(self, shadow: bool = False, masters_elsewhere: Sequence[bool] = (), state: int = 1) -> int:
+        """Bytes of the swap file of `state` (0 master, 1 exp_avg, 2 exp_avg_sq), as tiers/nvme.py lays
+        it out; with `masters_elsewhere`, the master file holds only the units not marked."""
+        itemsize = self.itemsizes[state]
+        if masters_elsewhere and state == 0:
             nbytes = sum(
                 round_up(max(sg.numel * itemsize, 1), SWAP_ALIGN_BYTES)
                 for sg in self.sub_groups
