@@ -167,29 +167,37 @@ def test_build_hugging_face_llama_under_init_bounded_memory_two_ranks() -> None:
     _check_bounded(run_ranks(_build_big, 2, "llama", 32, timeout_s=240))
 
 
-def _resized_under_init(rank: int, world: int, arch: str) -> tuple[float, list[int]]:
+RESIZED_ARCHS = ("llama", "llama-tied", "gpt2")
+
+
+def _resized_under_init(rank: int, world: int) -> dict[str, tuple[float, list[int]]]:
     from tests import _hf
 
-    torch.manual_seed(0)
-    plain = _hf.build(arch)
-    plain.resize_token_embeddings(140)
-    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
-    with zeroinf.init(cfg):
-        model = _hf.build(arch)
-        model.resize_token_embeddings(140)  # draws the new rows as a plain resize does
-    zeroinf.shard(model, cfg)
-    state = model.state_dict()
-    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
-    weight = model.get_input_embeddings().weight
-    shape = list(getattr(weight, "ds_shape", weight.shape))  # a sharded embedding's full shape
-    zeroinf.engine_of(model).close()
-    return diff, shape
+    out = {}
+    for arch in RESIZED_ARCHS:
+        torch.manual_seed(0)
+        plain = _hf.build(arch)
+        plain.resize_token_embeddings(140)
+        cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
+        with zeroinf.init(cfg):
+            model = _hf.build(arch)
+            model.resize_token_embeddings(140)  # draws the new rows as a plain resize does
+        zeroinf.shard(model, cfg)
+        state = model.state_dict()
+        diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+        weight = model.get_input_embeddings().weight
+        shape = list(getattr(weight, "ds_shape", weight.shape))  # a sharded embedding's full shape
+        zeroinf.engine_of(model).close()
+        out[arch] = (diff, shape)
+    return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "gpt2"])
-def test_resize_token_embeddings_inside_init_matches_a_plain_resize(arch: str) -> None:
-    for rank, (diff, shape) in enumerate(run_ranks(_resized_under_init, 2, arch)):
-        assert diff == 0.0 and shape == [140, 32], (rank, diff, shape)
+def test_resize_token_embeddings_inside_init_matches_a_plain_resize() -> None:
+    """Llama, Llama with tied embeddings and GPT-2, in one group of 2 ranks."""
+    for rank, per_arch in enumerate(run_ranks(_resized_under_init, 2)):
+        for arch, (diff, shape) in per_arch.items():
+            assert diff == 0.0 and shape == [140, 32], (arch, rank, diff, shape)
+        assert set(per_arch) == set(RESIZED_ARCHS)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
