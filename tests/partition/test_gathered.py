@@ -9,7 +9,10 @@ World 2, stage 3, parameters and optimizer states on NVMe (one spawned group):
 - bf16: the masters of elements left alone keep their unrounded fp32 values;
 - forwards inside a block: the engine releases units after use, but not one a block holds (that
   lost the block's writes, and its commit then failed); inside a block over every parameter,
-  forwards (a generation loop) gather nothing.
+  forwards (a generation loop) gather nothing;
+- a penalty over model.parameters() added to the loss trains as plain PyTorch inside a block over
+  every parameter (backward inside it, the optimizer stepping units there: the block's end waits for
+  their refreshing all-gathers); outside, backward names the block as the fix.
 World 1 in process: parameters of a model that is not sharded are refused; parameters parked by
 `zeroinf.init()` can be edited before `shard`.
 """
@@ -137,10 +140,53 @@ def _forwards_inside(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _penalty(rank: int, world: int, root: str) -> dict[str, Any]:
+    """An L2 penalty over model.parameters() added to the loss: inside a gathered block (backward
+    included) it trains as plain PyTorch; outside, backward names the block as the fix."""
+    folder = os.path.join(root, f"penalty-rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(0)
+    plain = Net()
+    model = zeroinf.shard(copy.deepcopy(plain), _offloaded_cfg(folder))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = zeroinf.AdamW(model, lr=1e-2, weight_decay=0.0)
+    idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))  # the same on every rank
+
+    def penalized(m: torch.nn.Module) -> torch.Tensor:
+        return m(idx).float().logsumexp(-1).mean() + 1e-2 * sum(p.pow(2).sum() for p in m.parameters())
+
+    engine = zeroinf.engine_of(model)
+    out: dict[str, Any] = {"plain": [], "ours": [], "refreshes_in_flight": []}
+    for _ in range(3):
+        loss = penalized(plain)
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        with zeroinf.gathered(list(model.parameters())):
+            ours = penalized(model)
+            opt.backward(ours)  # steps units inside backward, whose whole copies are refreshed
+        # the block's end waited for those refreshes before freeing the copies (unit.py [Note: a
+        # step's refresh of a gathered unit]; freeing them in flight corrupted the heap)
+        out["refreshes_in_flight"] += [u.name for u in engine.units if u._refresh_handle is not None]
+        opt.step()
+        opt.zero_grad()
+        out["plain"].append(loss.item())
+        out["ours"].append(ours.item())
+    state = model.state_dict()
+    out["weights_diff"] = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    try:
+        opt.backward(penalized(model))
+        out["outside_error"] = ""
+    except RuntimeError as e:
+        out["outside_error"] = str(e)
+    engine.close()
+    return out
+
+
 def run(rank: int, world: int, root: str) -> dict[str, Any]:
     return {
         "round_trip": _round_trip(rank, world, root), "bf16": _bf16_masters(rank, world, root),
-        "inside": _forwards_inside(rank, world, root),
+        "inside": _forwards_inside(rank, world, root), "penalty": _penalty(rank, world, root),
     }
 
 
@@ -231,3 +277,14 @@ def test_forwards_inside_a_block_keep_its_units(results: list[dict[str, Any]]) -
         assert t["inside_matches_plain"] and t["held_after_forward"] == (64, 32), (rank, t)
         assert t["write_kept"], f"rank {rank}: the forward inside the block lost its write"
         assert t["gathers_inside"] == 0 and t["same_outputs"], (rank, t)
+
+
+def test_a_penalty_over_parameters_trains_inside_a_block_and_is_explained_outside(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank, r in enumerate(results):
+        t = r["penalty"]
+        assert t["ours"] == pytest.approx(t["plain"], rel=1e-6), (rank, t["ours"], t["plain"])
+        assert t["weights_diff"] < 1e-6, (rank, t["weights_diff"])
+        assert t["refreshes_in_flight"] == [], (rank, t["refreshes_in_flight"])
+        assert "empty placeholder" in t["outside_error"] and "zeroinf.gathered" in t["outside_error"], t

@@ -91,6 +91,7 @@ from zeroinf.optim.nvme_states import MasterHome
 from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline, SubGroupStream
 from zeroinf.optim.states import MasterSource, ResidentStateStore, build_state_store
 from zeroinf.optim.step_grads import GradOnDisk, GradsToHost
+from zeroinf.partition.placeholder_use import explain_placeholder_gradient
 from zeroinf.partition.unit import GradState
 from zeroinf.planner.unit_plan import step_in_backward_mode
 from zeroinf.precision import DynamicLossScaler
@@ -302,7 +303,13 @@ class AdamW(torch.optim.Optimizer):
     @phase("zeroinf::backward")
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the fp16 loss scale applied (identical to loss.backward() otherwise)."""
-        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        try:
+            (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        except RuntimeError as err:  # partition/placeholder_use.py [Note: a parameter used outside ...]
+            explained = explain_placeholder_gradient(err) if self.engine.cfg.stage == 3 else None
+            if explained is None:
+                raise
+            raise explained from err
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if accelerate_defers_step(self.engine.cfg.grad_accum_steps):  # inside accelerator.accumulate

@@ -67,6 +67,7 @@ class UnitGather:
         (`ShardedUnit.commit_user_writes`, `exact` passed on)."""
         unit, topo = self.engine.all_units[self.index], self.engine.topo
         try:
+            unit.wait_refresh()  # a step inside a backward in the block refreshed it (unit.py)
             if commit and self.modify:
                 assert self.owned_before is not None
                 if modifier_rank is not None and topo.is_distributed:

@@ -193,6 +193,9 @@ class ShardedUnit:
         self._fp32_master_from_shard = False  # fp32 built in place: the master is read from the shard
         self.user_gathers = 0  # open `zeroinf.gathered` contexts holding this unit
         self.user_writer = False  # one of them gathered it for writing
+        # The all-gather refreshing the unsharded copy after a step (`start_update_params`): waited
+        # before the copy is read or freed ([Note: a step's refresh of a gathered unit]).
+        self._refresh_handle: Handle | None = None
         if source is None:
             self._build_buffers(param_dtype, keep_fp32_master, realize)
         else:
@@ -387,6 +390,7 @@ class ShardedUnit:
     def wait_unshard(self) -> None:
         """Finish a started unshard (or do it now) and point the parameters at the full buffer."""
         if self.state is ParamState.UNSHARDED:
+            self.wait_refresh()
             return
         self.start_unshard()
         assert self._gather_handle is not None
@@ -413,6 +417,7 @@ class ShardedUnit:
             return
         if self.state is ParamState.UNSHARDING:
             self.wait_unshard()
+        self.wait_refresh()  # a collective still writing into the buffer about to be freed
         for p, placeholder in zip(self.params, self._placeholders, strict=True):
             p.data = placeholder
         self.param_flat.untyped_storage().resize_(0)
@@ -771,4 +776,20 @@ class ShardedUnit:
             source = self.param_flat[self.owned_start : self.owned_end]
         self.transfers.order_uploads()  # the all-gather reads the shard just uploaded
         self.counter.add("all_gather")
-        return all_gather_into(self.param_flat, source, self.topo)
+        self._refresh_handle = all_gather_into(self.param_flat, source, self.topo)
+        return self._refresh_handle
+
+    def wait_refresh(self) -> None:
+        """Finish the all-gather that refreshes this unit's unsharded copy after a step, if one is
+        in flight.
+
+        [Note: a step's refresh of a gathered unit]
+        A unit that is whole when the optimizer updates its shard (a resident unit, or one a
+        `zeroinf.gathered` block holds) has its unsharded copy refreshed by an asynchronous
+        all-gather, which `step()` waits for. With the step inside backward, that all-gather starts
+        in backward, and a block that holds the unit may end before `step()`: its reshard freed the
+        buffer the collective was still writing into (heap corruption at world 2, gloo writing into
+        freed memory). So whatever reads or frees the copy first waits for it."""
+        if self._refresh_handle is not None:
+            handle, self._refresh_handle = self._refresh_handle, None
+            handle.wait()
