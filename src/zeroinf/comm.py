@@ -74,6 +74,22 @@ class DoneHandle:
         return None
 
 
+class ThenHandle:
+    """A handle whose first wait() also runs `then` once the wrapped collective is done (releasing
+    what it read, for instance)."""
+
+    def __init__(self, handle: Handle, then: Callable[[], None]) -> None:
+        self._handle, self._then = handle, then
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._handle.wait()
+        self._done = True
+        self._then()
+
+
 class WorkHandle:
     """Wraps a torch.distributed Work and runs a completion step (e.g. averaging) after wait()."""
 

@@ -12,7 +12,8 @@ World 2, stage 3, parameters and optimizer states on NVMe (one spawned group):
   forwards (a generation loop) gather nothing;
 - a penalty over model.parameters() added to the loss trains as plain PyTorch inside a block over
   every parameter (backward inside it, the optimizer stepping units there: the block's end waits for
-  their refreshing all-gathers); outside, backward names the block as the fix.
+  their refreshing all-gathers), also when clipping undoes and redoes that step; outside, backward
+  names the block as the fix.
 World 1 in process: parameters of a model that is not sharded are refused; parameters parked by
 `zeroinf.init()` can be edited before `shard`.
 """
@@ -20,6 +21,7 @@ World 1 in process: parameters of a model that is not sharded are refused; param
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 from typing import Any
@@ -140,14 +142,16 @@ def _forwards_inside(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _penalty(rank: int, world: int, root: str) -> dict[str, Any]:
+def _penalty(rank: int, world: int, root: str, clip: float | None) -> dict[str, Any]:
     """An L2 penalty over model.parameters() added to the loss: inside a gathered block (backward
-    included) it trains as plain PyTorch; outside, backward names the block as the fix."""
-    folder = os.path.join(root, f"penalty-rank{rank}")
+    included) it trains as plain PyTorch; outside, backward names the block as the fix. With `clip`,
+    clipping triggers, so the step made inside backward is undone and redone after it."""
+    folder = os.path.join(root, f"penalty-{clip}-rank{rank}")
     os.makedirs(folder, exist_ok=True)
     torch.manual_seed(0)
     plain = Net()
-    model = zeroinf.shard(copy.deepcopy(plain), _offloaded_cfg(folder))
+    cfg = dataclasses.replace(_offloaded_cfg(folder), grad_clip_norm=clip)
+    model = zeroinf.shard(copy.deepcopy(plain), cfg)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
     opt = zeroinf.AdamW(model, lr=1e-2, weight_decay=0.0)
     idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))  # the same on every rank
@@ -160,6 +164,8 @@ def _penalty(rank: int, world: int, root: str) -> dict[str, Any]:
     for _ in range(3):
         loss = penalized(plain)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
         plain_opt.step()
         plain_opt.zero_grad()
         with zeroinf.gathered(list(model.parameters())):
@@ -172,6 +178,7 @@ def _penalty(rank: int, world: int, root: str) -> dict[str, Any]:
         opt.zero_grad()
         out["plain"].append(loss.item())
         out["ours"].append(ours.item())
+    out["rollbacks"] = opt.rollbacks
     state = model.state_dict()
     out["weights_diff"] = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
     try:
@@ -186,7 +193,8 @@ def _penalty(rank: int, world: int, root: str) -> dict[str, Any]:
 def run(rank: int, world: int, root: str) -> dict[str, Any]:
     return {
         "round_trip": _round_trip(rank, world, root), "bf16": _bf16_masters(rank, world, root),
-        "inside": _forwards_inside(rank, world, root), "penalty": _penalty(rank, world, root),
+        "inside": _forwards_inside(rank, world, root), "penalty": _penalty(rank, world, root, None),
+        "penalty_clipped": _penalty(rank, world, root, 0.05),
     }
 
 
@@ -283,8 +291,12 @@ def test_a_penalty_over_parameters_trains_inside_a_block_and_is_explained_outsid
     results: list[dict[str, Any]],
 ) -> None:
     for rank, r in enumerate(results):
-        t = r["penalty"]
-        assert t["ours"] == pytest.approx(t["plain"], rel=1e-6), (rank, t["ours"], t["plain"])
-        assert t["weights_diff"] < 1e-6, (rank, t["weights_diff"])
-        assert t["refreshes_in_flight"] == [], (rank, t["refreshes_in_flight"])
-        assert "empty placeholder" in t["outside_error"] and "zeroinf.gathered" in t["outside_error"], t
+        for case in ("penalty", "penalty_clipped"):
+            t = r[case]
+            assert t["ours"] == pytest.approx(t["plain"], rel=1e-6), (case, rank, t["ours"], t["plain"])
+            assert t["weights_diff"] < 1e-6, (case, rank, t["weights_diff"])
+            assert t["refreshes_in_flight"] == [], (case, rank, t["refreshes_in_flight"])
+            assert "empty placeholder" in t["outside_error"] and "zeroinf.gathered" in t["outside_error"], t
+        # clipping triggered: each speculative step was undone and redone (the second store of a
+        # unit in one step refreshed its whole copy with the first one's values before the fix)
+        assert r["penalty_clipped"]["rollbacks"] >= 1, r["penalty_clipped"]["rollbacks"]

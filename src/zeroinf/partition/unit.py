@@ -59,7 +59,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from zeroinf.comm import DoneHandle, Handle, all_gather_into, all_reduce, reduce_scatter_into
+from zeroinf.comm import DoneHandle, Handle, ThenHandle, all_gather_into, all_reduce, reduce_scatter_into
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.grad_pool import GradBufferPool
@@ -764,11 +764,19 @@ class ShardedUnit:
     def start_update_params(self, master_owned: torch.Tensor, stable: bool = False) -> Handle:
         """Write the new master weights (owned range) into the compute params; all-gather where needed.
         `stable`: `master_owned` is the optimizer's own host master (see `ShardHome.store`)."""
+        self.wait_refresh()  # an earlier refresh still reads the shard this store replaces
         if self.home is not None:
             self.home.store(master_owned, stable)
             if self.state is not ParamState.UNSHARDED:
                 return DoneHandle()  # the next unshard gathers the new values
-            source = self.home.finish_load()  # a resident unit: refresh its unsharded copy now
+            # A unit kept whole (resident, or held by `zeroinf.gathered`): refresh its copy now from
+            # the values just stored, then let the loaded shard go ([Note: a step's refresh of a
+            # gathered unit]).
+            source = self.home.finish_load()
+            self.transfers.order_uploads()
+            self.counter.add("all_gather")
+            self._refresh_handle = ThenHandle(all_gather_into(self.param_flat, source, self.topo), self.home.end_load)
+            return self._refresh_handle
         else:  # from a CPU optimizer: asynchronously, ordered before the all-gather and the next forward
             self.transfers.upload(master_owned, self.param_flat[self.owned_start : self.owned_end])
             if not self.policy.shard_optimizer:
@@ -789,7 +797,10 @@ class ShardedUnit:
         all-gather, which `step()` waits for. With the step inside backward, that all-gather starts
         in backward, and a block that holds the unit may end before `step()`: its reshard freed the
         buffer the collective was still writing into (heap corruption at world 2, gloo writing into
-        freed memory). So whatever reads or frees the copy first waits for it."""
+        freed memory). So whatever reads or frees the copy first waits for it. The shard the
+        refresh read is let go once it is done (`end_load`): kept, a second store in the same step
+        (a speculative step undone and redone with clipped gradients) found it loaded and
+        refreshed the copy with the first store's values, and the next gather used them too."""
         if self._refresh_handle is not None:
             handle, self._refresh_handle = self._refresh_handle, None
             handle.wait()
