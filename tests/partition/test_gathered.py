@@ -13,15 +13,18 @@ World 2, stage 3, parameters and optimizer states on NVMe (one spawned group):
 - a penalty over model.parameters() added to the loss trains as plain PyTorch inside a block over
   every parameter (backward inside it, the optimizer stepping units there: the block's end waits for
   their refreshing all-gathers), also when clipping undoes and redoes that step; outside, backward
-  names the block as the fix.
+  names the block as the fix; training through such a block is bitwise training without it
+  (placements stepping inside backward, clipping, an fp16 overflow, accumulation).
 World 1 in process: parameters of a model that is not sharded are refused; parameters parked by
 `zeroinf.init()` can be edited before `shard`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import math
 import os
 import tempfile
 from typing import Any
@@ -190,11 +193,68 @@ def _penalty(rank: int, world: int, root: str, clip: float | None) -> dict[str, 
     return out
 
 
+# Training through a block over every parameter is bitwise training without it (the block only keeps
+# units whole): placements that step inside backward, clipping that undoes that step, an fp16
+# overflow that skips one, gradient accumulation.
+THROUGH_BLOCK = {
+    "nvme-clip": dict(p="nvme", o="nvme", g="nvme", dtype="fp32", clip=0.05, accum=1, overflow=None),
+    "host-fp16-overflow": dict(p="host", o="host", g="host", dtype="fp16", clip=1.0, accum=1, overflow=1),
+    "device-bf16-accum": dict(p="device", o="device", g="device", dtype="bf16", clip=None, accum=2, overflow=None),
+    "nvme-host-resident": dict(p="nvme", o="host", g="device", dtype="bf16", clip=0.05, accum=2, overflow=None),
+}
+
+
+def _train_through_block(rank: int, world: int, folder: str, case: dict[str, Any], through: bool) -> dict[str, Any]:
+    from tests._parity import GLOBAL_BATCH, build_model, global_batch
+
+    offload = zeroinf.OffloadConfig(
+        params=case["p"], optimizer=case["o"], gradients=case["g"], nvme_dir=folder, sub_group_numel=5000
+    )
+    cfg = zeroinf.Config(
+        stage=3, param_dtype=case["dtype"], grad_accum_steps=case["accum"], grad_clip_norm=case["clip"],
+        offload=offload, **({} if case["p"] == "nvme" and case["o"] == "host" else {"persist_threshold_bytes": 0}),
+    )
+    model = zeroinf.shard(build_model(), cfg)
+    opt = zeroinf.AdamW(model, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    per_rank = GLOBAL_BATCH // world
+    micro = per_rank // case["accum"]
+    losses = []
+    for step in range(4):
+        x, y = (t[rank * per_rank : (rank + 1) * per_rank] for t in global_batch(step))
+        for m in range(case["accum"]):
+            block = zeroinf.gathered(list(model.parameters())) if through else contextlib.nullcontext()
+            with block:
+                loss = model(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / case["accum"]
+                opt.backward(loss * math.inf if step == case["overflow"] else loss)
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    weights = {k: v.float().clone() for k, v in model.state_dict().items()}
+    out = {"losses": losses, "weights": weights, "rollbacks": opt.rollbacks}
+    zeroinf.engine_of(model).close()
+    return out
+
+
+def _through_block(rank: int, world: int, root: str) -> dict[str, Any]:
+    out = {}
+    for name, case in THROUGH_BLOCK.items():
+        runs = [
+            _train_through_block(rank, world, os.path.join(root, f"through-{name}-{through}-rank{rank}"), case, through)
+            for through in (False, True)
+        ]
+        out[name] = {
+            "same_losses": runs[0]["losses"] == runs[1]["losses"],
+            "same_weights": all(torch.equal(runs[0]["weights"][k], v) for k, v in runs[1]["weights"].items()),
+            "rollbacks": runs[1]["rollbacks"],
+        }
+    return out
+
+
 def run(rank: int, world: int, root: str) -> dict[str, Any]:
     return {
         "round_trip": _round_trip(rank, world, root), "bf16": _bf16_masters(rank, world, root),
         "inside": _forwards_inside(rank, world, root), "penalty": _penalty(rank, world, root, None),
-        "penalty_clipped": _penalty(rank, world, root, 0.05),
+        "penalty_clipped": _penalty(rank, world, root, 0.05), "through_block": _through_block(rank, world, root),
     }
 
 
@@ -300,3 +360,10 @@ def test_a_penalty_over_parameters_trains_inside_a_block_and_is_explained_outsid
         # clipping triggered: each speculative step was undone and redone (the second store of a
         # unit in one step refreshed its whole copy with the first one's values before the fix)
         assert r["penalty_clipped"]["rollbacks"] >= 1, r["penalty_clipped"]["rollbacks"]
+
+
+def test_training_through_a_block_is_bitwise_training_without_it(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        for name, t in r["through_block"].items():
+            assert t["same_losses"] and t["same_weights"], (rank, name, t)
+        assert r["through_block"]["nvme-clip"]["rollbacks"] >= 1, r["through_block"]
