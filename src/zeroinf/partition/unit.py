@@ -765,18 +765,14 @@ class ShardedUnit:
         """Write the new master weights (owned range) into the compute params; all-gather where needed.
         `stable`: `master_owned` is the optimizer's own host master (see `ShardHome.store`)."""
         self.wait_refresh()  # an earlier refresh still reads the shard this store replaces
+        release: Callable[[], None] | None = None
         if self.home is not None:
             self.home.store(master_owned, stable)
             if self.state is not ParamState.UNSHARDED:
                 return DoneHandle()  # the next unshard gathers the new values
-            # A unit kept whole (resident, or held by `zeroinf.gathered`): refresh its copy now from
-            # the values just stored, then let the loaded shard go ([Note: a step's refresh of a
-            # gathered unit]).
-            source = self.home.finish_load()
-            self.transfers.order_uploads()
-            self.counter.add("all_gather")
-            self._refresh_handle = ThenHandle(all_gather_into(self.param_flat, source, self.topo), self.home.end_load)
-            return self._refresh_handle
+            # kept whole (resident, or held by `zeroinf.gathered`): refresh the copy from the values
+            # just stored, then let the loaded shard go ([Note: a step's refresh of a gathered unit])
+            source, release = self.home.finish_load(), self.home.end_load
         else:  # from a CPU optimizer: asynchronously, ordered before the all-gather and the next forward
             self.transfers.upload(master_owned, self.param_flat[self.owned_start : self.owned_end])
             if not self.policy.shard_optimizer:
@@ -784,23 +780,21 @@ class ShardedUnit:
             source = self.param_flat[self.owned_start : self.owned_end]
         self.transfers.order_uploads()  # the all-gather reads the shard just uploaded
         self.counter.add("all_gather")
-        self._refresh_handle = all_gather_into(self.param_flat, source, self.topo)
+        gather = all_gather_into(self.param_flat, source, self.topo)
+        self._refresh_handle = gather if release is None else ThenHandle(gather, release)
         return self._refresh_handle
 
     def wait_refresh(self) -> None:
-        """Finish the all-gather that refreshes this unit's unsharded copy after a step, if one is
-        in flight.
+        """Finish the all-gather refreshing this unit's whole copy after a step, if one is in flight.
 
         [Note: a step's refresh of a gathered unit]
-        A unit that is whole when the optimizer updates its shard (a resident unit, or one a
-        `zeroinf.gathered` block holds) has its unsharded copy refreshed by an asynchronous
-        all-gather, which `step()` waits for. With the step inside backward, that all-gather starts
-        in backward, and a block that holds the unit may end before `step()`: its reshard freed the
-        buffer the collective was still writing into (heap corruption at world 2, gloo writing into
-        freed memory). So whatever reads or frees the copy first waits for it. The shard the
-        refresh read is let go once it is done (`end_load`): kept, a second store in the same step
-        (a speculative step undone and redone with clipped gradients) found it loaded and
-        refreshed the copy with the first store's values, and the next gather used them too."""
+        A unit kept whole through a step (resident, or held by `zeroinf.gathered`) has its copy
+        refreshed asynchronously; with the step inside backward, a block may end before `step()`
+        waits for that all-gather, and its reshard freed the buffer gloo still wrote into (heap
+        corruption). So whatever reads or frees the copy first waits here. Once done, the refresh
+        lets go of the shard it loaded: kept, a second store in one step (a speculative step undone
+        and redone) refreshed from the first one's values. docs/design.md, "Reading and writing
+        sharded parameters", has the measurements."""
         if self._refresh_handle is not None:
             handle, self._refresh_handle = self._refresh_handle, None
             handle.wait()
