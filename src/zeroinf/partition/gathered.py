@@ -15,7 +15,10 @@ rank r's values are broadcast first, for edits only one rank computes. Writes ar
 when the block exits normally. Parameters built under `zeroinf.init()` and not sharded yet work
 too: they are unparked for the block and parked again after it.
 
-Gather what you need and no more: every unit touched is whole in memory for the duration.
+A read block may hold training too (a penalty over `model.parameters()` added to the loss): forward,
+backward and the optimizer step inside it train bitwise as they do without it; the block only keeps
+its units whole (tests/partition/test_gathered.py). Gather what you need and no more: every unit
+touched is whole in memory for the duration.
 """
 
 from __future__ import annotations
