@@ -74,11 +74,12 @@ class Case:
     steps: int = 10
     weight_decay: float = 0.1
     compile_backend: str | None = None  # train through torch.compile(model, backend=...)
+    batch: int = GLOBAL_BATCH  # samples per global batch: a multiple of world size x accumulation
 
 
-def global_batch(step: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(step: int, seed: int = 1234, batch: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1000 + step)
-    data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    data = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
     return data[:, :-1], data[:, 1:]
 
 
@@ -115,7 +116,7 @@ def train_reference(
     scale = case.initial_scale if case.dtype == "fp16" else 1.0
     losses = []
     for step in range(case.steps):
-        x, y = (t.to(device) for t in global_batch(step))
+        x, y = (t.to(device) for t in global_batch(step, batch=case.batch))
         if step == case.overflow_step:  # the engine skips this step and halves the scale
             scale /= 2
             losses.append(float("nan"))
@@ -162,11 +163,13 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
         counters.clear()
         forward = torch.compile(model, backend=case.compile_backend)
     frames_compiled = []  # frames torch.compile has compiled so far, after each step
-    per_rank = GLOBAL_BATCH // world_size
+    if case.batch % (world_size * case.accum):
+        raise ValueError(f"{case.name}: {case.batch} samples do not split over {world_size} ranks x {case.accum}")
+    per_rank = case.batch // world_size
     micro = per_rank // case.accum
     losses, skipped, stepped_in_backward, grad_norms = [], [], [], []
     for step in range(case.steps):
-        x, y = global_batch(step)
+        x, y = global_batch(step, batch=case.batch)
         x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device) for t in (x, y))
         total = torch.zeros((), device=device)
         for m in range(case.accum):
