@@ -8,6 +8,7 @@ from the seed, so every world size trains on exactly the same global batches.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable
@@ -243,17 +244,21 @@ def train_rank_slices(model: nn.Module, opt: object, rank: int, world: int, star
 def train_micro_steps(
     model: nn.Module, opt: object, rank: int, world: int, accum: int, steps: int = 3,
     after_backward: Callable[[], None] | None = None,
+    around: Callable[[], contextlib.AbstractContextManager[Any]] | None = None, overflow_step: int | None = None,
 ) -> list[float]:
     """`steps` optimizer steps, this rank training on its slice of each global batch in `accum`
-    micro-steps (`after_backward()` after each); every micro-step's unscaled loss on this rank."""
+    micro-steps (`after_backward()` after each; each micro-step's forward and backward inside
+    `around()`; the loss times inf at `overflow_step`); every micro-step's unscaled loss on this rank."""
     per = GLOBAL_BATCH // world // accum  # the global batch split over ranks, then over micro-steps
     losses = []
     for step in range(steps):
         x, y = global_batch(step)
         x, y = x[rank * per * accum : (rank + 1) * per * accum], y[rank * per * accum : (rank + 1) * per * accum]
         for micro in range(accum):
-            loss = model(x[micro * per : (micro + 1) * per], y[micro * per : (micro + 1) * per])
-            opt.backward(loss / accum)  # type: ignore[attr-defined]
+            with around() if around is not None else contextlib.nullcontext():
+                loss = model(x[micro * per : (micro + 1) * per], y[micro * per : (micro + 1) * per])
+                scaled = loss / accum if step != overflow_step else loss / accum * math.inf
+                opt.backward(scaled)  # type: ignore[attr-defined]
             if after_backward is not None:
                 after_backward()
             losses.append(loss.item())

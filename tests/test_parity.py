@@ -84,24 +84,32 @@ def world_results(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[d
     return world, {case.name: [r[case.name] for r in per_rank] for case in CASES}
 
 
+def assert_matches_reference(
+    where: str, per_rank: list[dict], ref_losses: list[float], ref_weights: dict[str, torch.Tensor], dtype: str,
+    tolerances: str | None = None,
+) -> None:
+    """Rank 0's losses and weights against the reference, with the tolerances of `tolerances` (default:
+    `dtype`'s; weights also relative in fp32); a NaN reference loss is a skipped step. Every rank saw
+    the same (all-reduced) losses: nothing diverged between ranks."""
+    loss_rtol, weight_atol = TOLERANCES[tolerances or dtype]
+    ours = per_rank[0]
+    for step, (a, b) in enumerate(zip(ours["losses"], ref_losses, strict=True)):
+        if not math.isnan(b):
+            assert a == pytest.approx(b, rel=loss_rtol), f"{where}: loss at step {step}: {a} vs {b}"
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(
+            ours["weights"][name], ref, rtol=loss_rtol if dtype == "fp32" else 0, atol=weight_atol,
+            msg=lambda m, name=name: f"{where}: weight {name}: {m}",
+        )
+    for r, other in enumerate(per_rank[1:], start=1):
+        assert other["losses"] == pytest.approx(ours["losses"], nan_ok=True), f"{where}: rank {r} disagrees with rank 0"
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_matches_plain_pytorch(world_results: tuple[int, dict], case: Case) -> None:
     world, results = world_results
-    ours = results[case.name][0]
     ref_losses, ref_weights, _ = reference(case)
-    loss_rtol, weight_atol = TOLERANCES[case.dtype]
-    for step, (a, b) in enumerate(zip(ours["losses"], ref_losses, strict=True)):
-        if math.isnan(b):
-            continue
-        assert a == pytest.approx(b, rel=loss_rtol), f"{case.name} world {world}: loss at step {step}: {a} vs {b}"
-    for name, ref in ref_weights.items():
-        torch.testing.assert_close(
-            ours["weights"][name], ref, rtol=loss_rtol if case.dtype == "fp32" else 0, atol=weight_atol,
-            msg=lambda m, name=name: f"{case.name} world {world}: weight {name}: {m}",
-        )
-    # Every rank saw the same (all-reduced) losses: nothing diverged between ranks.
-    for r, other in enumerate(results[case.name][1:], start=1):
-        assert other["losses"] == pytest.approx(ours["losses"], nan_ok=True), f"rank {r} disagrees with rank 0"
+    assert_matches_reference(f"{case.name} world {world}", results[case.name], ref_losses, ref_weights, case.dtype)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.clip is not None or c.dtype != "fp16"], ids=lambda c: c.name)

@@ -10,15 +10,13 @@ assembly are all exercised), and each case gets its own swap folder under pytest
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests._harness import run_ranks
 from tests._parity import Case, run_cases
-from tests.test_parity import TOLERANCES, reference
+from tests.test_parity import assert_matches_reference, reference
 from zeroinf import OffloadConfig
 
 SUB_GROUP_NUMEL = 5000  # the tiny model's units own 2.6k-12.6k elements: most are split
@@ -65,24 +63,8 @@ def world_results(
 def test_matches_plain_pytorch(world_results: tuple, name: str) -> None:
     world, cases, results, _ = world_results
     case = cases[name]
-    ours = results[name][0]
     ref_losses, ref_weights, _ = reference(Case(f"s{case.stage}-{case.dtype}", case.stage, case.dtype))
-    loss_rtol, weight_atol = TOLERANCES[case.dtype]
-    for step, (a, b) in enumerate(zip(ours["losses"], ref_losses, strict=True)):
-        if not math.isnan(b):
-            assert a == pytest.approx(b, rel=loss_rtol), (
-                f"{name} world {world}: loss at step {step}: {a} vs {b}"
-            )
-    for pname, ref in ref_weights.items():
-        torch.testing.assert_close(
-            ours["weights"][pname],
-            ref,
-            rtol=loss_rtol if case.dtype == "fp32" else 0,
-            atol=weight_atol,
-            msg=lambda m, pname=pname: f"{name} world {world}: weight {pname}: {m}",
-        )
-    for r, other in enumerate(results[name][1:], start=1):
-        assert other["losses"] == pytest.approx(ours["losses"]), f"rank {r} disagrees with rank 0"
+    assert_matches_reference(f"{name} world {world}", results[name], ref_losses, ref_weights, case.dtype)
 
 
 def test_states_leave_the_device_and_swap_files_are_removed(world_results: tuple) -> None:

@@ -21,10 +21,8 @@ World 1 in process: parameters of a model that is not sharded are refused; param
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import math
 import os
 import tempfile
 from typing import Any
@@ -205,7 +203,7 @@ THROUGH_BLOCK = {
 
 
 def _train_through_block(rank: int, world: int, folder: str, case: dict[str, Any], through: bool) -> dict[str, Any]:
-    from tests._parity import GLOBAL_BATCH, build_model, global_batch
+    from tests._parity import build_model, train_micro_steps
 
     offload = zeroinf.OffloadConfig(
         params=case["p"], optimizer=case["o"], gradients=case["g"], nvme_dir=folder, sub_group_numel=5000
@@ -216,19 +214,10 @@ def _train_through_block(rank: int, world: int, folder: str, case: dict[str, Any
     )
     model = zeroinf.shard(build_model(), cfg)
     opt = zeroinf.AdamW(model, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    per_rank = GLOBAL_BATCH // world
-    micro = per_rank // case["accum"]
-    losses = []
-    for step in range(4):
-        x, y = (t[rank * per_rank : (rank + 1) * per_rank] for t in global_batch(step))
-        for m in range(case["accum"]):
-            block = zeroinf.gathered(list(model.parameters())) if through else contextlib.nullcontext()
-            with block:
-                loss = model(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / case["accum"]
-                opt.backward(loss * math.inf if step == case["overflow"] else loss)
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_micro_steps(
+        model, opt, rank, world, case["accum"], steps=4, overflow_step=case["overflow"],
+        around=(lambda: zeroinf.gathered(list(model.parameters()))) if through else None,
+    )
     weights = {k: v.float().clone() for k, v in model.state_dict().items()}
     out = {"losses": losses, "weights": weights, "rollbacks": opt.rollbacks}
     zeroinf.engine_of(model).close()
