@@ -222,13 +222,17 @@ def with_name(case: Case, suffix: str) -> Case:
     return replace(case, name=f"{case.name}{suffix}")
 
 
-def train_rank_slices(model: nn.Module, opt: object, rank: int, world: int, start: int, stop: int) -> list[float]:
-    """Steps `start`..`stop` of the global batches, this rank training on its slice; the mean loss
-    over ranks per step (every rank calls it)."""
-    per = GLOBAL_BATCH // world
+def train_rank_slices(
+    model: nn.Module, opt: object, rank: int, world: int, start: int, stop: int, batch: int = GLOBAL_BATCH
+) -> list[float]:
+    """Steps `start`..`stop` of the global batches (`batch` samples each), this rank training on its
+    slice; the mean loss over ranks per step (every rank calls it)."""
+    if batch % world:
+        raise ValueError(f"{batch} samples do not split over {world} ranks")
+    per = batch // world
     losses = []
     for step in range(start, stop):
-        x, y = global_batch(step)
+        x, y = global_batch(step, batch=batch)
         loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
         opt.backward(loss)  # type: ignore[attr-defined]
         opt.step()  # type: ignore[attr-defined]

@@ -1,10 +1,11 @@
 """Elastic checkpoints across processes: exact resume at the same world size (stage 2, and stage 3
-with parameters and optimizer states on NVMe), resharding to world 1 and 4 (and to another stage and
-offload placement), and streaming consolidation of a model 4x larger than its memory allowance.
+with parameters and optimizer states on NVMe), resharding to world 1, 3 and 4 (world 3: shards that
+do not divide evenly; world 1 also into another stage and offload placement), and streaming
+consolidation of a model 4x larger than its memory allowance.
 
 One spawned group per phase: world 2 trains straight and saves at step 5 (stage 3 on NVMe also in
-the background, while the next step trains); new world-2 processes load and continue; world 1 and
-world 4 load the same checkpoints and continue.
+the background, while the next step trains); new world-2 processes load and continue; worlds 1, 3
+and 4 load the same checkpoints and continue. Global batches of 12 samples split over every world.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tests._harness import run_ranks
 from tests._parity import LR, build_model, train_rank_slices
 
 STEPS, SAVE_AT = 10, 5
+BATCH = 12  # samples per global batch: splits over worlds 1-4
 # name -> (stage, states on nvme)
 CONFIGS = {"s2": (2, False), "s3nvme": (3, True)}
 BIG_LAYERS, BIG_DIM = 4, 2896  # 33.5M fp32 parameters: 134 MB of weights
@@ -45,15 +47,16 @@ def phase_save(rank: int, world: int, root: str, scratch: str) -> dict:
     out = {}
     for name, (stage, nvme) in CONFIGS.items():
         m, o = _make(stage, nvme, scratch)
-        out[name] = train_rank_slices(m, o, rank, world, 0, STEPS)
+        out[name] = train_rank_slices(m, o, rank, world, 0, STEPS, BATCH)
         m, o = _make(stage, nvme, scratch)
-        train_rank_slices(m, o, rank, world, 0, SAVE_AT)
+        train_rank_slices(m, o, rank, world, 0, SAVE_AT, BATCH)
         ck.save(os.path.join(root, name), m, o, step=SAVE_AT, extra={"data_position": SAVE_AT})
         if name == "s3nvme":  # the same checkpoint again, written in the background while training goes on
             pending = ck.save(os.path.join(root, "s3nvme-bg"), m, o, step=SAVE_AT,
                               extra={"data_position": SAVE_AT}, blocking=False)
             assert isinstance(pending, ck.PendingSave) and o.pending_save is pending
-            after = train_rank_slices(m, o, rank, world, SAVE_AT, SAVE_AT + 1)  # its step() finishes the checkpoint
+            # its step() finishes the checkpoint
+            after = train_rank_slices(m, o, rank, world, SAVE_AT, SAVE_AT + 1, BATCH)
             assert o.pending_save is None and pending.wait() == os.path.join(root, "s3nvme-bg", "step_00000005")
             assert after == out[name][SAVE_AT : SAVE_AT + 1]  # saving changed nothing in training
     # A bigger stage-3 model for consolidation; rank 0 keeps the gathered weights as the oracle.
@@ -83,7 +86,7 @@ def phase_load(rank: int, world: int, root: str, scratch: str, plan: list[tuple[
         m, o = _make(stage, nvme, scratch)
         info = ck.load(os.path.join(root, ckpt), m, o)
         assert info["step"] == SAVE_AT and info["extra"] == {"data_position": SAVE_AT}, info
-        out[f"{ckpt}->{cfg}"] = train_rank_slices(m, o, rank, world, info["step"], STEPS)
+        out[f"{ckpt}->{cfg}"] = train_rank_slices(m, o, rank, world, info["step"], STEPS, BATCH)
     return out
 
 
@@ -115,11 +118,14 @@ def test_background_save_writes_the_same_bytes(saved: tuple[str, str, dict]) -> 
     ck.verify(os.path.join(root, "s3nvme-bg"))
 
 
-@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("world", [1, 3, 4])
 def test_reshard_matches_straight_run(saved: tuple[str, str, dict], world: int) -> None:
     root, scratch, straight = saved
-    # world 1: also into another stage and offload placement (nvme states -> in-memory stage 2)
-    plan = [("s2", "s2"), ("s3nvme", "s2")] if world == 1 else [("s2", "s2"), ("s3nvme", "s3nvme")]
+    # worlds 1 and 3: also into another stage and offload placement (NVMe states -> in-memory stage 2
+    # and back)
+    plan = {1: [("s2", "s2"), ("s3nvme", "s2")], 3: [("s2", "s3nvme"), ("s3nvme", "s3nvme")]}.get(
+        world, [("s2", "s2"), ("s3nvme", "s3nvme")]
+    )
     resumed = run_ranks(phase_load, world, root, scratch, plan, timeout_s=240)[0]
     for key, losses in resumed.items():
         ref = straight[key.split("->")[0]][SAVE_AT:]
