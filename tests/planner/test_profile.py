@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+import zeroinf
 from zeroinf import cli
 from zeroinf.planner import profile as profiles
 from zeroinf.planner.api import plan
@@ -30,7 +32,7 @@ def test_defaults_without_a_measurement_and_the_plan_says_so() -> None:
 def test_cache_round_trip_per_machine(_cache: Path) -> None:
     measured = dataclasses.replace(
         profiles.default_profile(), measured=True, source="test", collective_bps={2: 1e9},
-        concurrent_matmul_flops={2: 5e9}, compute_efficiency=1.3,
+        concurrent_matmul_flops={2: 5e9}, compute_efficiency=1.3, dtype_efficiency={"fp32": 1.3, "bf16": 1.5},
     )
     path = profiles.save_profile(measured)
     assert path.parent == _cache and profiles.machine_key() in path.name
@@ -80,3 +82,39 @@ def test_measure_caches_and_the_plan_uses_it(
     assert calls == [(str(tmp_path), (2,))]
     assert "cached in" in out.err and "conservative defaults" not in out.out
     assert profiles.load_profile().source == "measured (test)"
+
+
+def test_calibration_is_per_dtype_and_the_estimate_uses_the_plans_dtype() -> None:
+    """A reference step twice as slow as predicted in fp32 and three times in bf16 gives factors 2 and 3;
+    a dtype without its own factor takes fp32's; the plan's compute time follows its param_dtype's."""
+    from zeroinf.models.gpt import GPTConfig
+    from zeroinf.planner.estimate import pass_seconds
+    from zeroinf.planner.model_facts import from_gpt_config
+
+    base = dataclasses.replace(profiles.default_profile(), device="cpu", device_memory_bytes=None)
+    one = dataclasses.replace(base.for_threads(1), compute_efficiency=1.0)
+    facts = {
+        dtype: from_gpt_config(GPTConfig(**profiles.REFERENCE_GPT)).pass_facts(
+            profiles.REFERENCE_BATCH, profiles.REFERENCE_GPT["seq_len"], dtype, torch.device("cpu")
+        )
+        for dtype in ("fp32", "bf16")
+    }
+    predicted = {dtype: 3 * pass_seconds(f, dtype, one) for dtype, f in facts.items()}
+    refs = {
+        dtype: {"forward_backward_s": factor * predicted[dtype], "peak_rss_bytes": 2**31, "ledger_bytes": 0}
+        for dtype, factor in (("fp32", 2.0), ("bf16", 3.0))
+    }
+    calibrated = profiles.calibrate(base, refs)
+    assert calibrated.efficiency("fp32") == pytest.approx(2.0) == calibrated.compute_efficiency
+    assert calibrated.efficiency("bf16") == pytest.approx(3.0)
+    assert calibrated.efficiency("fp16") == pytest.approx(2.0)  # no factor of its own: fp32's
+    assert calibrated.baseline_rss_bytes > base.baseline_rss_bytes  # 2 GiB minus activations
+    assert profiles.MachineProfile.from_json(json.loads(json.dumps(calibrated.to_json()))) == calibrated
+
+    def compute_s(profile: profiles.MachineProfile, dtype: str) -> float:
+        result = plan("tiny", zeroinf.Config(stage=3, param_dtype=dtype), profile=profile)
+        assert result.best is not None
+        return result.best.time.compute_s
+
+    for dtype, factor in (("fp32", 2.0), ("bf16", 3.0)):
+        assert compute_s(calibrated, dtype) == pytest.approx(factor * compute_s(base, dtype), rel=1e-9)

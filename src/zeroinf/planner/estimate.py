@@ -579,7 +579,7 @@ def step_time(
     if facts is None:  # a module the planner cannot call: 6 FLOPs per parameter and token at a mid-size rate
         forward_s = 2.0 * param_count * work.micro_batch * work.seq_len / profile.matmul_rate(cfg.param_dtype, 1024)
     recompute_s = pass_seconds(facts, cfg.param_dtype, profile, units_only=True) if cfg.activation_checkpointing else 0
-    compute_s = accum * (3 * forward_s + recompute_s) * profile.compute_efficiency
+    compute_s = accum * (3 * forward_s + recompute_s) * profile.efficiency(cfg.param_dtype)
     # Collectives (world 1: the same bytes as local copies).
     ring = (w - 1) / w if w > 1 else 1.0
     rate = profile.collective_rate(w) if w > 1 else profile.copy_bps

@@ -33,7 +33,7 @@ import torch
 
 from zeroinf.topology import cuda_in_use
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 MATMUL_SIZES = (64, 128, 256, 512, 1024, 2048)
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # x86 AMX / AVX512-BF16; aarch64 "bf16" (BFMMLA)
 
@@ -170,9 +170,16 @@ class MachineProfile:
     """ranks -> fp32 FLOP/s (operand size 512) of one of `ranks` processes computing at once on this
     machine, each with cores / ranks threads: what a rank gets when its neighbours are busy too."""
     compute_efficiency: float = 1.0
-    """Measured / predicted time of a reference training step (forward + backward of a small GPT at
-    stage 3, one thread): what the per-operator model misses (rectangular matmuls, attention,
-    GELU, hooks). Compute predictions are multiplied by it."""
+    """Measured / predicted time of a reference training step in fp32 (forward + backward of a 25M
+    GPT at stage 3, one thread): what the per-operator model misses (rectangular matmuls, attention,
+    GELU, hooks). Compute predictions in a dtype without its own figure are multiplied by it."""
+    dtype_efficiency: dict[str, float] = field(default_factory=dict)
+    """dtype -> the same ratio measured in that dtype (bf16 where the CPU computes it natively: its
+    element-wise operators and conversions cost more than the matmul probe shows). See `efficiency`."""
+
+    def efficiency(self, dtype: str) -> float:
+        """The calibration factor of compute in `dtype` (its own, else fp32's)."""
+        return self.dtype_efficiency.get(dtype, self.compute_efficiency)
 
     def for_rank(self, threads: int, ranks: int = 1) -> MachineProfile:
         """The figures one of `ranks` processes on this machine sees with `threads` CPU threads."""
@@ -249,6 +256,7 @@ class MachineProfile:
         }
         data["matmul_flops"] = {k: tuple((int(s), float(r)) for s, r in v) for k, v in data["matmul_flops"].items()}
         data["notes"] = tuple(data.get("notes", ()))
+        data["dtype_efficiency"] = {str(k): float(v) for k, v in (data.get("dtype_efficiency") or {}).items()}
         single = dict(data.get("single_thread") or {})
         if "matmul_flops" in single:
             single["matmul_flops"] = {
@@ -506,25 +514,35 @@ class _GPTSizes(TypedDict):
     d_model: int
 
 
-REFERENCE_GPT: _GPTSizes = {"seq_len": 256, "n_layer": 4, "n_head": 4, "d_model": 256}
+# [Note: the calibrating reference model]
+# The reference step calibrates what the per-operator model misses. It was a 3.3M GPT (d_model 256):
+# there per-operator costs and small matmuls' inefficiency weigh, and the factor they gave (1.36 on an
+# AVX-512 EPYC in fp32) then inflated every larger model's compute, whose matmuls the probe predicts
+# well: an 85M GPT at world 2 was predicted at 5.5 s a step against 3.5 measured. Measured/predicted
+# at one thread there, fp32: 1.37 at 3.3M, 1.05 at 25M, 1.00 at 85M; bf16: 1.74, 1.55, 1.42. Models
+# worth planning are larger still, so the reference is the 25M one (d_model 512, 8 layers; about
+# 1 s a step in fp32 on one core), and bf16 gets its own factor where the CPU computes it natively
+# (its element-wise operators and conversions are slower than its matmuls suggest).
+REFERENCE_GPT: _GPTSizes = {"seq_len": 256, "n_layer": 8, "n_head": 8, "d_model": 512}
 REFERENCE_BATCH = 2
 
 
-def _reference_step() -> dict[str, Any]:
-    """In a fresh process with one thread: train the reference GPT at stage 3 (in memory) for a few
-    steps; the median forward + backward seconds, the peak RSS and the ledger's peak bytes."""
+def _reference_step(dtype: str = "fp32") -> dict[str, Any]:
+    """In a fresh process with one thread: train the reference GPT at stage 3 (in memory, compute in
+    `dtype`) for a few steps; the median forward + backward seconds, the peak RSS and the ledger's
+    peak bytes."""
     torch.set_num_threads(1)
     import zeroinf
     from zeroinf.models.gpt import GPT, GPTConfig
 
-    cfg = zeroinf.Config(stage=3)
+    cfg = zeroinf.Config(stage=3, param_dtype=dtype)
     with zeroinf.init(cfg):
         model = GPT(GPTConfig(**REFERENCE_GPT))
     zeroinf.shard(model, cfg)
     opt = zeroinf.AdamW(model, lr=1e-4)
     data = torch.randint(0, 256, (REFERENCE_BATCH, REFERENCE_GPT["seq_len"] + 1))
     times = []
-    for _ in range(5):
+    for _ in range(4):
         t0 = time.perf_counter()
         opt.backward(model(data[:, :-1], data[:, 1:]))
         times.append(time.perf_counter() - t0)
@@ -543,8 +561,8 @@ def _reference_step() -> dict[str, Any]:
     }
 
 
-def probe_reference_step(timeout_s: float = 120.0) -> dict[str, Any]:
-    """`_reference_step` in a fresh process (its own peak RSS and thread count)."""
+def probe_reference_step(dtype: str = "fp32", timeout_s: float = 120.0) -> dict[str, Any]:
+    """`_reference_step(dtype)` in a fresh process (its own peak RSS and thread count)."""
     import subprocess
     import sys
 
@@ -553,7 +571,7 @@ def probe_reference_step(timeout_s: float = 120.0) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
     out = subprocess.run(
-        [sys.executable, "-m", "zeroinf.planner.profile", "--reference-step"], env=env, capture_output=True,
+        [sys.executable, "-m", "zeroinf.planner.profile", "--reference-step", dtype], env=env, capture_output=True,
         text=True, timeout=timeout_s, check=False,
     )
     if out.returncode:
@@ -561,23 +579,32 @@ def probe_reference_step(timeout_s: float = 120.0) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def calibrate(profile: MachineProfile, reference: dict[str, Any]) -> MachineProfile:
-    """Set `compute_efficiency` and `baseline_rss_bytes` from a reference step (`probe_reference_step`)."""
+def calibrate(profile: MachineProfile, references: dict[str, dict[str, Any]]) -> MachineProfile:
+    """Set `compute_efficiency` (fp32), `dtype_efficiency` and `baseline_rss_bytes` from reference
+    steps by dtype (`probe_reference_step`; "fp32" required)."""
     from zeroinf.config import Config
     from zeroinf.models.gpt import GPTConfig
     from zeroinf.planner.estimate import activation_peak, pass_seconds
     from zeroinf.planner.model_facts import from_gpt_config
 
+    one = dataclasses.replace(profile.for_threads(1), compute_efficiency=1.0, dtype_efficiency={})
+    efficiency: dict[str, float] = {}
+    for dtype, reference in references.items():
+        facts = from_gpt_config(GPTConfig(**REFERENCE_GPT)).pass_facts(
+            REFERENCE_BATCH, REFERENCE_GPT["seq_len"], dtype, torch.device("cpu")
+        )
+        predicted = 3 * pass_seconds(facts, dtype, one)
+        ratio = reference["forward_backward_s"] / predicted if predicted > 0 else 1.0
+        efficiency[dtype] = min(4.0, max(0.25, ratio))
+    fp32 = references["fp32"]
     facts = from_gpt_config(GPTConfig(**REFERENCE_GPT)).pass_facts(
         REFERENCE_BATCH, REFERENCE_GPT["seq_len"], "fp32", torch.device("cpu")
     )
-    one = dataclasses.replace(profile.for_threads(1), compute_efficiency=1.0)
-    predicted = 3 * pass_seconds(facts, "fp32", one)
-    efficiency = min(4.0, max(0.25, reference["forward_backward_s"] / predicted)) if predicted > 0 else 1.0
     activations, _ = activation_peak(facts, Config(stage=3))
-    baseline = reference["peak_rss_bytes"] - reference["ledger_bytes"] - activations
+    baseline = fp32["peak_rss_bytes"] - fp32["ledger_bytes"] - activations
     return dataclasses.replace(
-        profile, compute_efficiency=efficiency, baseline_rss_bytes=max(baseline, profile.baseline_rss_bytes)
+        profile, compute_efficiency=efficiency["fp32"], dtype_efficiency=efficiency,
+        baseline_rss_bytes=max(baseline, profile.baseline_rss_bytes),
     )
 
 
@@ -650,8 +677,9 @@ def measure_profile(
         concurrent_matmul_flops=concurrent,
     )
     if device.type == "cpu":
-        log("a reference training step (calibration) ...")
-        measured = calibrate(measured, probe_reference_step())
+        dtypes = ("fp32", "bf16") if native_bf16() else ("fp32",)  # emulated bf16 is never chosen by auto
+        log(f"reference training steps (calibration, {', '.join(dtypes)}) ...")
+        measured = calibrate(measured, {dtype: probe_reference_step(dtype) for dtype in dtypes})
     return measured
 
 
@@ -674,4 +702,4 @@ if __name__ == "__main__":
         rank_, world_, store_, nbytes_ = sys.argv[2:6]
         print(json.dumps(_collective_rank(int(rank_), int(world_), store_, int(nbytes_))))
     elif sys.argv[1:2] == ["--reference-step"]:
-        print(json.dumps(_reference_step()))
+        print(json.dumps(_reference_step(*sys.argv[2:3])))
