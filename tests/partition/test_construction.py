@@ -1,9 +1,10 @@
-"""`zeroinf.init()` builds exactly the eager model: bitwise, at world 1 and 2, on every parameter tier.
+"""`zeroinf.init()` builds exactly the eager model: bitwise, at world 1, 2 and 3, on every parameter tier.
 
 The matrix: models {demo GPT, Hugging Face Llama, GPT-2 (tied), Qwen2 (tied), a custom module with
 `torch.ones`/`randn`-in-`__init__` parameters, computed buffers, a parent that rescales its
 children and an initialization through `.data` (`weight.data.normal_()`, a padding row zeroed)} x
-stage-3 parameter tier {device, host, nvme} x world {1, 2}, fp32. For each: eager construction +
+stage-3 parameter tier {device, host, nvme} x world {1, 2, 3} (3: shards that do not divide
+evenly), fp32. For each: eager construction +
 `shard` and `zeroinf.init(cfg)` + `shard` from the same seed give a gathered `state_dict` and
 buffers equal bit for bit. bf16 (slices parked in the compute dtype) is exact
 for the models whose post-construction code overwrites parameters (GPT, Hugging Face); see
@@ -14,7 +15,7 @@ a parameter is parked blank and initialized piece by piece (partition/park.py [N
 parameter drawn in pieces]; 256-element pieces) so that the test models' embeddings and heads take
 that path: bitwise equal all the same, and the generator's state after the build too.
 
-One spawned group for world 2 runs every case; world 1 runs in the test process.
+One spawned group per world (2, 3) runs every case; world 1 runs in the test process.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def _case(model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: b
 
 def _batch(step: int, rank: int, world: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + step)
-    x = torch.randint(0, VOCAB, (8, 16), generator=g)
-    per_rank = 8 // world
+    x = torch.randint(0, VOCAB, (12, 16), generator=g)  # 12 samples split over worlds 1-3
+    per_rank = 12 // world
     return x[rank * per_rank : (rank + 1) * per_rank]
 
 
@@ -144,7 +145,7 @@ def run_matrix(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
     return results
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
 def matrix(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, dict[str, Any]]]]:
     world = request.param
     with tempfile.TemporaryDirectory(prefix="zeroinf-construct-") as root:
