@@ -35,6 +35,7 @@ from tests._parity import Case, run_cases
 from zeroinf import OffloadConfig
 
 WORLD, BATCH = 3, 12
+STEPS = 6  # of the demo run below
 # (params, optimizer, gradients) tiers; the first is the baseline of its group
 PLACEMENTS = {
     "device": ("device", "device", "device"),
@@ -91,3 +92,52 @@ def test_a_placement_trains_bitwise_as_on_the_device(
         assert base["skipped"] == [step == GROUPS[group][3] for step in range(5)]
     for name, weight in base["weights"].items():
         assert torch.equal(other["weights"][name], weight), f"{group}/{placement}: {name} differs"
+
+
+
+def _norms_and_masters(tmp_path: Path, gradients: str, step_in_backward: bool | str) -> tuple[list[float], bytes]:
+    """The demo run (`zeroinf train --model tiny`: its corpus, schedule and parameter groups) in bf16
+    with clipping, parameters and states on NVMe: STEPS steps' gradient norms, and the checkpoint
+    manifest's checksums of every master and moment after them."""
+    import zeroinf
+    import zeroinf.checkpoint as ck
+    from zeroinf import train
+
+    folder = tmp_path / f"{gradients}-{step_in_backward}"
+    folder.mkdir()
+    cfg = zeroinf.Config(
+        stage=3, param_dtype="bf16", grad_clip_norm=1.0, persist_threshold_bytes=0,
+        offload=OffloadConfig(params="nvme", optimizer="nvme", gradients=gradients,
+                              step_in_backward=step_in_backward, nvme_dir=str(folder / "swap")),
+    )
+    run = train.build_run(train.TrainArgs(
+        model="tiny", steps=1000, config=cfg, eval_batches=0, progress=False
+    ))
+    norms = []
+    for step in range(STEPS):
+        train.train_step(run, step)
+        norms.append(run.opt.last_grad_norm)  # type: ignore[attr-defined]
+    ck.save(str(folder / "ckpt"), run.model, run.opt, step=STEPS)
+    chunks = ck.read_manifest(ck.resolve(str(folder / "ckpt")))["chunks"]
+    run.opt.close()  # type: ignore[attr-defined]
+    zeroinf.engine_of(run.model).close()
+    return norms, repr(sorted(chunks.items())).encode()
+
+
+def test_gradient_shards_on_nvme_clip_by_the_same_norm(tmp_path: Path) -> None:
+    """Gradients on NVMe, in memory, and the step inside backward (speculative with clipping: after
+    its first step is undone, the next steps keep their gradients in memory) clip by the same norm, to
+    the bit, and end with the same masters and moments (optim/clip.py [Note: one norm wherever the
+    gradients are]). Before, NVMe shards' squares were summed in double: here the norms parted in the
+    last bit at the third step, and the runs for good."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the run where the old sums parted (whether they do depends on the bits)
+    try:
+        norms, states = _norms_and_masters(tmp_path, "nvme", False)
+        assert max(norms) > 1.0  # clipping happens
+        for gradients, step_in_backward in (("nvme", "auto"), ("device", False)):
+            other_norms, other_states = _norms_and_masters(tmp_path, gradients, step_in_backward)
+            assert other_norms == norms, (gradients, step_in_backward)
+            assert other_states == states, (gradients, step_in_backward)
+    finally:
+        torch.set_num_threads(threads)

@@ -75,3 +75,20 @@ def test_global_norm_flags_overflow() -> None:
 def test_global_norm_of_nothing_is_zero() -> None:
     norm = global_grad_norm([], TOPO, sharded=True)
     assert norm.item() == 0.0 and norm.device == TOPO.device
+
+
+def test_a_square_kept_from_nvme_gives_the_in_memory_norm_bit_for_bit() -> None:
+    """Units whose shards went to NVMe give their squared norm kept at write time; mixed with units in
+    memory, in any pattern, the norm is the same bits as with every unit in memory (optim/clip.py
+    [Note: one norm wherever the gradients are]). Summing the kept squares in double first, as before,
+    differs in the last bit for these values (seed 6: units 0, 2 and 3 on NVMe)."""
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(n, generator=gen) * s for n, s in ((5000, 1e-3), (777, 3.0), (4096, 0.2), (31, 40.0))]
+    in_memory = global_grad_norm(grads, TOPO, sharded=False)
+    squares = [float(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2) for g in grads]
+    for on_disk in ((0,), (1, 3), (0, 1, 2, 3), (2,)):
+        mixed = [squares[i] if i in on_disk else g for i, g in enumerate(grads)]
+        assert torch.equal(global_grad_norm(mixed, TOPO, sharded=False), in_memory), on_disk
+    double_first = torch.tensor(squares[0] + squares[2] + squares[3], dtype=torch.float32)  # the old way
+    double_first += torch.linalg.vector_norm(grads[1], dtype=torch.float32) ** 2
+    assert not torch.equal(double_first.sqrt(), in_memory)

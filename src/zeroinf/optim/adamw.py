@@ -360,13 +360,15 @@ class AdamW(torch.optim.Optimizer):
             for ui in session.stepped:
                 grads[ui] = None
         present = [g for g in grads if isinstance(g, torch.Tensor)]
-        on_disk_sq = sum(float(g.unit.grad_sq_norm or 0.0) for g in grads if isinstance(g, GradOnDisk))
+        # per unit in unit order, in memory or its square kept when written to NVMe (optim/clip.py)
+        squares = [g if isinstance(g, torch.Tensor) else float(g.unit.grad_sq_norm or 0.0)
+                   for g in grads if g is not None]
         sharded = engine.policy.shard_optimizer and engine.topo.is_distributed
         need_norm = self.scaler is not None or engine.cfg.grad_clip_norm is not None
         self.last_step_skipped = False
         coef = 1.0
         if need_norm:
-            total_norm = float(global_grad_norm(present, engine.topo, sharded, extra_sq=on_disk_sq))
+            total_norm = float(global_grad_norm(squares, engine.topo, sharded))
             if sharded:
                 engine.counter.add("all_reduce")
             scale = self.loss_scale

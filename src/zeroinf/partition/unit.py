@@ -620,7 +620,7 @@ class ShardedUnit:
                 earlier = self.transfers.pool.acquire(numel * 4)
                 shard.add_(files.read(self.name, numel, out=typed_view(earlier, out)))
                 self.transfers.pool.release(earlier)
-            self.grad_sq_norm = float(torch.linalg.vector_norm(shard) ** 2)
+            self.grad_sq_norm = float(torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2)  # as optim/clip.py
             files.write(self.name, shard, on_written=lambda: self.transfers.pool.release(raw))
 
         self._landing = self.transfers.land(out, shard, accumulate=False, then=arrived)
