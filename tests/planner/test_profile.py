@@ -32,7 +32,7 @@ def test_defaults_without_a_measurement_and_the_plan_says_so() -> None:
 def test_cache_round_trip_per_machine(_cache: Path) -> None:
     measured = dataclasses.replace(
         profiles.default_profile(), measured=True, source="test", collective_bps={2: 1e9},
-        concurrent_matmul_flops={2: 5e9}, compute_efficiency=1.3, dtype_efficiency={"fp32": 1.3, "bf16": 1.5},
+        concurrent_matmul_flops={2: 5e9}, compute_efficiency=1.3, dtype_efficiency={"bf16": 1.5},
     )
     path = profiles.save_profile(measured)
     assert path.parent == _cache and profiles.machine_key() in path.name
@@ -106,6 +106,7 @@ def test_calibration_is_per_dtype_and_the_estimate_uses_the_plans_dtype() -> Non
     }
     calibrated = profiles.calibrate(base, refs)
     assert calibrated.efficiency("fp32") == pytest.approx(2.0) == calibrated.compute_efficiency
+    assert set(calibrated.dtype_efficiency) == {"bf16"}  # fp32's is compute_efficiency, kept once
     assert calibrated.efficiency("bf16") == pytest.approx(3.0)
     assert calibrated.efficiency("fp16") == pytest.approx(2.0)  # no factor of its own: fp32's
     assert calibrated.baseline_rss_bytes > base.baseline_rss_bytes  # 2 GiB minus activations

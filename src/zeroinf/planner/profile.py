@@ -174,8 +174,9 @@ class MachineProfile:
     GPT at stage 3, one thread): what the per-operator model misses (rectangular matmuls, attention,
     GELU, hooks). Compute predictions in a dtype without its own figure are multiplied by it."""
     dtype_efficiency: dict[str, float] = field(default_factory=dict)
-    """dtype -> the same ratio measured in that dtype (bf16 where the CPU computes it natively: its
-    element-wise operators and conversions cost more than the matmul probe shows). See `efficiency`."""
+    """dtype other than fp32 -> the same ratio measured in that dtype (bf16 where the CPU computes it
+    natively: its element-wise operators and conversions cost more than the matmul probe shows). See
+    `efficiency`."""
 
     def efficiency(self, dtype: str) -> float:
         """The calibration factor of compute in `dtype` (its own, else fp32's)."""
@@ -588,22 +589,21 @@ def calibrate(profile: MachineProfile, references: dict[str, dict[str, Any]]) ->
     from zeroinf.planner.model_facts import from_gpt_config
 
     one = dataclasses.replace(profile.for_threads(1), compute_efficiency=1.0, dtype_efficiency={})
+    model = from_gpt_config(GPTConfig(**REFERENCE_GPT))
+    facts = {
+        dtype: model.pass_facts(REFERENCE_BATCH, REFERENCE_GPT["seq_len"], dtype, torch.device("cpu"))
+        for dtype in references
+    }
     efficiency: dict[str, float] = {}
     for dtype, reference in references.items():
-        facts = from_gpt_config(GPTConfig(**REFERENCE_GPT)).pass_facts(
-            REFERENCE_BATCH, REFERENCE_GPT["seq_len"], dtype, torch.device("cpu")
-        )
-        predicted = 3 * pass_seconds(facts, dtype, one)
+        predicted = 3 * pass_seconds(facts[dtype], dtype, one)
         ratio = reference["forward_backward_s"] / predicted if predicted > 0 else 1.0
         efficiency[dtype] = min(4.0, max(0.25, ratio))
     fp32 = references["fp32"]
-    facts = from_gpt_config(GPTConfig(**REFERENCE_GPT)).pass_facts(
-        REFERENCE_BATCH, REFERENCE_GPT["seq_len"], "fp32", torch.device("cpu")
-    )
-    activations, _ = activation_peak(facts, Config(stage=3))
+    activations, _ = activation_peak(facts["fp32"], Config(stage=3))
     baseline = fp32["peak_rss_bytes"] - fp32["ledger_bytes"] - activations
     return dataclasses.replace(
-        profile, compute_efficiency=efficiency["fp32"], dtype_efficiency=efficiency,
+        profile, compute_efficiency=efficiency.pop("fp32"), dtype_efficiency=efficiency,
         baseline_rss_bytes=max(baseline, profile.baseline_rss_bytes),
     )
 
