@@ -134,3 +134,41 @@ def test_report_has_a_step_timeline_and_the_prediction(runs: tuple[dict[str, Any
     measured = step["measured_bytes"]  # the ledger's peaks of the step the timeline shows
     for tier in ("device", "host", "nvme"):
         assert abs(predicted[tier] - measured[tier]) <= 0.05 * max(measured[tier], 1), (tier, predicted, measured)
+
+
+@pytest.mark.parametrize(("settings", "fragment"), [
+    ({"format": "csv"}, "--format 'csv': use text, jsonl or auto"),
+    ({"steps": 3, "epochs": 1.0}, "give --steps or --epochs, not both"),
+    ({"lora_rank": -1}, "--lora-rank -1: use 0 (full fine-tune) or a positive rank"),
+    ({"epochs": 0.0}, "epochs = 0.0 (--epochs) is invalid"),
+    ({"save_every": 5}, "--save-every 5 needs --save-dir"),
+    ({"data": []}, "--data: give at least one .txt or .jsonl file"),
+    ({"log_interval": 0}, "log_interval = 0 is invalid"),
+    ({"min_lr_ratio": -0.1}, "min_lr_ratio = -0.1 is invalid"),
+])
+def test_bad_finetune_settings_are_refused_by_name(settings: dict[str, Any], fragment: str) -> None:
+    from zeroinf.finetune import FinetuneArgs
+
+    with pytest.raises(ValueError) as info:
+        FinetuneArgs(**{"model": "m", "data": ["a.txt"], **settings})
+    assert fragment in str(info.value), str(info.value)
+
+
+def test_bad_documents_are_refused_naming_file_and_line(tmp_path: Path) -> None:
+    from zeroinf.finetune import read_documents, tokenize
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "a"}\n\n{"text": "b", "id": 1}\n')
+    assert read_documents([str(good)]) == ["a", "b"]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: not a JSON line"):
+        read_documents([str(broken)])
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"body": "a"}\n')
+    with pytest.raises(ValueError, match=r"other.jsonl:1: no text field 'text' \(set --text-field\)"):
+        read_documents([str(other)])
+    assert read_documents([str(other)], text_field="body") == ["a"]
+    with pytest.raises(ValueError, match=r"no tokenizer files and a vocabulary of 100 < 256 bytes"):
+        tokenize(["abc"], str(tmp_path), vocab_size=100)
+

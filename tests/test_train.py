@@ -35,6 +35,27 @@ def test_lr_factor_warms_up_then_decays_to_the_floor() -> None:
     assert lr_factor(100, warmup_steps=10, total_steps=100, min_ratio=0.1) == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("log_interval", 0, "log_interval = 0 is invalid"),  # was a ZeroDivisionError at the first step
+    ("warmup_steps", -1, "warmup_steps = -1 (--warmup) is invalid"),
+    ("min_lr_ratio", 1.5, "min_lr_ratio = 1.5 is invalid: use a number in [0, 1]"),
+    ("steps", 0, "steps = 0 (--steps) is invalid"),
+    ("global_batch", 2.5, "global_batch = 2.5 (--batch) is invalid"),
+    ("seq_len", True, "seq_len = True (--seq-len) is invalid"),
+    ("lr", -1e-3, "lr = -0.001 (--lr) is invalid"),
+    ("weight_decay", float("nan"), "weight_decay = nan (--weight-decay) is invalid"),
+    ("betas", (0.9, 1.0), "betas = (0.9, 1.0) is invalid: use two numbers in [0, 1)"),
+    ("save_every", -2, "save_every = -2 (--save-every) is invalid"),
+    ("n_layer", 0, "n_layer = 0 (--n-layer) is invalid"),
+    ("eval_batches", -1, "eval_batches = -1 is invalid"),
+    ("max_corpus_bytes", 0, "max_corpus_bytes = 0 is invalid"),
+])
+def test_bad_run_settings_are_refused_by_name(field: str, value: object, fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        TrainArgs(**{field: value})  # type: ignore[arg-type]
+    assert fragment in str(info.value), str(info.value)
+
+
 def test_short_run_learns_and_reports(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     result = train(TrainArgs(**TINY_RUN, steps=30, config=Config(stage=2), report_path=str(report)))
@@ -195,7 +216,7 @@ def test_save_every_and_resume_continue_the_straight_run_exactly(tmp_path: Path)
 
 def test_cli_save_needs_a_folder_and_resume_names_a_bad_checkpoint(tmp_path: Path, capsys) -> None:
     assert cli.main(["train", "--model", "tiny", "--steps", "2", "--save-every", "1", "--no-progress"]) == 2
-    assert "save_dir" in capsys.readouterr().err
+    assert "--save-every 1 needs --save-dir" in capsys.readouterr().err
     assert cli.main(["train", "--model", "tiny", "--steps", "2", "--resume", str(tmp_path), "--no-progress"]) == 2
     assert str(tmp_path) in capsys.readouterr().err
 

@@ -11,8 +11,10 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import sys
 import textwrap
+import threading
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -59,9 +61,23 @@ def _number(field_name: str, value: object, fix: str = "use a number") -> None:
         raise ConfigError(field_name, value, fix)
 
 
-def _positive_int(field_name: str, value: object) -> None:
+def _positive_int(field_name: str, value: object, fix: str = "use a positive integer") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(field_name, value, "use a positive integer")
+        raise ConfigError(field_name, value, fix)
+
+
+def _bool(field_name: str, value: object) -> None:
+    # A string such as "false" would be truthy: flags take true or false only.
+    if not isinstance(value, bool):
+        raise ConfigError(field_name, value, "use true or false")
+
+
+def _finite_seconds(field_name: str, value: object) -> None:
+    # An infinite (or astronomically long) timeout fails later inside torch.distributed or a thread
+    # wait: refuse it here.
+    _number(field_name, value, "use a positive number of seconds")
+    if not 0 < value <= threading.TIMEOUT_MAX:  # type: ignore[operator]
+        raise ConfigError(field_name, value, f"use a positive number of seconds up to {threading.TIMEOUT_MAX:.3g}")
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,8 @@ class LossScaleConfig:
     def __post_init__(self) -> None:
         for name in ("initial_scale", "growth_factor", "backoff_factor", "min_scale"):
             _number(f"loss_scale.{name}", getattr(self, name))
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"loss_scale.{name}", getattr(self, name), "use a finite number")
         if not self.initial_scale > 0:
             raise ConfigError("loss_scale.initial_scale", self.initial_scale, "use a positive number, e.g. 65536")
         _positive_int("loss_scale.growth_interval", self.growth_interval)
@@ -132,18 +150,18 @@ class AioConfig:
 
     def __post_init__(self) -> None:
         a = self.alignment_bytes
-        if a <= 0 or a & (a - 1):
-            raise ConfigError("offload.aio.alignment_bytes", a, "use a power of two: 4096 (or 512 for old disks)")
-        if self.block_bytes <= 0 or self.block_bytes % a:
-            raise ConfigError(
-                "offload.aio.block_bytes",
-                self.block_bytes,
-                f"use a positive multiple of alignment_bytes={a}, e.g. {MIB} (1 MiB)",
-            )
-        if self.queue_depth < 1:
-            raise ConfigError("offload.aio.queue_depth", self.queue_depth, "use at least 1, e.g. 8")
-        if self.workers < 1:
-            raise ConfigError("offload.aio.workers", self.workers, "use at least 1, e.g. 8")
+        fix = "use a power of two: 4096 (or 512 for old disks)"
+        _positive_int("offload.aio.alignment_bytes", a, fix)
+        if a & (a - 1):
+            raise ConfigError("offload.aio.alignment_bytes", a, fix)
+        fix = f"use a positive multiple of alignment_bytes={a}, e.g. {MIB} (1 MiB)"
+        _positive_int("offload.aio.block_bytes", self.block_bytes, fix)
+        if self.block_bytes % a:
+            raise ConfigError("offload.aio.block_bytes", self.block_bytes, fix)
+        _positive_int("offload.aio.queue_depth", self.queue_depth, "use an integer >= 1, e.g. 8")
+        _positive_int("offload.aio.workers", self.workers, "use an integer >= 1, e.g. 8")
+        _bool("offload.aio.o_direct", self.o_direct)
+        _bool("offload.aio.integrity", self.integrity)
 
 
 @dataclass(frozen=True)
@@ -217,7 +235,7 @@ class OffloadConfig:
                 f"offload.{nvme_tiers[0]} is 'nvme': set nvme_dir to a local folder for the swap files",
             )
         for name in ("step_in_backward", "step_thread"):
-            if getattr(self, name) not in (True, False, AUTO):
+            if not isinstance(getattr(self, name), bool) and getattr(self, name) != AUTO:
                 raise ConfigError(f"offload.{name}", getattr(self, name), f"use true, false or {AUTO!r}")
         object.__setattr__(self, "moment_dtype", _normalize_dtype("offload.moment_dtype", self.moment_dtype))
         if self.moment_dtype not in MOMENT_DTYPES:
@@ -247,9 +265,7 @@ class OffloadConfig:
                 "offload.param_cache_bytes", cache,
                 f"it caches parameter shards on nvme, but offload.params is {self.params!r}: set params = 'nvme' or 0",
             )
-        _number("offload.io_timeout_s", self.io_timeout_s, "use a positive number of seconds")
-        if not self.io_timeout_s > 0:
-            raise ConfigError("offload.io_timeout_s", self.io_timeout_s, "use a positive number of seconds")
+        _finite_seconds("offload.io_timeout_s", self.io_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -334,7 +350,8 @@ class Config:
             raise ConfigError("grad_clip_norm", self.grad_clip_norm, "use a positive number or leave it unset")
         _positive_int("bucket_bytes", self.bucket_bytes)
         classes: Any = self.unit_classes
-        if isinstance(classes, (str, type)) or not all(isinstance(c, (str, type)) for c in classes):
+        listed = isinstance(classes, (list, tuple, set, frozenset))
+        if not listed or not all(isinstance(c, (str, type)) for c in classes):
             raise ConfigError("unit_classes", classes, 'use a list of class names (or classes), e.g. ["Block"]')
         # Classes, as FSDP's auto-wrap policies take them, are kept by name (the config stays plain data);
         # a set is sorted so that every rank holds the same tuple.
@@ -375,9 +392,7 @@ class Config:
                 True,
                 "it offloads the inputs kept by checkpointing: also set activation_checkpointing",
             )
-        _number("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
-        if not self.collective_timeout_s > 0:
-            raise ConfigError("collective_timeout_s", self.collective_timeout_s, "use a positive number of seconds")
+        _finite_seconds("collective_timeout_s", self.collective_timeout_s)
         for name, cls in (("loss_scale", LossScaleConfig), ("offload", OffloadConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(name, getattr(self, name), f"pass a {cls.__name__} or a table of its fields")

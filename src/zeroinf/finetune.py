@@ -41,6 +41,7 @@ from zeroinf.optional import require
 from zeroinf.telemetry import phase_scope
 from zeroinf.train import TrainResult as FinetuneResult
 from zeroinf.train import (
+    check_run_numbers,
     format_memory,
     lr_factor,
     mean_over_ranks,
@@ -109,10 +110,11 @@ class FinetuneArgs:
             raise ValueError(f"--format {self.format!r}: use text, jsonl or auto")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give --steps or --epochs, not both")
-        if self.lora_rank < 0:
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"--lora-rank {self.lora_rank}: use 0 (full fine-tune) or a positive rank")
-        if self.save_every and not self.save_dir:
-            raise ValueError(f"--save-every {self.save_every} needs --save-dir")
+        if self.epochs is not None and not (isinstance(self.epochs, (int, float)) and self.epochs > 0):
+            raise ValueError(f"epochs = {self.epochs!r} (--epochs) is invalid: use a positive number of passes")
+        check_run_numbers(self)
         if not self.data:
             raise ValueError("--data: give at least one .txt or .jsonl file")
 

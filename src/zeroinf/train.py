@@ -40,6 +40,46 @@ DEFAULT_CONFIG = Config(stage=2, param_dtype="auto", grad_clip_norm=1.0)
 it natively, else fp32 (a CPU without bf16 instructions runs the demo ~4x slower in bf16)."""
 
 
+def _is_int(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _is_number(value: object, low: float, high: float = math.inf) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
+
+def check_run_numbers(args: Any) -> None:
+    """The numbers `zeroinf train` and `zeroinf finetune` share, checked before any work starts:
+    `--log-interval 0` stopped a run at its first step with a ZeroDivisionError, a negative
+    `--warmup-steps` or a `--min-lr-ratio` above 1 trained with a schedule nobody asked for."""
+    checks = [
+        ("steps", args.steps is None or _is_int(args.steps, 1), "use a positive number of optimizer steps"),
+        ("global_batch", _is_int(args.global_batch, 1), "use a positive number of sequences"),
+        ("seq_len", _is_int(args.seq_len, 1), "use a positive number of tokens"),
+        ("lr", _is_number(args.lr, 0.0), "use a learning rate >= 0"),
+        ("min_lr_ratio", _is_number(args.min_lr_ratio, 0.0, 1.0), "use a number in [0, 1]"),
+        ("warmup_steps", _is_int(args.warmup_steps, 0), "use 0 or a positive number of steps"),
+        ("weight_decay", _is_number(args.weight_decay, 0.0), "use a number >= 0"),
+        ("log_interval", _is_int(args.log_interval, 1), "use a positive number of steps"),
+        ("save_every", _is_int(args.save_every, 0), "use 0 (never) or a positive number of steps"),
+    ]
+    for name, ok, fix in checks:
+        if not ok:
+            flag = _FLAGS.get(name)
+            raise ValueError(f"{name} = {getattr(args, name)!r}{f' ({flag})' if flag else ''} is invalid: {fix}")
+    if len(args.betas) != 2 or not all(_is_number(b, 0.0) and b < 1.0 for b in args.betas):
+        raise ValueError(f"betas = {args.betas!r} is invalid: use two numbers in [0, 1)")
+    if args.save_every and not args.save_dir:
+        raise ValueError(f"--save-every {args.save_every} needs --save-dir: where to write the checkpoints")
+
+
+# The command line's flags for the fields it exposes (the others are settable from Python only).
+_FLAGS = {
+    "steps": "--steps", "global_batch": "--batch", "seq_len": "--seq-len", "lr": "--lr", "warmup_steps": "--warmup",
+    "weight_decay": "--weight-decay", "save_every": "--save-every",
+}
+
+
 @dataclass
 class TrainArgs:
     """Settings of one training run; the CLI's defaults are these."""
@@ -98,10 +138,15 @@ class TrainArgs:
     and data position; any world size, stage and offload placement. The run continues to `steps`."""
 
     def __post_init__(self) -> None:
-        if self.save_every < 0:
-            raise ValueError(f"save_every={self.save_every}: use 0 (never) or a positive number of steps")
-        if self.save_every and not self.save_dir:
-            raise ValueError(f"save_every={self.save_every} needs save_dir: where to write the checkpoints")
+        check_run_numbers(self)
+        for name in ("n_layer", "n_head", "d_model"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value, 1):
+                raise ValueError(f"{name} = {value!r} (--{name.replace('_', '-')}) is invalid: use a positive integer")
+        if not _is_int(self.max_corpus_bytes, 1):
+            raise ValueError(f"max_corpus_bytes = {self.max_corpus_bytes!r} is invalid: use a positive byte count")
+        if not _is_int(self.eval_batches, 0):
+            raise ValueError(f"eval_batches = {self.eval_batches!r} is invalid: use 0 (no evaluation) or a count")
 
     def engine_config(self) -> Config:
         if self.config is None:

@@ -76,6 +76,36 @@ def test_undamaged_checkpoint_verifies_and_loads(good: str) -> None:
     assert ck.load(good, m, o)["extra"] == {"pos": 1}
 
 
+@pytest.mark.parametrize("pointer", [b"step_0000\xb0001", b"step_00000001\x00", b"", b"step_00000002"])
+def test_a_damaged_latest_pointer_is_refused_naming_it(good: str, tmp_path, pointer: bytes) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(good, root / "step_00000001")
+    (root / "latest").write_bytes(pointer)  # invalid UTF-8 raised a bare UnicodeDecodeError before
+    m, o = _make()
+    with pytest.raises(ck.CheckpointError, match=r"latest: points at"):
+        ck.load(str(root), m, o)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(good: str) -> None:
+    torch.manual_seed(0)
+    wider = zeroinf.shard(torch.nn.Sequential(torch.nn.Linear(8, 8)), zeroinf.Config(stage=2))
+    with pytest.raises(ck.CheckpointError, match=r"does not fit this model: parameters missing"):
+        ck.load(good, wider, zeroinf.AdamW(wider, lr=LR))
+    torch.manual_seed(0)
+    m, o = _make()
+    name = next(iter(m.state_dict()))
+    reshaped = os.path.join(os.path.dirname(good), "reshaped")
+    shutil.copytree(good, reshaped, dirs_exist_ok=True)
+    from zeroinf.checkpoint.format import encode_manifest, read_manifest
+
+    body = read_manifest(reshaped)
+    body["params"][name]["shape"] = [*body["params"][name]["shape"], 1]
+    with open(os.path.join(reshaped, "manifest.json"), "wb") as f:
+        f.write(encode_manifest(body))
+    with pytest.raises(ck.CheckpointError, match=rf"parameter {name} has shape"):
+        ck.load(reshaped, m, o)
+
+
 def _save_forever(root: str) -> None:
     m, o = _make(dim=512)  # ~1M parameters: 12 MB per save, so kills land inside saves
     for step in range(1, 10_000):

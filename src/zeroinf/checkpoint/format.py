@@ -148,10 +148,10 @@ def resolve(path: str) -> str:
         return path
     latest = os.path.join(path, LATEST)
     if os.path.exists(latest):
-        with open(latest) as f:
-            name = f.read().strip()
+        with open(latest, "rb") as f:
+            name = f.read().decode("utf-8", errors="replace").strip()  # a damaged pointer is named below
         target = os.path.join(path, name)
-        if not name or not os.path.isdir(target):
+        if not name or "\x00" in name or not os.path.isdir(target):
             raise CheckpointError(f"{latest}: points at {name!r}, which does not exist")
         return target
     if not os.path.isdir(path):

@@ -10,7 +10,8 @@ contiguous byte range: each rank reads exactly the bytes of its own shards.
 
 Every structural problem is found before any data is read and named with its file: a missing
 shard file, an index that names a file that is not there, a header that does not parse, a tensor
-whose bytes run past the end of its file (a truncated download), a dtype we cannot convert.
+whose bytes run past the end of its file (a truncated download), a dtype we cannot convert, a
+malformed entry or two tensors sharing bytes (a damaged header).
 """
 
 from __future__ import annotations
@@ -74,15 +75,17 @@ def _read_header(path: str) -> dict[str, StoredTensor]:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WeightsError(f"{path}: its safetensors header does not parse ({exc})") from None
     data_start = 8 + header_bytes
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: its safetensors header is not a JSON object (the file is corrupted)")
     out = {}
     for key, meta in header.items():
         if key == "__metadata__":
             continue
+        shape, (begin, end) = _entry(path, key, meta)  # meta is a dict from here on
         dtype = DTYPES.get(meta.get("dtype"))
         if dtype is None:
             raise WeightsError(f"{path}: tensor {key!r} has dtype {meta.get('dtype')!r}, which zeroinf cannot load")
-        begin, end = meta["data_offsets"]
-        stored = StoredTensor(key, path, dtype, tuple(meta["shape"]), data_start + begin)
+        stored = StoredTensor(key, path, dtype, shape, data_start + begin)
         if end - begin != stored.numel * dtype.itemsize:
             raise WeightsError(f"{path}: tensor {key!r} spans {end - begin} bytes for shape {stored.shape} {dtype}")
         if data_start + end > size:
@@ -91,7 +94,37 @@ def _read_header(path: str) -> dict[str, StoredTensor]:
                 "the file is truncated (an interrupted download or copy?)"
             )
         out[key] = stored
+    _check_disjoint(path, out)
     return out
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry(path: str, key: str, meta: object) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """A header entry's shape and byte range, or a WeightsError: a damaged header must not reach
+    the readers as a KeyError, nor as a negative offset that reads the header as data."""
+    offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+    shape = meta.get("shape") if isinstance(meta, dict) else None
+    if (
+        not isinstance(shape, list) or not all(_is_count(d) for d in shape)
+        or not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise WeightsError(
+            f"{path}: tensor {key!r} has a malformed header entry {meta!r} (needs dtype, shape and two "
+            "ascending data_offsets): the file is corrupted"
+        )
+    return tuple(shape), (offsets[0], offsets[1])
+
+
+def _check_disjoint(path: str, tensors: dict[str, StoredTensor]) -> None:
+    """Two tensors sharing bytes is a damaged header (safetensors writes each tensor once)."""
+    spans = sorted((t.offset_bytes, t.offset_bytes + t.numel * t.dtype.itemsize, t.key) for t in tensors.values())
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise WeightsError(f"{path}: tensors {first!r} and {second!r} overlap in the file: the file is corrupted")
 
 
 class SafetensorsFolder:
@@ -127,8 +160,10 @@ class SafetensorsFolder:
         try:
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise WeightsError(f"{index_path}: not a safetensors index ({exc!r})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise WeightsError(f"{index_path}: not a safetensors index (weight_map is not a table of file names)")
         files = sorted(set(weight_map.values()))
         missing = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
         if missing:
