@@ -1,0 +1,115 @@
+"""Training loops in random orders against plain PyTorch (world 1, in this process).
+
+A loop is more than forward, backward, step: users evaluate between steps (`eval()` + `no_grad`),
+read the `state_dict`, change the learning rate by hand, call `zero_grad()` once too often,
+accumulate micro-steps. Each seed draws a stage (0-3), the tiers of parameters and optimizer states,
+accumulation (1 or 2) and clipping, and a legal sequence of those operations; every loss, every
+evaluation, every `state_dict` read and the final weights must equal `torch.optim.AdamW(fused=True)`
+on the same model: bitwise without clipping, within 1e-5 with it (torch's `clip_grad_norm_` sums
+the squares in another order, and Adam turns the last-bit difference of the coefficient into
+differences of about 1e-8 after a few steps).
+
+"Legal" leaves out what zeroinf refuses with an error by design (a `step()` without the
+configured number of backward passes, a backward too many) and reads between a backward and its
+`step()`, which see weights already stepped inside backward (README, "Gradients never sit in
+`p.grad`").
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import zeroinf
+from tests._parity import LR, build_model, global_batch
+
+OPS = ["fb", "fb", "fb", "step", "step", "zero", "eval", "no_grad", "state_dict", "lr"]
+READS = ("eval", "no_grad", "state_dict", "zero", "lr")  # only where no backward waits for its step
+
+
+def _draw(seed: int, swap_dir: str) -> tuple[zeroinf.Config, list[str], dict[str, Any]]:
+    rng = random.Random(seed)
+    stage = rng.choice([0, 1, 2, 3])
+    params = rng.choice(["device", "host", "nvme"]) if stage == 3 else "device"
+    optimizer = rng.choice(["device", "host", "nvme"]) if stage >= 1 else "device"
+    accum, clip = rng.choice([1, 1, 2]), rng.choice([None, None, 0.5])
+    offload = zeroinf.OffloadConfig(
+        params=params, optimizer=optimizer, nvme_dir=swap_dir if "nvme" in (params, optimizer) else None,
+        step_in_backward=rng.choice(["auto", True, False]),
+    )
+    cfg = zeroinf.Config(
+        stage=stage, offload=offload, persist_threshold_bytes=0, grad_accum_steps=accum, grad_clip_norm=clip
+    )
+    seq: list[str] = []
+    pending = 0  # backward passes since the last step
+    length = rng.randint(4, 12)
+    while len(seq) < length:
+        op = rng.choice(OPS)
+        if (op == "step" and pending != accum) or (op == "fb" and pending == accum) or (op in READS and pending):
+            continue
+        pending = pending + 1 if op == "fb" else 0 if op == "step" else pending
+        seq.append(op)
+    return cfg, seq, {"accum": accum, "clip": clip}
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_a_random_loop_equals_plain_pytorch(seed: int, tmp_path: Any) -> None:
+    cfg, seq, drawn = _draw(seed, str(tmp_path))
+    clip = drawn["clip"]
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a, b) if clip is None else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    torch.manual_seed(0)
+    ref = build_model()
+    torch.manual_seed(0)
+    model = zeroinf.shard(build_model(), cfg)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, fused=True)
+    opt = zeroinf.AdamW(model, lr=LR, weight_decay=0.1)
+    where = f"seed {seed}, stage {cfg.stage}, {cfg.offload.params}/{cfg.offload.optimizer}, {drawn}, {seq}"
+    pending = 0
+    try:
+        for i, op in enumerate(seq):
+            x, y = global_batch(i)
+            if op == "fb":
+                expected = ref(x, y)
+                expected.backward()
+                got = model(x, y)
+                opt.backward(got)
+                assert same(got.detach(), expected.detach()), (where, i, got.item(), expected.item())
+                pending += 1
+            elif op == "step":
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                ref_opt.step()
+                opt.step()
+                ref_opt.zero_grad()
+                opt.zero_grad()
+                pending = 0
+            elif op == "zero":
+                ref_opt.zero_grad()
+                opt.zero_grad()
+            elif op in ("eval", "no_grad"):
+                if op == "eval":
+                    ref.eval()
+                    model.eval()
+                with torch.no_grad():
+                    expected, got = ref(x, y), model(x, y)
+                ref.train()
+                model.train()
+                assert same(got, expected), (where, i, got.item(), expected.item())
+            elif op == "state_dict":
+                theirs, ours = ref.state_dict(), model.state_dict()
+                assert all(same(ours[k], theirs[k]) for k in theirs), (where, i)
+            elif op == "lr":
+                for group in [*ref_opt.param_groups, *opt.param_groups]:
+                    group["lr"] *= 0.5
+        if not pending:
+            theirs, ours = ref.state_dict(), model.state_dict()
+            differ = [k for k in theirs if not same(ours[k], theirs[k])]
+            assert not differ, (where, differ[:3])
+    finally:
+        zeroinf.engine_of(model).close()
