@@ -85,6 +85,18 @@ def test_matches_plain_trainer(tmp_path, plain_llama, stage: int) -> None:
     assert trainer.model is trainer.model_wrapped  # no DDP or other wrapper
 
 
+def test_grad_norm_is_logged_without_clipping_too(tmp_path) -> None:
+    """max_grad_norm=0: the plain Trainer still logs each step's gradient norm; so does ours (the step
+    runs inside backward there, and the norm comes from squares kept as units are stepped)."""
+    plain = summary(run_plain("llama", str(tmp_path / "plain"), max_grad_norm=0.0))
+    ours = summary(run_zeroinf("llama", str(tmp_path / "ours"), 3, max_grad_norm=0.0))
+    assert sorted(plain["grad_norm"]) == [1, 2, 3, 4]
+    for step, ref in plain["grad_norm"].items():
+        assert ours["grad_norm"][step] == pytest.approx(ref, rel=RTOL), f"step {step}"
+    for name, ref in plain["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], ref, rtol=RTOL, atol=ATOL)
+
+
 def test_the_logged_parameter_count_is_the_full_size(tmp_path) -> None:
     """Stage 3: the Trainer's "Number of trainable parameters" log counts each parameter at its full
     size (between passes a parameter is an empty placeholder; the plain Trainer logged 0), and the

@@ -13,7 +13,7 @@ What differs from the plain Trainer, and where it happens:
   and its lr, betas, eps; the Trainer's LR scheduler runs on it unchanged.
 - Accumulation and clipping: `gradient_accumulation_steps` and `max_grad_norm` go into the Config
   (trainer_args.py). The Trainer does not clip; the engine does, exactly across shards, and its
-  norm is logged as `grad_norm` (when clipping is on, or fp16).
+  norm is logged as `grad_norm` every step, as the plain Trainer logs it (`AdamW(track_grad_norm=True)`).
 - fp16 (`Config(param_dtype="fp16")`): gradients carry the optimizer's loss scale (`compute_loss`);
   an overflowing step is skipped and the LR scheduler does not advance.
 - Checkpoints (`save_steps`): `checkpoint-N/zeroinf/` holds the sharded states (`zeroinf.save`), and
@@ -227,6 +227,7 @@ class Trainer(transformers.Trainer):
                 eps=self.args.adam_epsilon,
                 weight_decay=self.args.weight_decay,
                 param_groups=[g for g in groups if g["params"]],
+                track_grad_norm=True,  # the Trainer logs grad_norm every step, clipping or not
             )
             self._check_optimizer(self.optimizer)
         return self.optimizer

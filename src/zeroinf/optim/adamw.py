@@ -53,6 +53,14 @@ backward thread once its kernel is done, and the engine waits for the worker bef
 be unmade without speculation). With gradient accumulation at stage 3 the earlier micro-steps'
 shards are already on their tier; those units are stepped in `step()` as before.
 
+[Note: the norm without clipping]
+Without clipping and fp16 no step needs the global gradient norm, so none is computed; the Hugging
+Face Trainer logs one every step, and its users read it to watch training (`track_grad_norm`,
+which `zeroinf.integrations.Trainer` sets). A unit stepped inside backward ("final") frees its
+gradient before `step()`, so its squared norm is taken then (a device scalar: no wait in backward)
+and `step()` adds it in unit order with the others, the same fp32 value the gradient would give
+there: the norm is the one clipping would compute, bit for bit.
+
 [Note: states read while their unit's backward runs]
 With the states on NVMe, a unit's sub-groups used to be read when its gradient was complete, one
 sub-group ahead of the update: backward stood still while a unit's states crossed the disk one
@@ -118,6 +126,7 @@ class _BackwardStep:
     hyper: list[dict[str, Any]]  # each group's lr, betas, eps, weight_decay at backward time
     stream: SubGroupStream
     stepped: list[int] = field(default_factory=list)  # units, in the order backward completed them
+    squares: dict[int, torch.Tensor] = field(default_factory=dict)  # track_grad_norm: stepped units' squares
     handles: list[Handle] = field(default_factory=list)
     hyper_changed: RuntimeError | None = None
 
@@ -131,7 +140,11 @@ class AdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         param_groups: Iterable[dict[str, Any]] | None = None,
+        track_grad_norm: bool = False,
     ) -> None:
+        """`track_grad_norm`: compute the global gradient norm (`last_grad_norm`) every step, also when
+        neither clipping nor fp16 needs it (one more read of each gradient shard and one scalar
+        all-reduce a step), as the Hugging Face Trainer logs it ([Note: the norm without clipping])."""
         if not lr >= 0:
             raise ValueError(f"AdamW: lr = {lr!r} is invalid; use a non-negative number")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -161,8 +174,9 @@ class AdamW(torch.optim.Optimizer):
         self.pending_save: Any = None  # a zeroinf.checkpoint.PendingSave writing these states
         self.last_step_skipped = False
         # The global gradient norm of the last step (before clipping), where the step computed it:
-        # with grad_clip_norm or fp16. Without them no step needs it, so none is computed: None.
+        # with grad_clip_norm, fp16 or track_grad_norm. Without them no step needs it: None.
         self.last_grad_norm: float | None = None
+        self.track_grad_norm = bool(track_grad_norm)
         self.step_count = 0
         self._is_accelerate_prepared = True  # `accelerator.prepare` returns it unchanged, as the model
         self._allocate_states()
@@ -360,11 +374,19 @@ class AdamW(torch.optim.Optimizer):
             for ui in session.stepped:
                 grads[ui] = None
         present = [g for g in grads if isinstance(g, torch.Tensor)]
-        # per unit in unit order, in memory or its square kept when written to NVMe (optim/clip.py)
-        squares = [g if isinstance(g, torch.Tensor) else float(g.unit.grad_sq_norm or 0.0)
-                   for g in grads if g is not None]
+        # per unit in unit order: in memory, its square kept when written to NVMe (optim/clip.py), or
+        # kept when the unit was stepped inside backward ([Note: the norm without clipping])
+        kept = session.squares if session is not None else {}
+        squares: list[torch.Tensor | float] = []
+        for ui, g in enumerate(grads):
+            if isinstance(g, GradOnDisk):
+                squares.append(float(g.unit.grad_sq_norm or 0.0))
+            elif g is not None:
+                squares.append(g)
+            elif ui in kept:
+                squares.append(float(kept[ui]))
         sharded = engine.policy.shard_optimizer and engine.topo.is_distributed
-        need_norm = self.scaler is not None or engine.cfg.grad_clip_norm is not None
+        need_norm = self.scaler is not None or engine.cfg.grad_clip_norm is not None or self.track_grad_norm
         self.last_step_skipped = False
         coef = 1.0
         if need_norm:
@@ -550,6 +572,8 @@ class AdamW(torch.optim.Optimizer):
         if raw is None:
             return
         session = self._session = self._session or self._open_session()
+        if self.track_grad_norm and not session.speculative:  # the gradient is freed before step()
+            session.squares[ui] = torch.linalg.vector_norm(raw, dtype=torch.float32) ** 2  # as optim/clip.py
         grad = raw * session.coef if session.coef != 1.0 else raw  # the original stays for a redo
         grads: list = [None] * len(self.engine.units)
         grads[ui] = grad
