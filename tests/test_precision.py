@@ -104,3 +104,49 @@ def test_state_dict_keeps_overflows_at_floor() -> None:
     b.load_state_dict(a.state_dict())
     with pytest.raises(FloatingPointError):
         b.update(overflow=True, step=MAX_OVERFLOWS_AT_MIN_SCALE)
+
+
+# -- the engine: an fp16 backward must carry the loss scale (engine.py [Note: an fp16 backward without
+# the loss scale]) ---------------------------------------------------------------------------------------
+def _fp16_model(dtype: str = "fp16", clip: float | None = 0.5):
+    import torch
+
+    import zeroinf
+    from tests._parity import LR, build_model
+
+    torch.manual_seed(0)
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, param_dtype=dtype, grad_clip_norm=clip))
+    return model, zeroinf.AdamW(model, lr=LR)
+
+
+def test_an_unscaled_fp16_backward_is_refused() -> None:
+    """`loss.backward()` in fp16 trained on gradients 65536 times too small: a norm of 1e-5 instead of
+    0.65, clipping at 0.5 that never triggered, and different losses from the first step on."""
+    from tests._parity import global_batch
+
+    model, opt = _fp16_model()
+    x, y = global_batch(0)
+    with pytest.raises(RuntimeError, match=r"call optimizer.backward\(loss\) instead of loss.backward\(\)"):
+        model(x, y).backward()
+    model, opt = _fp16_model()  # the same loop through opt.backward trains, and clips by the true norm
+    for step in range(2):
+        x, y = global_batch(step)
+        opt.backward(model(x, y))
+        opt.step()
+        opt.zero_grad()
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.5
+
+
+def test_loss_backward_stays_plain_pytorch_in_bf16_and_without_an_optimizer() -> None:
+    import torch
+
+    import zeroinf
+    from tests._parity import build_model, global_batch
+
+    model, opt = _fp16_model(dtype="bf16")
+    x, y = global_batch(0)
+    model(x, y).backward()  # no loss scale in bf16: loss.backward() is opt.backward(loss)
+    opt.step()
+    torch.manual_seed(0)
+    frozen = zeroinf.shard(build_model(), zeroinf.Config(stage=3, param_dtype="fp16"))
+    frozen(x, y).backward()  # no optimizer steps it (a teacher, a probe): nothing to scale

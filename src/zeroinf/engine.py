@@ -59,7 +59,20 @@ if TYPE_CHECKING:
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 _ATTR = "_zeroinf_engine"
-IO_KINDS = ("params", "grads", "optimizer")  # the NVMe traffic io_report tells apart
+IO_KINDS = ("params", "grads", "optimizer")
+
+# [Note: an fp16 backward without the loss scale]
+# In fp16 the optimizer multiplies the loss by its scale before backward (`opt.backward(loss)`) and
+# divides the gradients by it in `step()`. A plain `loss.backward()` (or accelerate's
+# `accelerator.backward(loss)`) skipped the multiplication and nothing noticed: every gradient came
+# out 65536 times too small (small ones flushed to zero in fp16), the reported norm too, so clipping
+# never triggered and overflows went unseen, a silently different run. A backward that reaches the
+# trainable units of an fp16 model with an optimizer therefore stops unless the scale was applied.
+UNSCALED_FP16 = (
+    "backward of an fp16 model whose loss was not scaled: with param_dtype fp16 call optimizer.backward(loss) "
+    "instead of loss.backward() or accelerator.backward(loss) (it multiplies the loss by the dynamic loss "
+    "scale that step() divides out again; zeroinf.integrations.Trainer does this itself)"
+)  # the NVMe traffic io_report tells apart
 
 
 class Engine:
@@ -147,6 +160,9 @@ class Engine:
         self._unit_of_param = {id(p): ui for ui, u in enumerate(self.all_units) for p in u.params}
         self._unit_params = [p for u in self.units for p in u.params]
         self.micro_step = 0  # backward passes since the last optimizer step
+        # fp16: set by whoever applies the loss scale (AdamW.backward, the Trainer integration) and
+        # checked when backward begins ([Note: an fp16 backward without the loss scale])
+        self.loss_scaled = False
         self.step_memory = StepMemory(cfg.reuse_step_memory, topo.device.type)  # decided after the first step
         self._in_backward = False
         self._agreement: ReachAgreement | None = None  # this backward's (runtime/reach.py)
@@ -352,6 +368,9 @@ class Engine:
                 f"{self.cfg.grad_accum_steps}: call optimizer.step() (and zero_grad()) every "
                 f"{self.cfg.grad_accum_steps} backward passes, or change grad_accum_steps"
             )
+        scaled, self.loss_scaled = self.loss_scaled, False
+        if self.cfg.param_dtype == "fp16" and self.optimizer_io is not None and not scaled:
+            raise RuntimeError(UNSCALED_FP16)
         self._in_backward = True
         self.grad_pool.open()
         last = self.micro_step + 1 == self.cfg.grad_accum_steps

@@ -238,6 +238,8 @@ class Trainer(transformers.Trainer):
             model = self._compiled(model)
         out = super().compute_loss(model, inputs, *args, **kwargs)
         scale = self.optimizer.loss_scale if isinstance(self.optimizer, AdamW) else 1.0
+        if isinstance(self.optimizer, AdamW) and torch.is_grad_enabled():
+            self.optimizer.engine.loss_scaled = True  # the backward of this loss carries the scale
         if scale == 1.0 or not torch.is_grad_enabled():
             return out
         # fp16: backward of `loss * scale` (what opt.backward does) while the logged value stays the loss

@@ -317,6 +317,7 @@ class AdamW(torch.optim.Optimizer):
     @phase("zeroinf::backward")
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the fp16 loss scale applied (identical to loss.backward() otherwise)."""
+        self.engine.loss_scaled = True  # engine.py [Note: an fp16 backward without the loss scale]
         try:
             (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         except RuntimeError as err:  # partition/placeholder_use.py [Note: a parameter used outside ...]
