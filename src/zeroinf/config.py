@@ -280,6 +280,12 @@ class Config:
     where the device computes it natively (CUDA with bf16, a CPU with AMX or AVX512-BF16), else fp32."""
     reduce_dtype: str = "fp32"
     """Dtype in which gradients are accumulated and reduced across ranks."""
+    cast_forward_inputs: bool = True
+    """With `param_dtype` bf16 or fp16: the floating-point tensors among the sharded model's forward
+    inputs (arguments and keyword arguments, nested in tuples, lists and dicts) are cast to it, as
+    FSDP2's `MixedPrecisionPolicy` does by default (an fp32 input met bf16 weights with a dtype error
+    before); integer tensors (token ids, labels) are untouched. false passes inputs as given (fp32
+    targets of a loss the model computes itself)."""
     grad_accum_steps: int = 1
     """Backward passes (micro-steps) per optimizer step."""
     sync_every_micro_step: bool = False
@@ -340,6 +346,7 @@ class Config:
         if self.reduce_dtype == "fp16":
             raise ConfigError("reduce_dtype", self.reduce_dtype, "fp16 reductions overflow; use fp32 or bf16")
         _positive_int("grad_accum_steps", self.grad_accum_steps)
+        _bool("cast_forward_inputs", self.cast_forward_inputs)
         if not isinstance(self.sync_every_micro_step, bool):
             raise ConfigError("sync_every_micro_step", self.sync_every_micro_step, "use true or false")
         if self.grad_clip_norm is not None and not (

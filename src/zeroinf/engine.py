@@ -190,6 +190,8 @@ class Engine:
             for h in hooks.register_grad_ready_hooks(unit.params, functools.partial(self._on_grad_ready, ui))
         ]
         self._hook_handles.append(hooks.register_input_hook(module, lambda _: check_params_intact(self.all_units)))
+        if cfg.cast_forward_inputs and cfg.param_dtype != "fp32":  # Config.cast_forward_inputs
+            self._hook_handles.append(hooks.register_input_cast(module, cfg.param_torch_dtype))
         # The pass begins in the outermost backward, where the model's output gets its gradient (see
         # `_begin_backward_at_output`).
         self._hook_handles.append(hooks.register_output_hook(module, self._begin_backward_at_output))

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 from torch._C._dynamo.eval_frame import set_eval_frame  # torch._dynamo's own import costs ~1.2 s
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
 UNPICKLABLE = (
@@ -198,6 +198,22 @@ def register_input_rewrite(
     def rewrite(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
         new = fn(args, kwargs)
         return None if new is None else (args, new)
+
+    return module.register_forward_pre_hook(eager(rewrite), with_kwargs=True)
+
+
+def register_input_cast(module: nn.Module, dtype: torch.dtype) -> RemovableHandle:
+    """Every call of `module` gets its floating-point tensor inputs (any nesting of tuples, lists and
+    dicts, positional or keyword) in `dtype`; other values pass unchanged. The cast is differentiable,
+    so an input that requires grad gets its gradient back in its own dtype."""
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    def rewrite(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return tree_map(cast, args), tree_map(cast, kwargs)
 
     return module.register_forward_pre_hook(eager(rewrite), with_kwargs=True)
 
