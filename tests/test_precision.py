@@ -150,3 +150,57 @@ def test_loss_backward_stays_plain_pytorch_in_bf16_and_without_an_optimizer() ->
     torch.manual_seed(0)
     frozen = zeroinf.shard(build_model(), zeroinf.Config(stage=3, param_dtype="fp16"))
     frozen(x, y).backward()  # no optimizer steps it (a teacher, a probe): nothing to scale
+
+
+def test_torch_gradscaler_is_refused_by_name() -> None:
+    """nanoGPT's loop (autocast, GradScaler.scale/unscale_/step) met "No inf checks were recorded for
+    this optimizer" inside the scaler: the gradients it looks for never sit in p.grad."""
+    import torch
+
+    import zeroinf
+    from tests._parity import LR, build_model, global_batch
+
+    torch.manual_seed(0)
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=2))
+    opt = zeroinf.AdamW(model, lr=LR)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = global_batch(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"GradScaler cannot drive zeroinf.AdamW.*param_dtype='fp16'"):
+        scaler.step(opt)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_user_autocast_over_fp32_parameters_equals_plain_pytorch(stage: int) -> None:
+    """A loop that keeps its own `torch.autocast` around the forward (fp32 parameters, bf16 compute
+    per op) trains bitwise as plain PyTorch does."""
+    import torch
+
+    import zeroinf
+    from tests._parity import LR, build_model, global_batch
+
+    def run(sharded: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = build_model()
+        if sharded:
+            model = zeroinf.shard(model, zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+            opt: torch.optim.Optimizer = zeroinf.AdamW(model, lr=LR)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        losses = []
+        for step in range(3):
+            x, y = global_batch(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+    (plain_losses, plain), (losses, ours) = run(False), run(True)
+    assert losses == plain_losses
+    assert all(torch.equal(ours[k], v) for k, v in plain.items())

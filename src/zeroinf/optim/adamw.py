@@ -131,7 +131,20 @@ class _BackwardStep:
     hyper_changed: RuntimeError | None = None
 
 
+GRAD_SCALER = (
+    "torch.amp.GradScaler cannot drive zeroinf.AdamW: the engine keeps the gradients (reduced and sharded, "
+    "never in p.grad), so the scaler finds none to unscale or check, and they would stay multiplied by its "
+    "scale. Drop the GradScaler: for fp16 set Config(param_dtype='fp16') and call optimizer.backward(loss), "
+    "which applies zeroinf's own dynamic loss scale; bf16 needs no scaling"
+)
+
+
 class AdamW(torch.optim.Optimizer):
+    # torch.amp.GradScaler.step hands an optimizer with this flag its scale and found-inf tensors
+    # (`grad_scale`, `found_inf` attributes) instead of checking p.grad itself, where it would stop
+    # with "No inf checks were recorded for this optimizer": step() refuses them by name (GRAD_SCALER).
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -342,6 +355,8 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise NotImplementedError("zeroinf.AdamW.step does not take a closure")
+        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(GRAD_SCALER)
         if accelerate_defers_step(self.engine.cfg.grad_accum_steps):  # integrations/accelerate_loop.py
             return
         if self.pending_save is not None:  # see zeroinf/checkpoint/saving.py [Note: saving without stopping ...]
