@@ -35,6 +35,14 @@ CASES: list[tuple[str, list[str], str]] = [
      "epochs = 0.0 (--epochs) is invalid"),
     ("offload-params-stage-2", ["train", "--offload-params", "host"], "`offload.params`"),
     ("data-missing", ["train", "--model", "tiny", "--data", "{d}/nope.txt"], "nope.txt does not exist"),
+    # two ranks: the parent validates before launching, and a rank's error comes back once, without
+    # torchrun's traceback and failure table (zeroinf/launch.py)
+    ("nproc2-config", ["train", "--model", "tiny", "--stage", "2", "--offload-gradients", "host", "--nproc", "2"],
+     "`offload.gradients` = 'host' is invalid"),
+    ("nproc2-data-missing", ["train", "--model", "tiny", "--steps", "1", "--data", "{d}/nope.txt", "--nproc", "2"],
+     "nope.txt does not exist"),
+    ("nproc2-resume-missing", ["train", "--model", "tiny", "--steps", "1", "--resume", "{d}/none", "--nproc", "2"],
+     "no such checkpoint folder"),
     ("consolidate-missing", ["consolidate", "{d}/none", "--out", "{d}/out"], "no such checkpoint folder"),
     ("consolidate-bad-size", ["consolidate", "{d}", "--out", "{d}/out", "--max-shard-size", "5XB"],
      "cannot parse --max-shard-size '5XB'"),

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from zeroinf import launch
 from zeroinf.checkpoint.format import CheckpointError
 from zeroinf.config import AUTO, DTYPES, MOMENT_DTYPES, Config, OffloadConfig
 from zeroinf.models.gpt import PRESETS
@@ -238,8 +239,7 @@ def temporary_swap_folder() -> str:
 def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if ns.nproc < 1:
         raise ValueError(f"--nproc {ns.nproc} is invalid: use a positive number of ranks")
-    if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return relaunch_with_torchrun(ns.nproc, "train", argv)
+    # Built (and so validated) before any rank starts: a bad value is one line from this process.
     args = TrainArgs(
         model=ns.model,
         n_layer=ns.n_layer,
@@ -261,6 +261,8 @@ def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         save_dir=ns.save_dir,
         resume=ns.resume,
     )
+    if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return relaunch_with_torchrun(ns.nproc, "train", argv)
     train(args)
     return 0
 
@@ -271,8 +273,6 @@ def run_finetune(ns: argparse.Namespace, argv: Sequence[str]) -> int:
 
     if ns.nproc < 1:
         raise ValueError(f"--nproc {ns.nproc} is invalid: use a positive number of ranks")
-    if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return relaunch_with_torchrun(ns.nproc, "finetune", argv)
     args = FinetuneArgs(
         model=ns.model, data=ns.data, format=ns.format, text_field=ns.text_field, lora_rank=ns.lora_rank,
         lora_alpha=ns.lora_alpha, lora_targets=ns.lora_targets, steps=ns.steps, epochs=ns.epochs,
@@ -281,6 +281,8 @@ def run_finetune(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         save_every=ns.save_every, save_dir=ns.save_dir, resume=ns.resume, progress=not ns.no_progress,
         report_path=ns.report,
     )
+    if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return relaunch_with_torchrun(ns.nproc, "finetune", argv)
     finetune(args)
     return 0
 
@@ -299,13 +301,26 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
+ERROR_DIR_ENV = launch.ERROR_DIR_ENV
+"""Set by `relaunch_with_torchrun` for its ranks: a rank's user error goes to a file there, not stderr."""
+
+
 def relaunch_with_torchrun(nproc: int, command_name: str, train_argv: Sequence[str]) -> int:
-    """Run `zeroinf <command_name>` as `nproc` ranks on this machine; returns torchrun's exit code."""
+    """Run `zeroinf <command_name>` as `nproc` ranks on this machine; returns the exit code.
+
+    A user error in the ranks (the same on each, typically: a missing data file, a bad checkpoint)
+    ends as one line and status 2, as in one process: each rank writes its line to a file
+    (`ERROR_DIR_ENV`) and this process prints the distinct ones once the ranks are stopped, where
+    torchrun printed every rank's line, then its own traceback and failure table (zeroinf/launch.py).
+    Any other failure keeps the ranks' tracebacks and torchrun's report."""
+    import shutil
+    import tempfile
+
     check_ranks_fit(nproc)
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "zeroinf.launch",  # torch.distributed.run, quiet when the ranks failed on a user error
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
@@ -317,7 +332,19 @@ def relaunch_with_torchrun(nproc: int, command_name: str, train_argv: Sequence[s
     package_root = str(Path(__file__).resolve().parents[1])  # so the ranks import this very zeroinf
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // nproc)))
-    return subprocess.run(command, env=env, check=False).returncode
+    errors = tempfile.mkdtemp(prefix="zeroinf-rank-errors-")
+    env[ERROR_DIR_ENV] = errors
+    try:
+        code = subprocess.run(command, env=env, check=False).returncode
+        lines = []
+        for name in sorted(os.listdir(errors)):
+            with open(os.path.join(errors, name)) as f:
+                lines.append(f.read().strip())
+        for line in dict.fromkeys(lines):  # once each: every rank usually meets the same error
+            print(line, file=sys.stderr)
+        return 2 if lines else code
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
 
 
 def run_bench_io(rest: Sequence[str]) -> int:
@@ -366,7 +393,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_command(argv)
     except USER_ERRORS as error:
-        print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
+        line = f"{prog}: error: {one_line(error)}"
+        folder = os.environ.get(ERROR_DIR_ENV)
+        if folder and "RANK" in os.environ:  # a rank of `relaunch_with_torchrun`: it prints the line
+            with open(os.path.join(folder, f"rank{int(os.environ['RANK']):05d}"), "w") as f:
+                f.write(line)
+        else:
+            print(line, file=sys.stderr)
         return 2
 
 
