@@ -164,7 +164,7 @@ def test_nproc_relaunches_through_torchrun(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(cli.subprocess, "run", fake_run)
     assert cli.main(["train", "--nproc", "2", "--steps", "5", "--nproc=2"]) == 3
     (command,) = calls
-    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert command[1:4] == ["-m", "zeroinf.launch", "--standalone"]  # torch.distributed.run, quiet on user errors
     assert "--nproc-per-node=2" in command
     assert command[command.index("zeroinf") - 1 :] == ["-m", "zeroinf", "train", "--steps", "5"]
 

@@ -103,6 +103,18 @@ def test_auto_offloads_when_memory_is_short(tmp_path: Path) -> None:
         _ = nothing.config
 
 
+def test_fixed_fields_that_rule_out_every_placement_are_named(tmp_path) -> None:
+    """Stage 1 with parameters on the host and the rest auto: no placement exists. It said "no
+    placement fits this machine ... free memory or disk", which sent users to the wrong fix."""
+    offload = dataclasses.replace(ALL_AUTO.offload, params="host", nvme_dir=str(tmp_path))
+    base = dataclasses.replace(ALL_AUTO, stage=1, offload=offload)
+    result = plan(from_gpt_config(GPT_CFG), base, seq_len=64, tokens_per_step=128)
+    assert not result.estimates
+    named = r"is possible with the fields you set \(config field `offload.params`.*use stage 3"
+    with pytest.raises(ValueError, match=named):
+        _ = result.config
+
+
 def test_fields_that_are_not_auto_stay() -> None:
     base = dataclasses.replace(ALL_AUTO, stage=3)
     result = plan(from_gpt_config(GPT_CFG), base, seq_len=64, tokens_per_step=128)

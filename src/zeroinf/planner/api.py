@@ -52,13 +52,18 @@ class Plan:
     pass_facts: PassFacts | None
     nvme_dir: str | None
     notes: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # why combinations of the fixed fields were left out
 
     @property
     def config(self) -> Config:
         """The chosen placement's Config (the fastest predicted that fits); ValueError when none fits."""
         if self.best is None:
-            closest = self.estimates[0] if self.estimates else None
-            reason = "; ".join(closest.why_not) if closest else "no candidate placement"
+            if not self.estimates:  # the fields given rule out every placement: say which refusal
+                raise ValueError(
+                    f"no placement of {self.model} is possible with the fields you set "
+                    f"({'; '.join(self.refused) or 'none could be estimated'}): change them, or leave them to auto"
+                )
+            reason = "; ".join(self.estimates[0].why_not)
             raise ValueError(
                 f"no placement of {self.model} fits this machine ({reason}): add ranks, free memory or disk, "
                 "or set the offload tiers yourself"
@@ -161,7 +166,8 @@ def plan(
     capacity = capacity or machine_capacity(profile, folder, ranks_here)
     rank_profile = profile.for_rank(threads or max(1, profile.cores // max(1, ranks_here)), ranks_here)
     estimates = []
-    for cfg in choose_mod.candidates(base, folder):
+    refused: list[str] = []
+    for cfg in choose_mod.candidates(base, folder, refused):
         try:
             unit_plan = plan_units(facts.units_for(cfg), cfg, world_size, device.type)
             estimates.append(estimate(unit_plan, pass_facts, work, rank_profile, capacity, facts.param_count))
@@ -170,7 +176,7 @@ def plan(
     estimates = choose_mod.ordered(estimates)
     return Plan(
         facts.name, facts.param_count, work, profile, capacity, estimates, choose_mod.choose(estimates),
-        pass_facts, folder, notes,
+        pass_facts, folder, notes, refused,
     )
 
 

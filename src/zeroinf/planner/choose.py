@@ -20,8 +20,10 @@ from zeroinf.planner.estimate import Estimate
 STAGES = (0, 1, 2, 3)
 
 
-def candidates(base: Config, nvme_dir: str | None) -> list[Config]:
-    """The concrete Configs `base` allows, in a stable order (stage, tiers, checkpointing)."""
+def candidates(base: Config, nvme_dir: str | None, refused: list[str] | None = None) -> list[Config]:
+    """The concrete Configs `base` allows, in a stable order (stage, tiers, checkpointing); why each
+    combination left out was refused goes to `refused` (once per reason), so that "no candidate"
+    can say which fixed fields rule everything out."""
     o = base.offload
     # A field that is not "auto" is its own only candidate (Config checked it: a stage number, true or false).
     stages = (base.stage,) if isinstance(base.stage, int) else STAGES
@@ -37,6 +39,7 @@ def candidates(base: Config, nvme_dir: str | None) -> list[Config]:
     ):
         uses_nvme = "nvme" in (params, optimizer, gradients)
         if uses_nvme and nvme_dir is None and o.nvme_dir is None:
+            _note(refused, "an NVMe placement needs an NVMe folder")
             continue
         offload = dataclasses.replace(
             o, params=params, optimizer=optimizer, gradients=gradients, nvme_dir=o.nvme_dir or nvme_dir
@@ -46,10 +49,16 @@ def candidates(base: Config, nvme_dir: str | None) -> list[Config]:
                 base, stage=stage, offload=offload, activation_checkpointing=checkpointing,
                 offload_activations=base.offload_activations and checkpointing,
             )
-        except ConfigError:
-            continue  # a combination the engine refuses
+        except ConfigError as error:
+            _note(refused, str(error))  # a combination the engine refuses
+            continue
         out.append(cfg)
     return out
+
+
+def _note(refused: list[str] | None, reason: str) -> None:
+    if refused is not None and reason not in refused:
+        refused.append(reason)
 
 
 def _rank(e: Estimate) -> tuple[float, int, int, bool]:
