@@ -115,6 +115,16 @@ def test_fixed_fields_that_rule_out_every_placement_are_named(tmp_path) -> None:
         _ = result.config
 
 
+def test_a_parameter_cache_keeps_only_nvme_parameter_placements(tmp_path) -> None:
+    """A parameter cache with parameters auto: only placements with parameters on NVMe can use it.
+    The first refused combination used to abort the whole plan with the cache's ConfigError."""
+    offload = dataclasses.replace(ALL_AUTO.offload, param_cache_bytes=2**20, nvme_dir=str(tmp_path))
+    result = plan(from_gpt_config(GPT_CFG), dataclasses.replace(ALL_AUTO, offload=offload), seq_len=64,
+                  tokens_per_step=128)
+    assert result.estimates and {e.config.offload.params for e in result.estimates} == {"nvme"}
+    assert any("param_cache_bytes" in reason for reason in result.refused)
+
+
 def test_fields_that_are_not_auto_stay() -> None:
     base = dataclasses.replace(ALL_AUTO, stage=3)
     result = plan(from_gpt_config(GPT_CFG), base, seq_len=64, tokens_per_step=128)

@@ -41,10 +41,10 @@ def candidates(base: Config, nvme_dir: str | None, refused: list[str] | None = N
         if uses_nvme and nvme_dir is None and o.nvme_dir is None:
             _note(refused, "an NVMe placement needs an NVMe folder")
             continue
-        offload = dataclasses.replace(
-            o, params=params, optimizer=optimizer, gradients=gradients, nvme_dir=o.nvme_dir or nvme_dir
-        )
-        try:
+        try:  # the offload table alone may refuse a combination (a parameter cache without NVMe parameters)
+            offload = dataclasses.replace(
+                o, params=params, optimizer=optimizer, gradients=gradients, nvme_dir=o.nvme_dir or nvme_dir
+            )
             cfg = dataclasses.replace(
                 base, stage=stage, offload=offload, activation_checkpointing=checkpointing,
                 offload_activations=base.offload_activations and checkpointing,
