@@ -59,6 +59,20 @@ def test_an_nvme_placement_states_its_ssd_writes(capsys: pytest.CaptureFixture[s
     assert "rated TBW" in out
 
 
+def test_batch_takes_the_default_sequence_and_nvme_tiers_the_temp_folder(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--batch alone used to stop with "--batch needs --seq-len", and an explicit nvme tier without
+    --nvme-dir with "set nvme_dir", where --help promises the model's context and the temp folder."""
+    code, out, _ = _main(
+        ["plan", "--model", "tiny", "--batch", "8", "--stage", "2", "--offload-optimizer", "nvme", "--json"], capsys
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert data["workload"]["tokens_per_step"] == 8 * 128  # tiny's context: 128
+    assert {c["placement"]["optimizer"] for c in data["candidates"]} == {"nvme"}
+
+
 def test_json_is_one_object_for_programs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, _ = _main(
         ["plan", "--model", "small", "--stage", "3", "--nvme-dir", str(tmp_path), "--json"], capsys
@@ -110,7 +124,7 @@ def test_70b_llama_answers_in_seconds_without_weights(tmp_path: Path) -> None:
         (["plan", "--hf", "{d}/no_type.json"], "has no model_type"),
         (["plan", "--hf", "{d}/broken.json"], "not valid JSON"),
         (["plan", "--model", "tiny", "--world", "0"], "--world 0 is invalid"),
-        (["plan", "--model", "tiny", "--batch", "4"], "--batch needs --seq-len"),
+        (["plan", "--model", "tiny", "--batch", "0"], "--batch 0 is invalid"),
         (["plan", "--model", "tiny", "--tokens", "0"], "--tokens 0 is invalid"),
     ],
 )

@@ -82,6 +82,10 @@ def plan_config(ns: argparse.Namespace) -> Config:
     offload = {**dataclasses.asdict(base.offload), **{k: v for k, v in tiers.items() if v is not None}}
     if ns.nvme_dir:
         offload["nvme_dir"] = ns.nvme_dir
+    elif "nvme" in tiers.values() and not offload["nvme_dir"]:  # as for auto: the temp folder (--nvme-dir's help)
+        import tempfile
+
+        offload["nvme_dir"] = tempfile.gettempdir()
     if ns.max_host_bytes:
         offload["max_host_bytes"] = ns.max_host_bytes
     if ns.param_cache:
@@ -114,15 +118,15 @@ def run(ns: argparse.Namespace) -> int:
         path = profiles.save_profile(profile)
         if not ns.json:
             print(f"measured in {time.perf_counter() - t0:.0f} s, cached in {path}", file=sys.stderr)
-    seq_len = ns.seq_len
-    tokens = ns.tokens
-    if ns.batch is not None:
-        if seq_len is None:
-            raise ValueError("--batch needs --seq-len (or give --tokens)")
-        tokens = ns.batch * seq_len
+    from zeroinf.planner.api import DEFAULT_SEQ_LEN
     from zeroinf.planner.model_facts import from_hf, from_preset
 
     model = from_hf(ns.hf, cfg.unit_classes) if ns.hf else from_preset(ns.model or "small", cfg.unit_classes)
+    seq_len = ns.seq_len
+    tokens = ns.tokens
+    if ns.batch is not None:  # sequences of --seq-len, or of its default (the model's context, at most 2048)
+        seq_len = seq_len or min(model.seq_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
+        tokens = ns.batch * seq_len
     result = plan(
         model, cfg, world_size=ns.world, tokens_per_step=tokens, seq_len=seq_len,
         profile=profile, nvme_dir=ns.nvme_dir, threads=ns.threads,
