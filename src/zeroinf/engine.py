@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 _ATTR = "_zeroinf_engine"
-IO_KINDS = ("params", "grads", "optimizer")
+IO_KINDS = ("params", "grads", "optimizer")  # the NVMe traffic io_report tells apart
 
 # [Note: an fp16 backward without the loss scale]
 # In fp16 the optimizer multiplies the loss by its scale before backward (`opt.backward(loss)`) and
@@ -72,7 +72,7 @@ UNSCALED_FP16 = (
     "backward of an fp16 model whose loss was not scaled: with param_dtype fp16 call optimizer.backward(loss) "
     "instead of loss.backward() or accelerator.backward(loss) (it multiplies the loss by the dynamic loss "
     "scale that step() divides out again; zeroinf.integrations.Trainer does this itself)"
-)  # the NVMe traffic io_report tells apart
+)
 
 
 class Engine:

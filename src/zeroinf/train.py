@@ -50,8 +50,8 @@ def _is_number(value: object, low: float, high: float = math.inf) -> bool:
 
 def check_run_numbers(args: Any) -> None:
     """The numbers `zeroinf train` and `zeroinf finetune` share, checked before any work starts:
-    `--log-interval 0` stopped a run at its first step with a ZeroDivisionError, a negative
-    `--warmup-steps` or a `--min-lr-ratio` above 1 trained with a schedule nobody asked for."""
+    `log_interval = 0` stopped a run at its first step with a ZeroDivisionError, a negative warm-up
+    or a `min_lr_ratio` above 1 trained with a schedule nobody asked for."""
     checks = [
         ("steps", args.steps is None or _is_int(args.steps, 1), "use a positive number of optimizer steps"),
         ("global_batch", _is_int(args.global_batch, 1), "use a positive number of sequences"),
