@@ -158,6 +158,8 @@ class Engine:
                 if b is not None and b.is_floating_point() and b.dtype != cfg.param_torch_dtype:
                     sub._buffers[name] = b.to(cfg.param_torch_dtype)
         self._unit_of_param = {id(p): ui for ui, u in enumerate(self.all_units) for p in u.params}
+        # Parameters of this model in no unit (frozen ones at stages 0-2): whole on every rank.
+        self._outside_params = {id(p) for p in module.parameters() if id(p) not in self._unit_of_param}
         self._unit_params = [p for u in self.units for p in u.params]
         self.micro_step = 0  # backward passes since the last optimizer step
         # fp16: set by whoever applies the loss scale (AdamW.backward, the Trainer integration) and
@@ -679,6 +681,15 @@ def owning_engine(param: torch.Tensor) -> tuple[Engine, int] | None:
         ui = engine.unit_index_of(param)
         if ui is not None:
             return engine, ui
+    return None
+
+
+def holding_engine_outside_units(param: torch.Tensor) -> Engine | None:
+    """The engine of the sharded model that holds `param` outside its units (a frozen parameter at
+    stages 0-2: whole on every rank, nothing to gather), or None."""
+    for engine in list(_engines):
+        if id(param) in engine._outside_params:
+            return engine
     return None
 
 

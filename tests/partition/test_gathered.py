@@ -239,8 +239,44 @@ def _through_block(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _frozen_outside_units(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A LoRA layer's merge inside one `gathered` call: its adapters (trainable, in units) and its
+    frozen base weight (outside units at stages 0-2, in a frozen unit at stage 3). At stages 0-2 the
+    call used to refuse the base weight ("belongs to no sharded model"), so `zeroinf finetune --out`
+    failed after training at every stage but 3. Oracle: peft's merge on the plain model."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests._hf import build
+
+    def lora_model() -> torch.nn.Module:
+        torch.manual_seed(3)
+        model = get_peft_model(build("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(std=0.1)  # B starts at zero: make the merge change something
+        return model
+
+    plain = lora_model()
+    for layer in plain.modules():
+        if hasattr(layer, "merge") and hasattr(layer, "lora_A"):
+            layer.merge()
+    expected = {k: v for k, v in plain.state_dict().items() if "lora_" not in k}
+    out: dict[str, Any] = {}
+    for stage in (0, 1, 2, 3):
+        model = zeroinf.shard(lora_model(), zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+        for layer in model.modules():
+            if hasattr(layer, "merge") and hasattr(layer, "lora_A"):
+                with zeroinf.gathered(list(layer.parameters()), modify=True, modifier_rank=0):
+                    layer.merge()
+        got = model.state_dict()
+        out[stage] = [k for k, v in expected.items() if not torch.equal(got[k], v)]
+    return out
+
+
 def run(rank: int, world: int, root: str) -> dict[str, Any]:
     return {
+        "frozen": _frozen_outside_units(rank, world, root),
         "round_trip": _round_trip(rank, world, root), "bf16": _bf16_masters(rank, world, root),
         "inside": _forwards_inside(rank, world, root), "penalty": _penalty(rank, world, root, None),
         "penalty_clipped": _penalty(rank, world, root, 0.05), "through_block": _through_block(rank, world, root),
@@ -356,3 +392,9 @@ def test_training_through_a_block_is_bitwise_training_without_it(results: list[d
         for name, t in r["through_block"].items():
             assert t["same_losses"] and t["same_weights"], (rank, name, t)
         assert r["through_block"]["nvme-clip"]["rollbacks"] >= 1, r["through_block"]
+
+
+def test_a_lora_merge_gathers_adapters_and_frozen_base_at_every_stage(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        assert r["frozen"] == {0: [], 1: [], 2: [], 3: []}, (rank, r["frozen"])
+

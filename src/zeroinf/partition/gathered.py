@@ -13,7 +13,10 @@ master weights take the new value of every element that changed (elements left a
 unrounded fp32 masters, so a bf16 model loses nothing by being gathered). With `modifier_rank=r`,
 rank r's values are broadcast first, for edits only one rank computes. Writes are committed only
 when the block exits normally. Parameters built under `zeroinf.init()` and not sharded yet work
-too: they are unparked for the block and parked again after it.
+too: they are unparked for the block and parked again after it. Parameters a sharded model holds
+outside its units (frozen ones at stages 0-2) are whole on every rank: they pass through as they
+are (with `modifier_rank`, that rank's values are broadcast), so one call serves every stage (a
+LoRA layer's merge reads its adapters and writes its frozen base weight).
 
 A read block may hold training too (a penalty over `model.parameters()` added to the loss): forward,
 backward and the optimizer step inside it train bitwise as they do without it; the block only keeps
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroinf.engine import Engine, owning_engine
+from zeroinf.engine import Engine, holding_engine_outside_units, owning_engine
 from zeroinf.partition.init import park_of
 from zeroinf.partition.unit import ParamState
 from zeroinf.runtime import hooks
@@ -96,10 +99,14 @@ def gathered(
     wanted = [params] if isinstance(params, torch.Tensor) else list(params)
     parked = [cast(nn.Parameter, p) for p in wanted if park_of(p) is not None]  # parks hold parameters only
     units: dict[tuple[int, int], tuple[Engine, int]] = {}
+    whole: list[torch.Tensor] = []  # held by a sharded model outside its units: whole already
     for i, p in enumerate(wanted):
         if park_of(p) is not None:
             continue
         found = owning_engine(p)
+        if found is None and holding_engine_outside_units(p) is not None:
+            whole.append(p)
+            continue
         if found is None:
             raise ValueError(
                 f"zeroinf.gathered: {_describe(p, i)} belongs to no sharded model (nor to one being built under "
@@ -135,8 +142,19 @@ def gathered(
                 except BaseException as exc:  # noqa: BLE001 - release every unit, then raise the first
                     errors.append(exc)
             _repark(parked, broadcast_from=modifier_rank if ok and modify else None)
+            if ok and modify and modifier_rank is not None:
+                _broadcast_whole(whole, modifier_rank)
         if errors:
             raise errors[0]
+
+
+def _broadcast_whole(params: list[torch.Tensor], src: int) -> None:
+    """Rank `src`'s values of parameters held whole outside units (the `modifier_rank` promise)."""
+    for p in params:
+        engine = holding_engine_outside_units(p)
+        if engine is not None and engine.topo.is_distributed:
+            with torch.no_grad():
+                dist.broadcast(p.data, src=src, group=engine.topo.group)
 
 
 def _repark(params: list[nn.Parameter], broadcast_from: int | None) -> None:
