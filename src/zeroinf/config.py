@@ -347,8 +347,7 @@ class Config:
             raise ConfigError("reduce_dtype", self.reduce_dtype, "fp16 reductions overflow; use fp32 or bf16")
         _positive_int("grad_accum_steps", self.grad_accum_steps)
         _bool("cast_forward_inputs", self.cast_forward_inputs)
-        if not isinstance(self.sync_every_micro_step, bool):
-            raise ConfigError("sync_every_micro_step", self.sync_every_micro_step, "use true or false")
+        _bool("sync_every_micro_step", self.sync_every_micro_step)
         if self.grad_clip_norm is not None and not (
             isinstance(self.grad_clip_norm, (int, float))
             and not isinstance(self.grad_clip_norm, bool)
@@ -376,8 +375,7 @@ class Config:
             or self.persist_threshold_bytes < 0
         ):
             raise ConfigError("persist_threshold_bytes", self.persist_threshold_bytes, "use a byte count >= 0")
-        if not isinstance(self.split_root, bool):
-            raise ConfigError("split_root", self.split_root, "use true or false")
+        _bool("split_root", self.split_root)
         if self.split_root_min_bytes is not None and (
             isinstance(self.split_root_min_bytes, bool)
             or not isinstance(self.split_root_min_bytes, int)
@@ -388,8 +386,7 @@ class Config:
             )
         if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing != AUTO:
             raise ConfigError("activation_checkpointing", self.activation_checkpointing, 'use true, false or "auto"')
-        if not isinstance(self.offload_activations, bool):
-            raise ConfigError("offload_activations", self.offload_activations, "use true or false")
+        _bool("offload_activations", self.offload_activations)
         if not isinstance(self.reuse_step_memory, bool) and self.reuse_step_memory != AUTO:
             raise ConfigError("reuse_step_memory", self.reuse_step_memory, 'use true, false or "auto"')
         _positive_int("checkpoint_every", self.checkpoint_every)

@@ -99,13 +99,14 @@ def gathered(
     wanted = [params] if isinstance(params, torch.Tensor) else list(params)
     parked = [cast(nn.Parameter, p) for p in wanted if park_of(p) is not None]  # parks hold parameters only
     units: dict[tuple[int, int], tuple[Engine, int]] = {}
-    whole: list[torch.Tensor] = []  # held by a sharded model outside its units: whole already
+    whole: list[tuple[torch.Tensor, Engine]] = []  # held by a sharded model outside its units: whole already
     for i, p in enumerate(wanted):
         if park_of(p) is not None:
             continue
         found = owning_engine(p)
-        if found is None and holding_engine_outside_units(p) is not None:
-            whole.append(p)
+        holder = holding_engine_outside_units(p) if found is None else None
+        if holder is not None:
+            whole.append((p, holder))
             continue
         if found is None:
             raise ValueError(
@@ -148,11 +149,10 @@ def gathered(
             raise errors[0]
 
 
-def _broadcast_whole(params: list[torch.Tensor], src: int) -> None:
+def _broadcast_whole(params: list[tuple[torch.Tensor, Engine]], src: int) -> None:
     """Rank `src`'s values of parameters held whole outside units (the `modifier_rank` promise)."""
-    for p in params:
-        engine = holding_engine_outside_units(p)
-        if engine is not None and engine.topo.is_distributed:
+    for p, engine in params:
+        if engine.topo.is_distributed:
             with torch.no_grad():
                 dist.broadcast(p.data, src=src, group=engine.topo.group)
 

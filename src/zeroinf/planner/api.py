@@ -30,6 +30,11 @@ from zeroinf.planner.unit_plan import plan_units
 from zeroinf.topology import cuda_in_use
 
 DEFAULT_SEQ_LEN = 2048
+
+
+def default_seq_len(facts: ModelFacts) -> int:
+    """The sequence length planned when none is given: the model's context, at most DEFAULT_SEQ_LEN."""
+    return min(facts.seq_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
 """Tokens per sequence when none is given: the model's context, at most this."""
 
 ALL_AUTO = Config(
@@ -155,7 +160,7 @@ def plan(
         notes.append(f"NVMe folder assumed: {folder} (set --nvme-dir / offload.nvme_dir)")
     elif folder is None:
         notes.append("no NVMe folder: NVMe placements left out (set offload.nvme_dir)")
-    seq = seq_len or min(facts.seq_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
+    seq = seq_len or default_seq_len(facts)
     tokens = tokens_per_step or seq * world_size * base.grad_accum_steps
     work = Workload(tokens, seq, world_size, base.grad_accum_steps)
     device = torch.device("cuda") if cuda_in_use() else torch.device("cpu")

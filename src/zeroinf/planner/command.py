@@ -118,14 +118,14 @@ def run(ns: argparse.Namespace) -> int:
         path = profiles.save_profile(profile)
         if not ns.json:
             print(f"measured in {time.perf_counter() - t0:.0f} s, cached in {path}", file=sys.stderr)
-    from zeroinf.planner.api import DEFAULT_SEQ_LEN
+    from zeroinf.planner.api import default_seq_len
     from zeroinf.planner.model_facts import from_hf, from_preset
 
     model = from_hf(ns.hf, cfg.unit_classes) if ns.hf else from_preset(ns.model or "small", cfg.unit_classes)
     seq_len = ns.seq_len
     tokens = ns.tokens
     if ns.batch is not None:  # sequences of --seq-len, or of its default (the model's context, at most 2048)
-        seq_len = seq_len or min(model.seq_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
+        seq_len = seq_len or default_seq_len(model)
         tokens = ns.batch * seq_len
     result = plan(
         model, cfg, world_size=ns.world, tokens_per_step=tokens, seq_len=seq_len,
