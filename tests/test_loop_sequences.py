@@ -2,8 +2,9 @@
 
 A loop is more than forward, backward, step: users evaluate between steps (`eval()` + `no_grad`),
 read the `state_dict`, change the learning rate by hand, call `zero_grad()` once too often,
-accumulate micro-steps. Each seed draws a stage (0-3), the tiers of parameters and optimizer states,
-accumulation (1 or 2) and clipping, and a legal sequence of those operations; every loss, every
+accumulate micro-steps, call `torch.nn.utils.clip_grad_norm_` before the step (half the clipping
+seeds; it must return torch's norm). Each seed draws a stage (0-3), the tiers of parameters and
+optimizer states, accumulation (1 or 2) and clipping, and a legal sequence of those operations; every loss, every
 evaluation, every `state_dict` read and the final weights must equal `torch.optim.AdamW(fused=True)`
 on the same model: bitwise without clipping, within 1e-5 with it (torch's `clip_grad_norm_` sums
 the squares in another order, and Adam turns the last-bit difference of the coefficient into
@@ -59,6 +60,8 @@ def _draw(seed: int, swap_dir: str) -> tuple[zeroinf.Config, list[str], dict[str
 def test_a_random_loop_equals_plain_pytorch(seed: int, tmp_path: Any) -> None:
     cfg, seq, drawn = _draw(seed, str(tmp_path))
     clip = drawn["clip"]
+    # with clipping, every other seed calls torch's clip_grad_norm_ on the sharded model too (optim/torch_clip.py)
+    call_clip = clip is not None and random.Random(f"clip {seed}").random() < 0.5
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a, b) if clip is None else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -69,7 +72,7 @@ def test_a_random_loop_equals_plain_pytorch(seed: int, tmp_path: Any) -> None:
     model = zeroinf.shard(build_model(), cfg)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, fused=True)
     opt = zeroinf.AdamW(model, lr=LR, weight_decay=0.1)
-    where = f"seed {seed}, stage {cfg.stage}, {cfg.offload.params}/{cfg.offload.optimizer}, {drawn}, {seq}"
+    where = f"seed {seed}, stage {cfg.stage}, {cfg.offload.params}/{cfg.offload.optimizer}, {drawn}, {call_clip}, {seq}"
     pending = 0
     try:
         for i, op in enumerate(seq):
@@ -83,7 +86,10 @@ def test_a_random_loop_equals_plain_pytorch(seed: int, tmp_path: Any) -> None:
                 pending += 1
             elif op == "step":
                 if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                    if call_clip:  # as the plain loop does: the norm the step clips with
+                        got = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                        assert same(got, expected), (where, i, got.item(), expected.item())
                 ref_opt.step()
                 opt.step()
                 ref_opt.zero_grad()

@@ -182,6 +182,7 @@ class Engine:
         self.backward_step_barrier: Callable[[], None] | None = None
         # Set by zeroinf.AdamW: its state store and sub-group pipeline, for `optimizer_states` and `io_report`.
         self.optimizer_io: tuple[OptimizerStateStore, SubGroupPipeline] | None = None
+        self.optimizer_ref: Callable[[], Any] | None = None  # a weak reference to that zeroinf.AdamW
         self._step_in_this_backward = False
         # A checkpoint of this model being written in the background (checkpoint/saving.py
         # PendingSave): what changes parameters outside a step (`zeroinf.gathered` writes) waits for it.
@@ -657,6 +658,9 @@ def shard(
     # (integrations/trainer.py [Note: accelerate and the sharded model]).
     module._is_accelerate_prepared = True  # type: ignore[assignment]
     _engines.add(engine)
+    from zeroinf.optim import torch_clip  # it asks this module for a parameter's engine: imported here
+
+    torch_clip.install()  # torch's clip_grad_norm_ over this model's parameters asks the engine
     return module
 
 

@@ -8,7 +8,9 @@ moved the model (world 2: wrapped it in DDP too) and the next forward stopped wi
 same losses, weights within 1e-6, at stage 0 and at stage 3 with parameters and optimizer on the host.
 Then `accelerator.accumulate(model)` over 2 batches (`Config.grad_accum_steps=2`), `step()` and
 `zero_grad()` called on every batch as accelerate's examples do: they act on the second only
-(integrations/accelerate_loop.py), as plain PyTorch accumulating the two; and an Accelerator that
+(integrations/accelerate_loop.py), as plain PyTorch accumulating the two, and
+`accelerator.clip_grad_norm_` on the last returns plain PyTorch's norm (optim/torch_clip.py) and the
+step clips with it (`Config.grad_clip_norm`); and an Accelerator that
 accumulates over 2 batches beside `grad_accum_steps=1` is refused at the step, naming both.
 """
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 import zeroinf
 
 STAGES = [(0, "device"), (3, "host")]
+CLIP = 0.8  # clips the first step, not the second
 
 
 def _loop(rank: int, world: int, stage: int, tier: str) -> dict[str, Any]:
@@ -71,24 +74,30 @@ def _accumulate(rank: int, world: int) -> dict[str, Any]:
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     plain = build("llama", 0)
-    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, grad_accum_steps=2)
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, grad_accum_steps=2, grad_clip_norm=CLIP)
     sharded = zeroinf.shard(copy.deepcopy(plain), cfg)
     model, opt = accelerator.prepare(sharded, zeroinf.AdamW(sharded, lr=1e-3))
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     g = torch.Generator().manual_seed(1)
+    norms = []
     for _ in range(2):  # optimizer steps
         for _ in range(2):  # batches accumulated into each
             x = torch.randint(0, 128, (4, 16), generator=g)
             rows = x[rank * 4 // world : (rank + 1) * 4 // world]
             with accelerator.accumulate(model):
                 accelerator.backward(model(input_ids=rows, labels=rows).loss)
+                if accelerator.sync_gradients:  # as accelerate's examples clip
+                    norm = accelerator.clip_grad_norm_(model.parameters(), CLIP)
                 opt.step()
                 opt.zero_grad()
             (plain(input_ids=x, labels=x).loss / 2).backward()
+        norms.append((norm.item(), torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP).item()))
         plain_opt.step()
         plain_opt.zero_grad()
     state = model.state_dict()
-    out: dict[str, Any] = {"diff": max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())}
+    out: dict[str, Any] = {
+        "diff": max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items()), "norms": norms
+    }
     opt.close()
     zeroinf.engine_of(model).close()
     mismatched = zeroinf.shard(build("llama", 0), zeroinf.Config(stage=3, persist_threshold_bytes=0))
@@ -129,6 +138,9 @@ def test_accelerate_prepare_returns_the_sharded_model_and_it_trains(
 def test_accelerate_accumulate_steps_on_the_last_batch(results: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(results):
         assert r["accumulate"]["diff"] <= 1e-6, (rank, r["accumulate"]["diff"])
+        norms = r["accumulate"]["norms"]
+        assert all(ours == pytest.approx(plain, rel=1e-5) for ours, plain in norms), (rank, norms)
+        assert any(plain > CLIP for _, plain in norms), (rank, norms)  # clipping triggered
 
 
 def test_accelerate_accumulating_over_other_batches_than_the_engine_is_refused(results: list[dict[str, Any]]) -> None:

@@ -190,6 +190,7 @@ class AdamW(torch.optim.Optimizer):
         # with grad_clip_norm, fp16 or track_grad_norm. Without them no step needs it: None.
         self.last_grad_norm: float | None = None
         self.track_grad_norm = bool(track_grad_norm)
+        self._norm_before_step: float | None = None  # computed for clip_grad_norm_ before step()
         self.step_count = 0
         self._is_accelerate_prepared = True  # `accelerator.prepare` returns it unchanged, as the model
         self._allocate_states()
@@ -275,6 +276,7 @@ class AdamW(torch.optim.Optimizer):
 
                 self.engine.backward_step_barrier = drain
         self.engine.optimizer_io = (self.states, self._pipeline)  # for the engine's I/O report
+        self.engine.optimizer_ref = weakref.ref(self)  # torch's clip_grad_norm_ asks it (optim/torch_clip.py)
         # Per sub-group: (param group, [(slot, start, end) relative to the sub-group, index of the cut's
         # first element inside its parameter]) per group it meets.
         self._sub_group_runs: list[list[tuple[int, list[tuple[int, int, int, int]]]]] = []
@@ -348,6 +350,7 @@ class AdamW(torch.optim.Optimizer):
                 "(offload.step_in_backward): call optimizer.step() first to finish the step, or set "
                 "offload.step_in_backward = false to be able to discard gradients"
             )
+        self._norm_before_step = None
         self.engine.zero_grad()
 
     @torch.no_grad()
@@ -378,37 +381,14 @@ class AdamW(torch.optim.Optimizer):
             for unit in engine.units:
                 unit.land_handed_off()
             engine.transfers.retire()
-        # Gradient shards on NVMe are read one unit at a time during the update (`GradOnDisk`); their
-        # squared norms were kept when they were written, so the global norm needs no read.
-        grads: list[torch.Tensor | GradOnDisk | None] = [
-            GradOnDisk(unit) if unit.grad_files is not None and unit.grad_state is not GradState.EMPTY
-            and not unit.grad_in_memory
-            else self._fp32(unit.owned_grad())
-            for ui, unit in enumerate(engine.units)
-        ]
-        if session is not None and not session.speculative:  # stepped as it went: nothing to decide
-            for ui in session.stepped:
-                grads[ui] = None
+        grads, squares = self._step_gradients(session)
         present = [g for g in grads if isinstance(g, torch.Tensor)]
-        # per unit in unit order: in memory, its square kept when written to NVMe (optim/clip.py), or
-        # kept when the unit was stepped inside backward ([Note: the norm without clipping])
-        kept = session.squares if session is not None else {}
-        squares: list[torch.Tensor | float] = []
-        for ui, g in enumerate(grads):
-            if isinstance(g, GradOnDisk):
-                squares.append(float(g.unit.grad_sq_norm or 0.0))
-            elif g is not None:
-                squares.append(g)
-            elif ui in kept:
-                squares.append(float(kept[ui]))
-        sharded = engine.policy.shard_optimizer and engine.topo.is_distributed
         need_norm = self.scaler is not None or engine.cfg.grad_clip_norm is not None or self.track_grad_norm
         self.last_step_skipped = False
         coef = 1.0
+        early_norm, self._norm_before_step = self._norm_before_step, None
         if need_norm:
-            total_norm = float(global_grad_norm(squares, engine.topo, sharded))
-            if sharded:
-                engine.counter.add("all_reduce")
+            total_norm = early_norm if early_norm is not None else self._global_norm(squares)
             scale = self.loss_scale
             if self.scaler is not None:
                 overflow = not math.isfinite(total_norm)
@@ -451,6 +431,70 @@ class AdamW(torch.optim.Optimizer):
         engine.end_step()
         if session is not None and session.hyper_changed:
             raise session.hyper_changed
+
+    def _step_gradients(
+        self, session: _BackwardStep | None
+    ) -> tuple[list[torch.Tensor | GradOnDisk | None], list[torch.Tensor | float]]:
+        """Per unit, the gradient the update reads (None: stepped inside backward for good), and
+        the global norm's inputs in unit order."""
+        # Gradient shards on NVMe are read one unit at a time during the update (`GradOnDisk`); their
+        # squared norms were kept when they were written, so the global norm needs no read.
+        grads: list[torch.Tensor | GradOnDisk | None] = [
+            GradOnDisk(unit) if unit.grad_files is not None and unit.grad_state is not GradState.EMPTY
+            and not unit.grad_in_memory
+            else self._fp32(unit.owned_grad())
+            for unit in self.engine.units
+        ]
+        if session is not None and not session.speculative:  # stepped as it went: nothing to decide
+            for ui in session.stepped:
+                grads[ui] = None
+        # per unit in unit order: in memory, its square kept when written to NVMe (optim/clip.py), or
+        # kept when the unit was stepped inside backward ([Note: the norm without clipping])
+        kept = session.squares if session is not None else {}
+        squares: list[torch.Tensor | float] = []
+        for ui, g in enumerate(grads):
+            if isinstance(g, GradOnDisk):
+                squares.append(float(g.unit.grad_sq_norm or 0.0))
+            elif g is not None:
+                squares.append(g)
+            elif ui in kept:
+                squares.append(float(kept[ui]))
+        return grads, squares
+
+    def _global_norm(self, squares: list[torch.Tensor | float]) -> float:
+        """The global gradient norm, still multiplied by the loss scale (one all-reduce when sharded)."""
+        engine = self.engine
+        sharded = engine.policy.shard_optimizer and engine.topo.is_distributed
+        total_norm = float(global_grad_norm(squares, engine.topo, sharded))
+        if sharded:
+            engine.counter.add("all_reduce")
+        return total_norm
+
+    def grad_norm_before_step(self) -> float:
+        """The global gradient norm the coming `step()` clips with (before clipping, loss scale
+        removed), computed now, after the last backward of the step and before `step()`; the step
+        then uses this very value. What `torch.nn.utils.clip_grad_norm_` over the sharded model's
+        parameters returns (optim/torch_clip.py). A collective: every rank calls it."""
+        engine = self.engine
+        if engine.micro_step != engine.cfg.grad_accum_steps:
+            raise RuntimeError(
+                f"clip_grad_norm_ after {engine.micro_step} of the step's {engine.cfg.grad_accum_steps} backward "
+                "passes: the engine clips the accumulated gradients in optimizer.step(), so ask for the norm "
+                "after the step's last backward (in an accelerate loop: under `if accelerator.sync_gradients:`)"
+            )
+        if self._norm_before_step is None:
+            if self._background is not None:
+                self._background.drain()
+            self.states.require_healthy()
+            engine.require_step_boundary()
+            engine.transfers.retire()
+            session = self._session
+            if session is not None and session.speculative:  # as step() finds them: same bits
+                for unit in engine.units:
+                    unit.land_handed_off()
+                engine.transfers.retire()
+            self._norm_before_step = self._global_norm(self._step_gradients(session)[1])
+        return self._norm_before_step / self.loss_scale
 
     def _fp32(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         return grad if grad is None or grad.dtype == torch.float32 else grad.float()
