@@ -19,7 +19,9 @@ meta tensor; device queries by the parameter's real device, so construction code
 tensors `on weight.device` keeps working.
 
 A parameter is parked only when nothing else holds its storage (the use count; a view handed out
-earlier may still be written through). At world > 1 that decision is agreed by all ranks (one tiny
+earlier may still be written through) and nothing else holds the tensor itself (an autograd graph
+that used it: a parametrization's computed weight read while building, `weight_norm`); such a
+parameter is parked later, once that is gone, or at the end of the block. At world > 1 that decision is agreed by all ranks (one tiny
 all-reduce) because unparking is a collective: every rank must unpark the same parameters in the
 same order, which identical construction code on every rank guarantees.
 
@@ -174,9 +176,24 @@ def _storage_shared(p: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(p.untyped_storage()._cdata) > 2
 
 
+def _swappable(p: nn.Parameter) -> bool:
+    """What `torch.utils.swap_tensors` requires: no weak reference pins the object, and nothing but its
+    own gradient accumulator holds its TensorImpl. An autograd graph that used the parameter does
+    (a weight computed from it by a parametrization, `weight_norm`, while that result lives): such a
+    parameter is parked later, once the graph is gone, or stays whole."""
+    if weakref.getweakrefcount(p):
+        return False
+    uses = p._use_count()
+    if uses == 2 and p.is_leaf:
+        edge = torch.autograd.graph.get_gradient_edge(p)  # the accumulator, created here if it was not
+        uses = p._use_count()  # still 2: the accumulator was the other holder
+        del edge
+    return uses <= 2
+
+
 def _parkable(p: nn.Parameter) -> bool:
-    """No view shares its storage, and no weak reference pins the object (swap_tensors refuses those)."""
-    return not _storage_shared(p) and not weakref.getweakrefcount(p)
+    """No view shares its storage, and `swap_tensors` can give it new contents."""
+    return not _storage_shared(p) and _swappable(p)
 
 
 def swap_data(p: nn.Parameter, data: torch.Tensor) -> None:
@@ -323,7 +340,7 @@ class ParamPark:
     def park_all(self) -> None:
         """Park every live parameter (the end of the `with` block); stop adopting new ones."""
         for p in list(self.live.values()):
-            if not weakref.getweakrefcount(p):
+            if _swappable(p):
                 self.park(p)
         self.live.clear()
         self.settled.clear()
