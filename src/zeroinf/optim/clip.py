@@ -50,5 +50,12 @@ def global_grad_norm(
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    """The factor torch.nn.utils.clip_grad_norm_ applies: max_norm / (norm + eps), at most 1."""
-    return min(1.0, max_norm / (total_norm + CLIP_EPS))
+    """The factor torch.nn.utils.clip_grad_norm_ applies: max_norm / (norm + eps), at most 1, computed
+    as torch computes it, in fp32 (a Python float holds it exactly, and multiplying an fp32 gradient
+    by it is torch's multiply). In double it was often one fp32 ulp off torch's for the same norm;
+    Adam turns gradients that are numerical noise around zero (the query and key of attention over
+    one position, weights a later normalization makes scale-free) into steps of about lr whose signs
+    follow those last bits, so two such coefficients left the same model 1e-3 apart after four steps,
+    in plain PyTorch too."""
+    norm = torch.tensor(total_norm, dtype=torch.float32)
+    return float(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
