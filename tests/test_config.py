@@ -336,3 +336,28 @@ def test_offload_aio_table_loads_and_names_its_fields(tmp_path: Path) -> None:
         Config.from_dict({"offload": {"aio": {"block_bytes": 1000}}})
     with pytest.raises(ConfigError, match=r"offload\.aio\.made_up"):
         Config.from_dict({"offload": {"aio": {"made_up": 1}}})
+
+
+def test_entry_points_take_a_dict_of_fields_and_refuse_a_deepspeed_dict() -> None:
+    """shard, init, from_pretrained, plan and the Trainer take a Config, None or a dict of its fields
+    (Config.of); a DeepSpeed dict is refused with its translation, other types by name."""
+    fields = {"stage": 2, "grad_clip_norm": 1.0, "offload": {"optimizer": "host"}}
+    assert Config.of(fields) == Config(stage=2, grad_clip_norm=1.0, offload=OffloadConfig(optimizer="host"))
+    assert Config.of(None) == Config()
+    cfg = Config(stage=1)
+    assert Config.of(cfg) is cfg
+    with pytest.raises(ConfigError, match=r"shard got a DeepSpeed config .*Config\.from_deepspeed\(ds_config\)"):
+        Config.of({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4})
+    with pytest.raises(ConfigError, match="`stag`"):
+        Config.of({"stag": 3})
+    with pytest.raises(TypeError, match="zeroinf.init: the config is a str"):
+        Config.of("train.toml", "zeroinf.init")  # type: ignore[arg-type]
+    model = zeroinf.shard(torch.nn.Sequential(torch.nn.Linear(4, 4)), {"stage": 3, "persist_threshold_bytes": 0})
+    try:
+        assert zeroinf.engine_of(model).cfg.stage == 3
+    finally:
+        zeroinf.engine_of(model).close()
+    with zeroinf.init({"stage": 3}):
+        built = torch.nn.Linear(4, 4)
+    assert built.weight.is_meta
+    zeroinf.engine_of(zeroinf.shard(built, {"stage": 3})).close()

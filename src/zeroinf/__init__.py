@@ -15,7 +15,7 @@ from zeroinf.config import Config, ConfigError, LossScaleConfig, OffloadConfig
 from zeroinf.ema import ema_update
 from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
-from zeroinf.optim.adamw import AdamW
+from zeroinf.optim.adamw import Adam, AdamW
 from zeroinf.partition.gathered import gathered
 from zeroinf.partition.init import init
 from zeroinf.planner.api import plan
@@ -26,6 +26,7 @@ from zeroinf.weights.load import load_weights
 from zeroinf.weights.save import save_pretrained
 
 __all__ = [
+    "Adam",
     "AdamW",
     "Config",
     "ConfigError",

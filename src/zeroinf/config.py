@@ -454,6 +454,29 @@ class Config:
 
     # -- loading ------------------------------------------------------------------------------------
     @classmethod
+    def of(cls, value: Config | Mapping[str, Any] | None, where: str = "zeroinf.shard") -> Config:
+        """What every entry point takes as its config: a Config, None (the defaults), or a mapping of
+        Config's fields (a parsed TOML or JSON table, as `from_dict`). A DeepSpeed config dict is
+        refused with its translation (`from_deepspeed`), not read as fields it lacks."""
+        if value is None:
+            return cls()
+        if isinstance(value, Config):
+            return value
+        if isinstance(value, Mapping):
+            deepspeed_keys = sorted(k for k in value if k in _DEEPSPEED_KEYS)
+            if deepspeed_keys:
+                raise ConfigError(
+                    deepspeed_keys[0], value[deepspeed_keys[0]],
+                    f"{where} got a DeepSpeed config (keys {deepspeed_keys}): translate it with "
+                    "zeroinf.Config.from_deepspeed(ds_config)",
+                )
+            return cls.from_dict(dict(value))
+        raise TypeError(
+            f"{where}: the config is a {type(value).__name__}; pass a zeroinf.Config, a dict of its fields, "
+            "or None for the defaults"
+        )
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
         """Build from plain data (nested tables for `loss_scale` and `offload`); unknown keys raise."""
         return _from_dict(cls, data, prefix="")
@@ -488,6 +511,13 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+# Top-level keys of a DeepSpeed config that no zeroinf Config has (Config.of tells them apart).
+_DEEPSPEED_KEYS = frozenset({
+    "zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler",
+    "steps_per_print", "wall_clock_breakdown", "aio", "zero_allow_untested_optimizer",
+})
 
 _NESTED: dict[tuple[type, str], type] = {
     (Config, "loss_scale"): LossScaleConfig, (Config, "offload"): OffloadConfig, (OffloadConfig, "aio"): AioConfig,

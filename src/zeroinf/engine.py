@@ -23,7 +23,7 @@ import functools
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -219,7 +219,7 @@ class Engine:
         """The unit holding `param`, or None (frozen, or not this model's)."""
         return self._unit_of_param.get(id(param))
 
-    def _trains(self, param: torch.Tensor) -> bool:
+    def trains(self, param: torch.Tensor) -> bool:
         """Whether a trainable unit holds `param` (frozen units come after the trainable ones)."""
         ui = self.unit_index_of(param)
         return ui is not None and ui < len(self.units)
@@ -477,7 +477,7 @@ class Engine:
         # A gradient in `p.grad` means a parameter no trainable unit holds: added after `shard` (a
         # replaced head, `resize_token_embeddings`) or unfrozen after it. No optimizer would ever step
         # it. (Unit parameters never keep `p.grad`: the engine takes each gradient as it arrives.)
-        stray = [name for name, p in self.module.named_parameters() if p.grad is not None and not self._trains(p)]
+        stray = [name for name, p in self.module.named_parameters() if p.grad is not None and not self.trains(p)]
         if stray:
             raise RuntimeError(
                 f"{stray[:3]}{f' and {len(stray) - 3} more' if len(stray) > 3 else ''} got gradients, but no "
@@ -619,7 +619,8 @@ def _traffic(counts: dict[str, float]) -> dict[str, Any]:
 
 
 def shard(
-    module: ModuleT, cfg: Config | None = None, topology: Topology | None = None, init_fn: InitFn | None = None,
+    module: ModuleT, cfg: Config | Mapping[str, Any] | None = None, topology: Topology | None = None,
+    init_fn: InitFn | None = None,
     weights: CheckpointWeights | None = None,
 ) -> ModuleT:
     """Shard `module` in place according to `cfg` (default: `Config()`) and return it.
@@ -633,7 +634,7 @@ def shard(
     """
     if hasattr(module, _ATTR):
         raise RuntimeError("zeroinf.shard: this module is already sharded")
-    cfg = cfg or Config()
+    cfg = Config.of(cfg, "zeroinf.shard")
     topo = topology or default_topology(cfg.collective_timeout_s)
     if cfg.is_auto:
         cfg = resolve_auto(module, cfg, topo)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ Prepare = Callable[[nn.Module], nn.Module]
 
 def from_pretrained(
     path: str | os.PathLike[str],
-    cfg: Config | None = None,
+    cfg: Config | Mapping[str, Any] | None = None,
     *,
     prepare: Prepare | None = None,
     topology: Topology | None = None,
@@ -65,7 +65,7 @@ def from_pretrained(
     GenerationConfig = transformers.GenerationConfig
 
     path = os.fspath(path)
-    cfg = cfg or Config()
+    cfg = Config.of(cfg, "zeroinf.from_pretrained")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise WeightsError(f"{path}: no config.json: not a Hugging Face model folder")
     for name in ("dtype", "torch_dtype"):

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -145,7 +145,7 @@ class Trainer(transformers.Trainer):
         model: nn.Module | None = None,
         args: transformers.TrainingArguments | None = None,
         *trainer_args: Any,
-        zeroinf_config: Config | None = None,
+        zeroinf_config: Config | Mapping[str, Any] | None = None,
         checkpoint_weights: bool = True,
         **trainer_kwargs: Any,
     ) -> None:
@@ -158,7 +158,7 @@ class Trainer(transformers.Trainer):
                     "leave zeroinf_config out (or pass the unsharded model)"
                 )
             zeroinf_config = engine_of(model).cfg
-        self.zeroinf_config = config_for_trainer(zeroinf_config or Config(), args)
+        self.zeroinf_config = config_for_trainer(Config.of(zeroinf_config, "zeroinf.integrations.Trainer"), args)
         args.device  # noqa: B018 - accelerate joins the process group (torchrun) before we shard across it
         self.checkpoint_weights = checkpoint_weights
         self._saving_checkpoint = False

@@ -86,6 +86,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.optim.adam import adam as functional_adam
 from torch.optim.adamw import adamw as functional_adamw
 
 from zeroinf.comm import Handle, all_reduce
@@ -139,25 +140,109 @@ GRAD_SCALER = (
 )
 
 
+def _refuse_unsupported(**flags: bool) -> None:
+    """torch.optim.AdamW's variants zeroinf.AdamW does not compute: refused when asked for, not ignored."""
+    asked = sorted(name for name, value in flags.items() if value)
+    if asked:
+        raise ValueError(
+            f"zeroinf.AdamW does not implement {' or '.join(f'{n}=True' for n in asked)}: it computes torch's "
+            "default AdamW (the fused kernel)"
+        )
+
+
+def _model_of_params(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """The sharded model that `params` (parameters, or param groups as torch.optim takes them) belong
+    to, and the groups restricted to the parameters it trains.
+
+    [Note: torch.optim.AdamW's arguments]
+    A loop moving to zeroinf changes `torch.optim.AdamW` to `zeroinf.AdamW` and keeps its arguments:
+    `model.parameters()`, or groups built from `named_parameters()` (nanoGPT's `configure_optimizers`
+    decays matrices and not vectors), with `fused=True`. The optimizer still owns every trainable
+    parameter of one sharded model (its fp32 masters live in it), so the parameters name the model;
+    frozen ones are dropped from the groups as torch.optim skips them (they never get a gradient), and
+    a trainable one left out is refused (`_check_groups_cover`), where torch.optim would leave it
+    unchanged for good.
+    """
+    from zeroinf.engine import holding_engine_outside_units, owning_engine  # engine.py imports this module
+
+    items: list[Any] = [params] if isinstance(params, torch.Tensor) else list(params)
+    grouped = any(isinstance(item, dict) for item in items)
+    if grouped and not all(isinstance(item, dict) for item in items):
+        raise TypeError("zeroinf.AdamW: pass parameters, or param groups (dicts), not a mix of both")
+    groups: list[dict[str, Any]] = [dict(item) for item in items] if grouped else [{"params": items}]
+    engines: dict[int, Engine] = {}
+    strays = 0
+    for group in groups:
+        members = group["params"]
+        group["params"] = [members] if isinstance(members, torch.Tensor) else list(members)
+        for p in group["params"]:
+            found = owning_engine(p)
+            engine = found[0] if found is not None else holding_engine_outside_units(p)  # frozen, stages 0-2
+            if engine is None:
+                strays += 1
+            else:
+                engines[id(engine)] = engine
+    if not engines:
+        raise TypeError(
+            "zeroinf.AdamW: these parameters belong to no sharded model. Shard it first, then build the "
+            "optimizer: model = zeroinf.shard(model, cfg); opt = zeroinf.AdamW(model.parameters(), lr=...) "
+            "(or zeroinf.AdamW(model, ...))"
+        )
+    if len(engines) > 1 or strays:
+        raise ValueError(
+            "zeroinf.AdamW: the parameters come from "
+            + ("several sharded models" if len(engines) > 1 else f"a sharded model and {strays} other tensors")
+            + "; one zeroinf.AdamW trains exactly one sharded model: build one per model"
+        )
+    owner = next(iter(engines.values()))
+    for group in groups:
+        group["params"] = [p for p in group["params"] if owner.trains(p)]  # kept if emptied: schedulers index groups
+    return owner.module, groups
+
+
 class AdamW(torch.optim.Optimizer):
     # torch.amp.GradScaler.step hands an optimizer with this flag its scale and found-inf tensors
     # (`grad_scale`, `found_inf` attributes) instead of checking p.grad itself, where it would stop
     # with "No inf checks were recorded for this optimizer": step() refuses them by name (GRAD_SCALER).
     _step_supports_amp_scaling = True
+    # The update over fp32 masters and moments: torch's AdamW (weight decay applied to the weights);
+    # `Adam` below takes torch's Adam (weight decay added to the gradient, L2), same signature.
+    _update = staticmethod(functional_adamw)
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         param_groups: Iterable[dict[str, Any]] | None = None,
         track_grad_norm: bool = False,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
-        """`track_grad_norm`: compute the global gradient norm (`last_grad_norm`) every step, also when
+        """`model`: the sharded model, or, as `torch.optim.AdamW` takes them, its parameters or param
+        groups (`model.parameters()`, nanoGPT's decay/no-decay groups): every trainable parameter of
+        one sharded model, frozen ones ignored ([Note: torch.optim.AdamW's arguments]).
+
+        `track_grad_norm`: compute the global gradient norm (`last_grad_norm`) every step, also when
         neither clipping nor fp16 needs it (one more read of each gradient shard and one scalar
         all-reduce a step), as the Hugging Face Trainer logs it ([Note: the norm without clipping])."""
+        _refuse_unsupported(amsgrad=amsgrad, maximize=maximize, capturable=capturable, differentiable=differentiable)
+        del foreach, fused  # how torch would run the update: zeroinf's own is fused already
+        if not isinstance(model, nn.Module):
+            if param_groups is not None:
+                raise TypeError(
+                    "zeroinf.AdamW: param groups came both as the first argument and as param_groups=; pass them once"
+                )
+            model, param_groups = _model_of_params(model)
         if not lr >= 0:
             raise ValueError(f"AdamW: lr = {lr!r} is invalid; use a non-negative number")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -724,12 +809,13 @@ class AdamW(torch.optim.Optimizer):
                         for slot, a, b, param_start in cuts
                     ],
                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                    update=self._update,
                 )
                 continue
             step_tensors = self._steps_for(sg.index, gi, len(all_cuts), grad.device)[: len(cuts)]
             for t, (slot, *_) in zip(step_tensors, cuts, strict=True):
                 t.fill_(float(steps[slot]))
-            functional_adamw(
+            self._update(
                 [views.master[a:b] for _, a, b, _ in cuts],
                 [grad[a:b] for _, a, b, _ in cuts],
                 [views.exp_avg[a:b] for _, a, b, _ in cuts],
@@ -829,3 +915,22 @@ class AdamW(torch.optim.Optimizer):
         if self._bf16_moments is not None:
             self._bf16_moments.close()
         self.states.close()
+
+
+class Adam(AdamW):
+    """`torch.optim.Adam` over a sharded model: AdamW's engine with Adam's update, whose weight decay
+    is an L2 term added to the gradient (after clipping, as in torch) instead of a decay of the
+    weights; default `weight_decay=0`, where the two are the same. Arguments as `AdamW`."""
+
+    _update = staticmethod(functional_adam)
+
+    def __init__(
+        self,
+        model: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, lr, betas, eps, weight_decay, **kwargs)

@@ -41,7 +41,7 @@ per element fewer to read and write are what counts.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -161,8 +161,9 @@ class Bf16MomentStep:
         return tensors[:n]
 
     def step(self, pieces: Sequence[Piece], *, lr: float, beta1: float, beta2: float, weight_decay: float,
-             eps: float) -> None:
-        """One AdamW update of every piece (one param group's hyperparameters)."""
+             eps: float, update: Callable[..., None] = functional_adamw) -> None:
+        """One update of every piece (one param group's hyperparameters): torch's AdamW, or `update`
+        with its signature (torch's Adam)."""
         if not pieces:
             return
         device = pieces[0].master.device
@@ -178,7 +179,7 @@ class Bf16MomentStep:
             steps = self._step_tensors(device, len(window))
             for t, p in zip(steps, window, strict=True):
                 t.fill_(float(p.step))
-            functional_adamw(
+            update(
                 [p.master for p in window], [p.grad for p in window], m32s, v32s, [], steps,
                 fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
                 eps=eps, maximize=False,

@@ -185,8 +185,8 @@ def _park_store(cfg: Config | None, topo: Topology) -> ParkStore:
 
 @contextlib.contextmanager
 def init(
-    cfg: Config | None = None, *, topology: Topology | None = None, live_bytes: int = DEFAULT_LIVE_BYTES,
-    defer_values: bool = False,
+    cfg: Config | Mapping[str, Any] | None = None, *, topology: Topology | None = None,
+    live_bytes: int = DEFAULT_LIVE_BYTES, defer_values: bool = False,
 ) -> Iterator[ParamPark]:
     """Build modules as usual, keeping only 1/world of each built parameter (in `cfg`'s compute
     dtype, on the tier it gives stage-3 parameters; without `cfg`, as built, on the device).
@@ -201,6 +201,7 @@ def init(
     """
     if any(park.collecting for park in _active):
         raise RuntimeError("zeroinf.init() is already active: build the whole model inside one `with` block")
+    cfg = Config.of(cfg, "zeroinf.init") if cfg is not None else None
     if cfg is not None and cfg.is_auto:
         raise ValueError(
             "zeroinf.init(cfg): cfg has 'auto' placement fields, but the placement must be known before the "

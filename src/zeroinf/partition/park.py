@@ -21,9 +21,10 @@ tensors `on weight.device` keeps working.
 A parameter is parked only when nothing else holds its storage (the use count; a view handed out
 earlier may still be written through) and nothing else holds the tensor itself (an autograd graph
 that used it: a parametrization's computed weight read while building, `weight_norm`); such a
-parameter is parked later, once that is gone, or at the end of the block. At world > 1 that decision is agreed by all ranks (one tiny
-all-reduce) because unparking is a collective: every rank must unpark the same parameters in the
-same order, which identical construction code on every rank guarantees.
+parameter is parked later, once that is gone, or at the end of the block. At world > 1 that
+decision is agreed by all ranks (one tiny all-reduce) because unparking is a collective: every
+rank must unpark the same parameters in the same order, which identical construction code on every
+rank guarantees.
 
 [Note: parking in the compute dtype]
 Given a `Config`, slices are parked in its `param_dtype` (bf16 halves the park). That loses
@@ -183,10 +184,10 @@ def _swappable(p: nn.Parameter) -> bool:
     parameter is parked later, once the graph is gone, or stays whole."""
     if weakref.getweakrefcount(p):
         return False
-    uses = p._use_count()
+    uses = p._use_count()  # type: ignore[attr-defined]  # what swap_tensors checks; not in the stubs
     if uses == 2 and p.is_leaf:
         edge = torch.autograd.graph.get_gradient_edge(p)  # the accumulator, created here if it was not
-        uses = p._use_count()  # still 2: the accumulator was the other holder
+        uses = p._use_count()  # type: ignore[attr-defined]  # still 2: the accumulator was the other holder
         del edge
     return uses <= 2
 

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ def machine_capacity(profile: MachineProfile, nvme_dir: str | None, ranks_per_ma
 
 def plan(
     model: str | Path | nn.Module | ModelFacts,
-    config: Config | None = None,
+    config: Config | Mapping[str, Any] | None = None,
     *,
     world_size: int = 1,
     tokens_per_step: int | None = None,
@@ -148,7 +149,7 @@ def plan(
     """
     if world_size < 1:
         raise ValueError(f"world_size = {world_size} is invalid: use a positive number of ranks")
-    base = config or ALL_AUTO
+    base = Config.of(config, "zeroinf.plan") if config is not None else ALL_AUTO
     facts = load_model_facts(model, example_inputs, base.unit_classes)
     profile = profile or load_profile()
     notes = []
