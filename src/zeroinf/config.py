@@ -560,7 +560,8 @@ def config_markdown() -> str:
         "",
         "Generated from `src/zeroinf/config.py` by `python -m zeroinf.config --markdown`; a test keeps it in sync.",
         "Load with `zeroinf.Config.load(\"train.toml\")` (or `.json`); "
-        "nested tables are `[loss_scale]`, `[offload]` and `[offload.aio]`.",
+        "nested tables are `[loss_scale]`, `[offload]` and `[offload.aio]`. "
+        "Every entry point also takes the same fields as a dict (`zeroinf.shard(model, {\"stage\": 3})`).",
         "",
     ]
     for cls, title in ((Config, "Config"), (LossScaleConfig, "[loss_scale]"), (OffloadConfig, "[offload]"),

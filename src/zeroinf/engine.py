@@ -41,7 +41,7 @@ from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, Nv
 from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
-from zeroinf.runtime import hooks
+from zeroinf.runtime import hooks, sync_switch
 from zeroinf.runtime.reach import PENALTY_AT_STAGE_3, InputGradientPass, ReachAgreement
 from zeroinf.runtime.schedule import UnshardScheduler
 from zeroinf.runtime.stage3_hooks import Stage3Hooks
@@ -373,6 +373,11 @@ class Engine:
                 f"{self.cfg.grad_accum_steps}: call optimizer.step() (and zero_grad()) every "
                 f"{self.cfg.grad_accum_steps} backward passes, or change grad_accum_steps"
             )
+        requested = sync_switch.requested_sync(self.module)  # runtime/sync_switch.py [Note: no_sync ...]
+        if requested is not None and self.units:
+            last = self.micro_step + 1 == self.cfg.grad_accum_steps
+            if requested != last:
+                raise RuntimeError(sync_switch.mismatch(requested, self.micro_step, self.cfg.grad_accum_steps))
         scaled, self.loss_scaled = self.loss_scaled, False
         if self.cfg.param_dtype == "fp16" and self.optimizer_io is not None and not scaled:
             raise RuntimeError(UNSCALED_FP16)
@@ -655,6 +660,7 @@ def shard(
             # torch.compile reads the same flag and refuses to trace a module so marked unless this one
             # is set too; true here as well: the module keeps its own nn.Parameter objects.
             sub._fsdp_use_orig_params = True  # type: ignore[assignment]
+    sync_switch.install(module)  # DDP's no_sync, FSDP2's set_requires_gradient_sync: checked, not ignored
     # accelerate's guard against double wrapping: `accelerator.prepare` returns the model unchanged
     # (integrations/trainer.py [Note: accelerate and the sharded model]).
     module._is_accelerate_prepared = True  # type: ignore[assignment]
