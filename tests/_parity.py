@@ -94,6 +94,22 @@ def train_step(model: nn.Module, opt: object, step: int) -> float:
     return loss.item()
 
 
+def plain_grad_norms(steps: int, max_norm: float) -> list[float]:
+    """What torch's clip_grad_norm_(max_norm) returns each step of plain PyTorch training the test model
+    with fused AdamW on the global batches (`max_norm=inf`: the norms without clipping)."""
+    torch.manual_seed(0)
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    norms = []
+    for step in range(steps):
+        x, y = global_batch(step)
+        model(x, y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
 def build_model(name: str = "tiny_gpt", seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "zoo":

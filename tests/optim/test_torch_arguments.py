@@ -38,6 +38,22 @@ ARGUMENTS = {
 }
 
 
+def _train_side_by_side(
+    plain: nn.Module, plain_opt: torch.optim.Optimizer, model: nn.Module, opt: zeroinf.AdamW, clip: float | None = None
+) -> None:
+    """Four steps of the plain model with its torch optimizer and of the sharded one with zeroinf's."""
+    for step in range(4):
+        x, y = global_batch(step)
+        plain(x, y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        opt.backward(model(x, y))
+        opt.step()
+        opt.zero_grad()
+
+
 def _freeze_embeddings(model: nn.Module) -> nn.Module:
     for name, p in model.named_parameters():
         if "emb" in name:
@@ -61,14 +77,7 @@ def test_torch_optim_arguments_train_as_torch_optim(how: str, stage: int, frozen
     args, kwargs = ARGUMENTS[how](model)
     opt = zeroinf.AdamW(*args, **kwargs)
     try:
-        for step in range(4):
-            x, y = global_batch(step)
-            plain(x, y).backward()
-            plain_opt.step()
-            plain_opt.zero_grad()
-            opt.backward(model(x, y))
-            opt.step()
-            opt.zero_grad()
+        _train_side_by_side(plain, plain_opt, model, opt)
         theirs, ours = plain.state_dict(), model.state_dict()
         differ = [k for k, v in theirs.items() if not torch.equal(ours[k], v)]
         assert not differ, differ
@@ -149,16 +158,7 @@ def test_adam_is_torch_adam(stage: int, params: str, optimizer: str, clip: float
     model = zeroinf.shard(build_model(), cfg)
     opt = zeroinf.Adam(model.parameters(), lr=1e-3, weight_decay=0.1)
     try:
-        for step in range(4):
-            x, y = global_batch(step)
-            plain(x, y).backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
-            plain_opt.step()
-            plain_opt.zero_grad()
-            opt.backward(model(x, y))
-            opt.step()
-            opt.zero_grad()
+        _train_side_by_side(plain, plain_opt, model, opt, clip)
         theirs, ours = plain.state_dict(), model.state_dict()
         worst = max((ours[k] - v).abs().max().item() for k, v in theirs.items())
         assert worst == 0.0 if clip is None else worst <= 1e-6, worst

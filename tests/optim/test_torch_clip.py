@@ -27,7 +27,7 @@ from torch.nn.utils import clip_grad_norm_  # by name, before zeroinf wraps anyt
 
 import zeroinf
 from tests._harness import run_ranks
-from tests._parity import LR, build_model, global_batch
+from tests._parity import LR, build_model, global_batch, plain_grad_norms
 from zeroinf.optim.torch_clip import ClipGradNormError
 
 CLIP = 0.6
@@ -88,17 +88,7 @@ def results(request: pytest.FixtureRequest) -> tuple[int, list[list[dict[str, di
 
 
 def _reference_norms() -> list[float]:
-    torch.manual_seed(0)
-    model = build_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    norms = []
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        model(x, y).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-    return norms
+    return plain_grad_norms(STEPS, CLIP)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])

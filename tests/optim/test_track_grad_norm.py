@@ -20,7 +20,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
-from tests._parity import LR, build_model, global_batch
+from tests._parity import LR, build_model, global_batch, plain_grad_norms
 
 CASES = [  # (stage, params tier, optimizer tier, gradients tier)
     (1, "device", "device", "device"),
@@ -77,17 +77,7 @@ def results(request: pytest.FixtureRequest) -> tuple[int, list[list[dict[str, di
 
 
 def _reference_norms() -> list[float]:
-    torch.manual_seed(0)
-    model = build_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    norms = []
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        model(x, y).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
-        opt.step()
-        opt.zero_grad()
-    return norms
+    return plain_grad_norms(STEPS, float("inf"))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"stage{c[0]}-{'/'.join(c[1:])}" for c in CASES])
