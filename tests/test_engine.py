@@ -92,3 +92,35 @@ def test_parameters_added_after_shard_are_named_at_the_step(stage: int) -> None:
     opt.backward(model(*global_batch(0)))
     with pytest.raises(RuntimeError, match=r"\['ln_f\.weight', 'ln_f\.bias'\] got gradients, but no zeroinf unit"):
         opt.step()
+
+
+def _wrapped_in_ddp(rank: int, world: int) -> dict[int, str]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = {}
+    for stage in (0, 2, 3):
+        torch.manual_seed(0)
+        model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+        opt = zeroinf.AdamW(model, lr=1e-2)
+        x, y = global_batch(0)
+        try:
+            opt.backward(DistributedDataParallel(model)(x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]))
+            out[stage] = "trained"
+        except RuntimeError as exc:
+            out[stage] = str(exc)
+        opt.backward(model(x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]))  # unwrapped: trains
+        opt.step()
+        zeroinf.engine_of(model).close()
+    return out
+
+
+def test_a_ddp_wrapper_around_the_sharded_model_is_refused_at_its_forward() -> None:
+    """Out of DDP habit, `DistributedDataParallel(model)` after `shard`: at stages 0-2 a second reducer
+    all-reduced every gradient beside the engine's, at stage 3 backward failed on the placeholders'
+    shapes ("AddmmBackward0 returned an invalid gradient"). Refused at the forward, world 2."""
+    from tests._harness import run_ranks
+
+    for out in run_ranks(_wrapped_in_ddp, 2, timeout_s=120):
+        for stage, message in out.items():
+            assert "runs inside torch.nn.parallel.DistributedDataParallel" in message, (stage, message)
+            assert "without the DDP wrapper" in message

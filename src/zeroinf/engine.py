@@ -36,7 +36,7 @@ from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.partition.init import InitFn, materialize_and_build, needs_materializing
-from zeroinf.partition.intact import check_params_intact
+from zeroinf.partition.intact import check_not_wrapped_in_ddp, check_params_intact
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
@@ -192,7 +192,7 @@ class Engine:
             for ui, unit in enumerate(self.units)
             for h in hooks.register_grad_ready_hooks(unit.params, functools.partial(self._on_grad_ready, ui))
         ]
-        self._hook_handles.append(hooks.register_input_hook(module, lambda _: check_params_intact(self.all_units)))
+        self._hook_handles.append(hooks.register_input_hook(module, lambda _: self._check_before_forward()))
         if cfg.cast_forward_inputs and cfg.param_dtype != "fp32":  # Config.cast_forward_inputs
             self._hook_handles.append(hooks.register_input_cast(module, cfg.param_torch_dtype))
         # The pass begins in the outermost backward, where the model's output gets its gradient (see
@@ -214,6 +214,11 @@ class Engine:
         attributes; it holds swap files, I/O threads and this process's shards, which no copy can
         own. Refused with the ways that work, instead of pickle's "cannot pickle '_thread.lock'"."""
         raise TypeError(hooks.UNPICKLABLE)
+
+    def _check_before_forward(self) -> None:
+        """partition/intact.py: parameters converted or resized after `shard`, a DDP wrapper."""
+        check_params_intact(self.all_units)
+        check_not_wrapped_in_ddp(self.module)
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
         """The unit holding `param`, or None (frozen, or not this model's)."""

@@ -7,11 +7,18 @@ Plain-PyTorch habits replace what the engine trains, and would otherwise lose tr
 - a resize after `shard` (Hugging Face's `resize_token_embeddings`) swaps in a tensor of the new
   size, which the flat buffers and optimizer states cannot follow (at stage 3 the old rows were
   empty placeholders, with nothing to copy); it was reported as a conversion before.
+- a `DistributedDataParallel` wrapper around the sharded model (`DDP(model)` out of habit) adds
+  a second reducer: at stages 0-2 it all-reduced every gradient again beside the engine's, at
+  stage 3 backward failed with "AddmmBackward0 returned an invalid gradient ... expected shape
+  compatible with [0]" (its buckets hold the empty placeholders).
 Each is refused with the fix. A conversion replaces every parameter, so one per unit stands for
 its unit; a resize touches one or two, so every parameter's shape is compared (attribute reads).
 """
 
 from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from zeroinf.partition.unit import ParamState, ShardedUnit
 
@@ -70,3 +77,16 @@ def check_params_intact(units: list[ShardedUnit]) -> None:
                 "Config.param_dtype sets the compute dtype, and each rank computes on its own device (for "
                 "inference in another dtype, load model.state_dict() into a plain copy of the model)"
             )
+
+
+def check_not_wrapped_in_ddp(module: nn.Module) -> None:
+    """Refuse a forward of the sharded `module` run by a DistributedDataParallel wrapper (DDP marks
+    the module whose forward it runs, for TorchDynamo)."""
+    active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if active is not None and getattr(active, "module", None) is module:
+        raise RuntimeError(
+            "the sharded model runs inside torch.nn.parallel.DistributedDataParallel: zeroinf reduces (and at "
+            "stages 2-3 shards) the gradients itself, and DDP's reducer would all-reduce them a second time (at "
+            "stage 3 its buckets hold empty placeholders). Use the model zeroinf.shard returned without the DDP "
+            "wrapper; DDP's no_sync() and require_backward_grad_sync work on it directly"
+        )
