@@ -124,3 +124,34 @@ def test_a_ddp_wrapper_around_the_sharded_model_is_refused_at_its_forward() -> N
         for stage, message in out.items():
             assert "runs inside torch.nn.parallel.DistributedDataParallel" in message, (stage, message)
             assert "without the DDP wrapper" in message
+
+
+def test_distributed_checkpoint_optimizer_state_is_refused_naming_zeroinf_save() -> None:
+    """torch.distributed.checkpoint's get_optimizer_state_dict creates an empty optimizer's state by
+    putting zeros in every p.grad and stepping: zeroinf's states are not in optimizer.state, and that
+    step met "optimizer.step() after 0 backward passes"; now the message names zeroinf.save. The
+    model's weights go through DCP's get_/set_model_state_dict unchanged."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+    )
+
+    torch.manual_seed(0)
+    model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=3, persist_threshold_bytes=0))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    try:
+        opt.backward(model(*global_batch(0)))
+        opt.step()
+        opt.zero_grad()
+        state = {k: v.clone() for k, v in get_model_state_dict(model).items()}
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        torch.manual_seed(1)
+        other = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=3, persist_threshold_bytes=0))
+        set_model_state_dict(other, state)
+        assert all(torch.equal(state[k], v) for k, v in other.state_dict().items())
+        zeroinf.engine_of(other).close()
+        with pytest.raises(RuntimeError, match=r"without a backward pass.*zeroinf\.save / zeroinf\.load"):
+            get_optimizer_state_dict(model, opt)
+    finally:
+        zeroinf.engine_of(model).close()

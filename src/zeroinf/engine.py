@@ -479,6 +479,17 @@ class Engine:
 
     # -- step boundary ----------------------------------------------------------------------------------
     def require_step_boundary(self) -> None:
+        if self.micro_step == 0 and any(p.grad is not None for p in self._unit_params):
+            # The engine never leaves a gradient in p.grad of a unit parameter: someone put these there
+            # and stepped without a backward, as torch.distributed.checkpoint's get_optimizer_state_dict
+            # and set_optimizer_state_dict do to create an optimizer's state.
+            raise RuntimeError(
+                "optimizer.step() without a backward pass, over gradients placed in p.grad by hand (as "
+                "torch.distributed.checkpoint's get_/set_optimizer_state_dict do to create optimizer state): "
+                "zeroinf.AdamW keeps its states sharded on their tiers, not in optimizer.state, and takes "
+                "gradients from backward only. Save and load them with zeroinf.save / zeroinf.load (sharded, "
+                "resharding to any world size); the model's weights alone: model.state_dict() / load_state_dict"
+            )
         if self.micro_step != self.cfg.grad_accum_steps:
             raise RuntimeError(
                 f"optimizer.step() after {self.micro_step} backward passes, but grad_accum_steps is "
