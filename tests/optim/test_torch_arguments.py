@@ -197,3 +197,23 @@ def test_adam_with_bf16_moments_is_placement_invariant(tmp_path) -> None:
     host, nvme, adamw = run("host", zeroinf.Adam), run("nvme", zeroinf.Adam), run("host", zeroinf.AdamW)
     assert all(torch.equal(host[k], nvme[k]) for k in host)
     assert any(not torch.equal(host[k], adamw[k]) for k in host)
+
+
+def test_adam_with_decoupled_weight_decay_is_adamw() -> None:
+    """torch.optim.Adam(decoupled_weight_decay=True) is AdamW; so is zeroinf.Adam's."""
+    def weights(cls: type, **kwargs: Any) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, persist_threshold_bytes=0))
+        opt = cls(model, lr=1e-3, weight_decay=0.1, **kwargs)
+        try:
+            for step in range(2):
+                opt.backward(model(*global_batch(step)))
+                opt.step()
+                opt.zero_grad()
+            return {k: v.clone() for k, v in model.state_dict().items()}
+        finally:
+            zeroinf.engine_of(model).close()
+
+    decoupled, adamw = weights(zeroinf.Adam, decoupled_weight_decay=True), weights(zeroinf.AdamW)
+    assert all(torch.equal(decoupled[k], v) for k, v in adamw.items())
+

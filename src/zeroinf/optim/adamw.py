@@ -920,7 +920,8 @@ class AdamW(torch.optim.Optimizer):
 class Adam(AdamW):
     """`torch.optim.Adam` over a sharded model: AdamW's engine with Adam's update, whose weight decay
     is an L2 term added to the gradient (after clipping, as in torch) instead of a decay of the
-    weights; default `weight_decay=0`, where the two are the same. Arguments as `AdamW`."""
+    weights; default `weight_decay=0`, where the two are the same. Arguments as `AdamW`, and torch's
+    `decoupled_weight_decay=True`, which makes it AdamW."""
 
     _update = staticmethod(functional_adam)
 
@@ -931,6 +932,10 @@ class Adam(AdamW):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        *,
+        decoupled_weight_decay: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, lr, betas, eps, weight_decay, **kwargs)
+        if decoupled_weight_decay:  # torch.optim.Adam(decoupled_weight_decay=True) is AdamW
+            self._update = functional_adamw  # type: ignore[assignment]  # the same signature but one keyword
