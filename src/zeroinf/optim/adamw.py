@@ -140,13 +140,13 @@ GRAD_SCALER = (
 )
 
 
-def _refuse_unsupported(**flags: bool) -> None:
-    """torch.optim.AdamW's variants zeroinf.AdamW does not compute: refused when asked for, not ignored."""
-    asked = sorted(name for name, value in flags.items() if value)
+def _refuse_unsupported(name: str, **flags: bool) -> None:
+    """torch.optim's variants zeroinf's optimizers do not compute: refused when asked for, not ignored."""
+    asked = sorted(flag for flag, value in flags.items() if value)
     if asked:
         raise ValueError(
-            f"zeroinf.AdamW does not implement {' or '.join(f'{n}=True' for n in asked)}: it computes torch's "
-            "default AdamW (the fused kernel)"
+            f"zeroinf.{name} does not implement {' or '.join(f'{n}=True' for n in asked)}: it computes torch's "
+            f"default {name} (the fused kernel)"
         )
 
 
@@ -235,7 +235,10 @@ class AdamW(torch.optim.Optimizer):
         `track_grad_norm`: compute the global gradient norm (`last_grad_norm`) every step, also when
         neither clipping nor fp16 needs it (one more read of each gradient shard and one scalar
         all-reduce a step), as the Hugging Face Trainer logs it ([Note: the norm without clipping])."""
-        _refuse_unsupported(amsgrad=amsgrad, maximize=maximize, capturable=capturable, differentiable=differentiable)
+        _refuse_unsupported(
+            type(self).__name__,
+            amsgrad=amsgrad, maximize=maximize, capturable=capturable, differentiable=differentiable,
+        )
         del foreach, fused  # how torch would run the update: zeroinf's own is fused already
         if not isinstance(model, nn.Module):
             if param_groups is not None:
