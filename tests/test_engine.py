@@ -155,3 +155,46 @@ def test_distributed_checkpoint_optimizer_state_is_refused_naming_zeroinf_save()
             get_optimizer_state_dict(model, opt)
     finally:
         zeroinf.engine_of(model).close()
+
+
+def _dcgan(shard: bool, stage: int, step_in_backward: object) -> list[torch.Tensor]:
+    """PyTorch's DCGAN example loop (netD.zero_grad(), the module's), on two small MLPs."""
+    torch.manual_seed(0)
+    net_g = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    net_d = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if shard:
+        cfg = {"stage": stage, "persist_threshold_bytes": 0, "offload": {"step_in_backward": step_in_backward}}
+        net_g, net_d = zeroinf.shard(net_g, cfg), zeroinf.shard(net_d, cfg)
+        opt_g, opt_d = zeroinf.AdamW(net_g.parameters(), lr=1e-2), zeroinf.AdamW(net_d.parameters(), lr=1e-2)
+    else:
+        opt_g = torch.optim.AdamW(net_g.parameters(), lr=1e-2, fused=True)
+        opt_d = torch.optim.AdamW(net_d.parameters(), lr=1e-2, fused=True)
+    bce = torch.nn.BCEWithLogitsLoss()
+    try:
+        for it in range(3):
+            g = torch.Generator().manual_seed(it)
+            real, noise = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+            net_d.zero_grad()
+            (bce(net_d(real), torch.ones(8, 1)) + bce(net_d(net_g(noise).detach()), torch.zeros(8, 1))).backward()
+            opt_d.step()
+            net_g.zero_grad()
+            bce(net_d(net_g(noise)), torch.ones(8, 1)).backward()  # also reaches the discriminator
+            opt_g.step()
+        return [t.clone() for m in (net_g, net_d) for t in m.state_dict().values()]
+    finally:
+        if shard:
+            zeroinf.engine_of(net_g).close()
+            zeroinf.engine_of(net_d).close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_model_zero_grad_discards_what_the_engine_holds_as_in_pytorch(stage: int) -> None:
+    """nn.Module.zero_grad cleared only p.grad, where the engine keeps nothing: a DCGAN loop, whose
+    netD.zero_grad() discards what the generator's backward left in the discriminator, stopped with
+    "backward pass 2 since the last optimizer step". Now model.zero_grad() discards as PyTorch does
+    (bitwise the plain loop with the step after backward) or, where the generator's backward already
+    stepped the discriminator inside it, says so and names step_in_backward."""
+    plain = _dcgan(False, stage, None)
+    assert all(torch.equal(a, b) for a, b in zip(_dcgan(True, stage, False), plain, strict=True))
+    with pytest.raises(RuntimeError, match=r"model\.zero_grad\(\) after a backward that already stepped"):
+        _dcgan(True, stage, "auto")

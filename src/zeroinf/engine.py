@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
+import types
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -677,6 +678,7 @@ def shard(
             # is set too; true here as well: the module keeps its own nn.Parameter objects.
             sub._fsdp_use_orig_params = True  # type: ignore[assignment]
     sync_switch.install(module)  # DDP's no_sync, FSDP2's set_requires_gradient_sync: checked, not ignored
+    module.__dict__["zero_grad"] = types.MethodType(_module_zero_grad, module)
     # accelerate's guard against double wrapping: `accelerator.prepare` returns the model unchanged
     # (integrations/trainer.py [Note: accelerate and the sharded model]).
     module._is_accelerate_prepared = True  # type: ignore[assignment]
@@ -685,6 +687,21 @@ def shard(
 
     torch_clip.install()  # torch's clip_grad_norm_ over this model's parameters asks the engine
     return module
+
+
+def _module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+    """`model.zero_grad()` on a sharded model discards the gradients the engine holds, as it does in
+    PyTorch: nn.Module's own only cleared `p.grad`, where the engine keeps none, so the backward
+    passes since the last step stayed counted and added (a DCGAN loop's `netD.zero_grad()`, after the
+    generator's backward ran through the discriminator, then stopped at the next backward with
+    "backward pass 2 since the last optimizer step"). Through the optimizer where there is one: it
+    refuses where a backward already stepped units inside it."""
+    engine = engine_of(module)
+    optimizer = engine.optimizer_ref() if engine.optimizer_ref is not None else None
+    if optimizer is not None:
+        optimizer.discard_gradients("model.zero_grad()")
+    else:
+        engine.zero_grad()
 
 
 def resolve_auto(module: nn.Module, cfg: Config, topo: Topology) -> Config:

@@ -432,11 +432,17 @@ class AdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if accelerate_defers_step(self.engine.cfg.grad_accum_steps):  # inside accelerator.accumulate
             return
+        self.discard_gradients("optimizer.zero_grad()")
+
+    def discard_gradients(self, caller: str) -> None:
+        """Drop the gradients of the backward passes since the last step (what zero_grad does in
+        PyTorch); refused where a backward already stepped units inside it."""
         if self._session is not None:
             raise RuntimeError(
-                "optimizer.zero_grad() after a backward that already stepped units inside it "
+                f"{caller} after a backward that already stepped units inside it "
                 "(offload.step_in_backward): call optimizer.step() first to finish the step, or set "
-                "offload.step_in_backward = false to be able to discard gradients"
+                "offload.step_in_backward = false to be able to discard gradients (a GAN's generator "
+                "backward runs through the discriminator, whose gradients the loop then discards)"
             )
         self._norm_before_step = None
         self.engine.zero_grad()
