@@ -161,7 +161,7 @@ class Engine:
         self._unit_of_param = {id(p): ui for ui, u in enumerate(self.all_units) for p in u.params}
         # Parameters of this model in no unit (frozen ones at stages 0-2): whole on every rank.
         self._outside_params = {id(p) for p in module.parameters() if id(p) not in self._unit_of_param}
-        self._unit_params = [p for u in self.units for p in u.params]
+        self.trained_params = [p for u in self.units for p in u.params]  # those of the trainable units
         self.micro_step = 0  # backward passes since the last optimizer step
         # fp16: set by whoever applies the loss scale (AdamW.backward, the Trainer integration) and
         # checked when backward begins ([Note: an fp16 backward without the loss scale])
@@ -361,7 +361,7 @@ class Engine:
     def _begin_backward(self) -> None:
         self._agreement = None
         if (
-            self.units and not hooks.reaches_any(self._unit_params)
+            self.units and not hooks.reaches_any(self.trained_params)
             and not hooks.behind_reentrant_checkpoint() and not self._reached_on_another_rank()
         ):
             self._begin_input_gradient_pass()
@@ -480,7 +480,7 @@ class Engine:
 
     # -- step boundary ----------------------------------------------------------------------------------
     def require_step_boundary(self) -> None:
-        if self.micro_step == 0 and any(p.grad is not None for p in self._unit_params):
+        if self.micro_step == 0 and any(p.grad is not None for p in self.trained_params):
             # The engine never leaves a gradient in p.grad of a unit parameter: someone put these there
             # and stepped without a backward, as torch.distributed.checkpoint's get_optimizer_state_dict
             # and set_optimizer_state_dict do to create an optimizer's state.

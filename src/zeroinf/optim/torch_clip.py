@@ -130,10 +130,10 @@ def _clip_sharded(
             f"clip_grad_norm_ over a sharded model's parameters and {len(stray)} other parameters with gradients: "
             "one norm cannot cover both (the sharded model's gradients are in its shards); clip them in separate calls"
         )
-    missing = [p for p in engine._unit_params if p.requires_grad and id(p) not in held_ids]
+    missing = [p for p in engine.trained_params if p.requires_grad and id(p) not in held_ids]
     if missing:
         raise ClipGradNormError(
-            f"clip_grad_norm_ over {len(held_ids)} of the sharded model's {len(engine._unit_params)} trained "
+            f"clip_grad_norm_ over {len(held_ids)} of the sharded model's {len(engine.trained_params)} trained "
             f"parameters: {_SET_CONFIG}, over all of them; pass model.parameters()"
         )
     record = getattr(_last_norm, "value", None)
