@@ -398,22 +398,11 @@ class AdamW(torch.optim.Optimizer):
         if self.pending_save is not None:  # see zeroinf/checkpoint/saving.py [Note: saving without stopping ...]
             self.pending_save.wait()
         engine = self.engine
-        if self._background is not None:
-            self._background.drain()
-        self.states.require_healthy()  # an I/O error inside backward's step tells first
-        engine.require_step_boundary()
-        # Gradients still on their way to the host arrive (their NVMe norms are set), and the last
-        # step's parameter uploads have read the masters this step overwrites.
-        engine.transfers.retire()
-        engine.transfers.wait_uploads()
+        self._settle_backward()
+        engine.transfers.wait_uploads()  # the last step's parameter uploads have read the masters overwritten here
         session, self._session = self._session, None
         self.units_stepped_in_backward = len(session.stepped) if session is not None else 0
-        if session is not None and session.speculative:
-            # Every gradient on its tier, as a step after backward would find it, so the global norm
-            # is computed from the same values in the same places: the same bits decide the same way.
-            for unit in engine.units:
-                unit.land_handed_off()
-            engine.transfers.retire()
+        self._land_speculative(session)
         grads, squares = self._step_gradients(session)
         present = [g for g in grads if isinstance(g, torch.Tensor)]
         need_norm = self.scaler is not None or engine.cfg.grad_clip_norm is not None or self.track_grad_norm
@@ -516,18 +505,29 @@ class AdamW(torch.optim.Optimizer):
                 "after the step's last backward (in an accelerate loop: under `if accelerator.sync_gradients:`)"
             )
         if self._norm_before_step is None:
-            if self._background is not None:
-                self._background.drain()
-            self.states.require_healthy()
-            engine.require_step_boundary()
-            engine.transfers.retire()
-            session = self._session
-            if session is not None and session.speculative:  # as step() finds them: same bits
-                for unit in engine.units:
-                    unit.land_handed_off()
-                engine.transfers.retire()
-            self._norm_before_step = self._global_norm(self._step_gradients(session)[1])
+            self._settle_backward()
+            self._land_speculative(self._session)  # as step() finds them: the same bits
+            self._norm_before_step = self._global_norm(self._step_gradients(self._session)[1])
         return self._norm_before_step / self.loss_scale
+
+    def _settle_backward(self) -> None:
+        """What the backward left running is done, before the step reads its gradients: the
+        background kernels, an I/O error they met (it tells first), the backward count, and the
+        gradients still on their way to the host (their NVMe norms are then set)."""
+        if self._background is not None:
+            self._background.drain()
+        self.states.require_healthy()
+        self.engine.require_step_boundary()
+        self.engine.transfers.retire()
+
+    def _land_speculative(self, session: _BackwardStep | None) -> None:
+        """A speculative step inside backward kept its gradients: put every one on its tier, as a step
+        after backward would find it, so the global norm is computed from the same values in the same
+        places and the same bits decide the same way."""
+        if session is not None and session.speculative:
+            for unit in self.engine.units:
+                unit.land_handed_off()
+            self.engine.transfers.retire()
 
     def _fp32(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         return grad if grad is None or grad.dtype == torch.float32 else grad.float()
