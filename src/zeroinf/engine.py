@@ -217,9 +217,16 @@ class Engine:
         raise TypeError(hooks.UNPICKLABLE)
 
     def _check_before_forward(self) -> None:
-        """partition/intact.py: parameters converted or resized after `shard`, a DDP wrapper."""
+        """partition/intact.py: a DDP wrapper; parameters converted, resized or written in place after
+        `shard`. DDP's constructor broadcast rank 0's values into the parameters, the values every rank
+        holds already: once it is refused, that write is not reported again."""
+        try:
+            check_not_wrapped_in_ddp(self.module)
+        except RuntimeError:
+            for unit in self.all_units:
+                unit.remember_versions()
+            raise
         check_params_intact(self.all_units)
-        check_not_wrapped_in_ddp(self.module)
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
         """The unit holding `param`, or None (frozen, or not this model's)."""

@@ -11,7 +11,8 @@ both outcomes of the speculative step are taken. The call goes through `clip_gra
 imported by name before any model was sharded (the wrapped functions are the ones it calls).
 Every other use is refused by name: no `grad_clip_norm`, another `max_norm` or norm type, part of
 the parameters, a mix with other parameters, a norm computed elsewhere, in mid-accumulation.
-Parameters of unsharded models clip as before.
+Parameters of unsharded models clip as before. `clip_grad_value_` over a sharded model is refused
+(it clipped nothing); over a plain one it clamps as before.
 """
 
 from __future__ import annotations
@@ -202,3 +203,18 @@ def test_unsharded_parameters_clip_as_before() -> None:
     assert torch.equal(got, expected)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_clip_grad_value_over_a_sharded_model_is_refused_and_plain_models_clip_as_before() -> None:
+    model, opt = _sharded(grad_clip_norm=1.0)
+    try:
+        _backward(model, opt)
+        with pytest.raises(ClipGradNormError, match=r"clip_grad_value_\(\.\.\., 0\.5\).*would clip nothing"):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.5)
+    finally:
+        zeroinf.engine_of(model).close()
+    plain = nn.Linear(4, 4)
+    (plain(torch.ones(2, 4)) * 10).sum().backward()
+    expected = [p.grad.clamp(-0.5, 0.5) for p in plain.parameters()]
+    torch.nn.utils.clip_grad_value_(plain.parameters(), 0.5)
+    assert all(torch.equal(p.grad, e) for p, e in zip(plain.parameters(), expected, strict=True))

@@ -58,6 +58,7 @@ from zeroinf.checkpoint.format import (
 from zeroinf.checkpoint.stream import STAGING_BYTES, STAGING_COUNT, StreamWriter
 from zeroinf.engine import Engine, engine_of
 from zeroinf.optim.pipeline import StateViews
+from zeroinf.partition.intact import check_params_intact
 
 __all__ = ["PendingSave", "save"]
 
@@ -85,6 +86,7 @@ def save(
             f"zeroinf.save after {engine.micro_step} backward passes without optimizer.step(): "
             "save between optimizer steps"
         )
+    check_params_intact(engine.all_units)  # values written past the engine would not be saved
     job = _SaveJob(model, engine, optimizer, os.fspath(path), int(step), extra)
     if blocking:
         job.write()

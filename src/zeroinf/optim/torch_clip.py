@@ -23,6 +23,12 @@ imported (`from torch.nn.utils import clip_grad_norm_` before `import zeroinf` i
 norm `_get_total_norm` returned (0 over no gradients) is the tensor the call returns: the wrapper
 writes the global norm into it. A tensor of other origin passed to `clip_grads_with_norm_` is
 refused. Older torch computes inline: there the call still returns 0 (README).
+
+`torch.nn.utils.clip_grad_value_` finds no `p.grad` either and clipped nothing. Clamping is
+elementwise, so the engine could clamp each reduced shard before its step, but nothing does that
+yet: the call is refused over a sharded model's parameters, naming `grad_clip_norm`. It is caught
+as `torch.nn.utils.clip_grad_value_` (and in `torch.nn.utils.clip_grad`), the names loops call
+it by; a copy imported by name before the first `zeroinf.shard` is not.
 """
 
 from __future__ import annotations
@@ -57,6 +63,12 @@ def install() -> None:
     _installed = True
     from torch.nn.utils import clip_grad
 
+    clip_value = getattr(clip_grad, "clip_grad_value_", None)
+    if clip_value is not None:
+        refusing = _refusing_sharded_clip_value(clip_value)
+        if getattr(torch.nn.utils, "clip_grad_value_", None) is clip_value:
+            torch.nn.utils.clip_grad_value_ = refusing
+        clip_grad.clip_grad_value_ = refusing
     total_norm = getattr(clip_grad, "_get_total_norm", None)
     clip_with_norm = getattr(clip_grad, "_clip_grads_with_norm_", None)
     if total_norm is None or clip_with_norm is None:
@@ -70,6 +82,21 @@ def install() -> None:
         utils.get_total_norm = wrapped_norm
     if getattr(utils, "clip_grads_with_norm_", None) is clip_with_norm:
         utils.clip_grads_with_norm_ = wrapped_clip
+
+
+def _refusing_sharded_clip_value(original: Callable[..., None]) -> Callable[..., None]:
+    def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if _sharded_parameters(params) is not None:
+            raise ClipGradNormError(
+                f"torch.nn.utils.clip_grad_value_(..., {float(clip_value):g}) over a sharded model's parameters "
+                f"would clip nothing: {_SET_CONFIG} (by the L2 norm; clipping by value is not supported yet)"
+            )
+        original(params, clip_value, foreach)
+
+    clip_grad_value_.__doc__ = original.__doc__
+    clip_grad_value_.__wrapped__ = original  # type: ignore[attr-defined]
+    return clip_grad_value_
 
 
 def _recording_total_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -74,12 +74,21 @@ class UnitGather:
         unit, topo = self.engine.all_units[self.index], self.engine.topo
         try:
             unit.wait_refresh()  # a step inside a backward in the block refreshed it (unit.py)
+            written = unit.written_in_place() if commit and not self.modify else None
+            if written is not None:  # partition/intact.py [Note: in-place writes to a sharded model's parameters]
+                raise RuntimeError(
+                    f"parameter {written} was written in place inside zeroinf.gathered(..., modify=False): a "
+                    "block that reads does not commit, and the write would be lost when the unit is sharded "
+                    "again; pass modify=True to keep it"
+                )
             if commit and self.modify:
                 assert self.owned_before is not None
                 if modifier_rank is not None and topo.is_distributed:
                     dist.broadcast(unit.param_flat, src=modifier_rank, group=topo.group)
                 unit.commit_user_writes(self.owned_before, self.engine.optimizer_states, self.index, exact)
         finally:
+            if (commit and self.modify) or self.was_sharded:  # its writes committed, or gone with the copy
+                unit.remember_versions()  # else a copy kept whole holds them: the next forward refuses it
             unit.user_gathers -= 1
             if self.modify:
                 unit.user_writer = False

@@ -11,8 +11,27 @@ Plain-PyTorch habits replace what the engine trains, and would otherwise lose tr
   a second reducer: at stages 0-2 it all-reduced every gradient again beside the engine's, at
   stage 3 backward failed with "AddmmBackward0 returned an invalid gradient ... expected shape
   compatible with [0]" (its buckets hold the empty placeholders).
+- an in-place write to a parameter between steps (below).
 Each is refused with the fix. A conversion replaces every parameter, so one per unit stands for
 its unit; a resize touches one or two, so every parameter's shape is compared (attribute reads).
+
+[Note: in-place writes to a sharded model's parameters]
+A parameter of a sharded model is a view the engine points at its buffers: the values it trains are
+the shard on its tier and the fp32 master. A write through the parameter itself between steps
+(`model.apply(init_fn)` after `shard`, WGAN's weight clipping, `p.copy_(...)`) reached only that
+view: at stage 3 an empty placeholder (the write did nothing), at stages 0-2 the compute copy, which
+the next step overwrote from the master. Measured on the WGAN loop, 3e-3 off the plain loop at
+stages 0-1 and 1.0 at stage 3, without a word. Inside `zeroinf.gathered(..., modify=True)` the same
+write lands everywhere. Every in-place operation on a tensor bumps its version counter, and the
+engine never writes through the parameters (its gathers and updates write the flat buffer, whose
+views set by `p.data = ...` count apart), so a parameter whose counter moved since the engine last
+looked (after building, after each `gathered` block) was written by someone else: refused at the
+next forward or save, naming the parameter and the fix. Everywhere, also where a placement happens
+to keep such a write (a stage-3 unit kept whole whose master is its shard): one rule for every
+placement. Only a frozen unit kept whole takes writes through its parameters as its values (no
+master, no shard elsewhere; a checkpoint's load writes them so). What this cannot see: writes through
+`p.data` (a tensor with a counter of its own, by PyTorch's design) and through views the user made
+before `shard`; README says so.
 """
 
 from __future__ import annotations
@@ -56,9 +75,35 @@ def replaced_param(unit: ShardedUnit) -> str | None:
     )
 
 
+def _written_in_place(unit: ShardedUnit) -> str | None:
+    """The refusal for a parameter of `unit` written in place outside the engine, or None."""
+    if unit.user_gathers > 0:  # a `gathered` block holds it: the block's end commits or refuses its writes
+        return None
+    name = unit.written_in_place()
+    if name is None:
+        return None
+    lost = (
+        "at stage 3 it reached an empty placeholder and did nothing"
+        if unit.policy.shard_params and not unit.resident
+        else "the engine's next step overwrites it from the fp32 master"
+    )
+    return (
+        f"parameter {name} was written in place after zeroinf.shard, outside zeroinf.gathered (nn.init or "
+        "model.apply(init_fn) on the sharded model, `with torch.no_grad(): p.clamp_(...)`, p.copy_(...)): the "
+        f"values the engine trains are the shard on its tier and the fp32 master, not this view, so the write is "
+        f"lost ({lost}). Write inside `with zeroinf.gathered(list(model.parameters()), modify=True):`, which lands "
+        "the values in every rank's shard and master (model.load_state_dict(...) loads values the same way), or "
+        "initialise before zeroinf.shard"
+    )
+
+
 def check_params_intact(units: list[ShardedUnit]) -> None:
-    """Refuse, with the fix, a module whose parameters were resized or converted after `shard`."""
+    """Refuse, with the fix, a module whose parameters were resized, converted or written in place
+    after `shard`."""
     for unit in units:
+        written = _written_in_place(unit)
+        if written is not None:
+            raise RuntimeError(written)
         resized = resized_param(unit)
         if resized is not None:
             raise RuntimeError(

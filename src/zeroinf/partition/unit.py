@@ -193,6 +193,7 @@ class ShardedUnit:
         self._fp32_master_from_shard = False  # fp32 built in place: the master is read from the shard
         self.user_gathers = 0  # open `zeroinf.gathered` contexts holding this unit
         self.user_writer = False  # one of them gathered it for writing
+        self._versions: list[int] = []  # the parameters' version counters the engine knows (remember_versions)
         # The all-gather refreshing the unsharded copy after a step (`start_update_params`): waited
         # before the copy is read or freed ([Note: a step's refresh of a gathered unit]).
         self._refresh_handle: Handle | None = None
@@ -291,6 +292,7 @@ class ShardedUnit:
             for p, placeholder in zip(self.params, self._placeholders, strict=True):
                 p.data = placeholder
             self.state = ParamState.SHARDED
+            self.remember_versions()
             return
         self.ledger.reserve(Tier.DEVICE, _nbytes(self.param_flat), "param_unsharded")
         if self.policy.shard_params:
@@ -303,6 +305,29 @@ class ShardedUnit:
         self._point_params_at_flat()
         if self.policy.shard_params and not self.resident:  # a resident unit stays whole from the start
             self.reshard()
+        self.remember_versions()
+
+    # -- in-place writes from outside the engine -------------------------------------------------------
+    def remember_versions(self) -> None:
+        """Take the parameters' version counters as they are now as known to the engine
+        (partition/intact.py [Note: in-place writes to a sharded model's parameters])."""
+        self._versions = [p._version for p in self.params]
+
+    @property
+    def writes_reach_values(self) -> bool:
+        """A write through the parameters is a write of the unit's values: a frozen unit kept whole has
+        no master, and its shard is (or aliases) the whole copy."""
+        return self.frozen and not (self.policy.shard_params and not self.resident)
+
+    def written_in_place(self) -> str | None:
+        """The name of a parameter written in place since `remember_versions` where that write is lost
+        (not `writes_reach_values`), or None."""
+        if self.writes_reach_values:
+            return None
+        for name, p, seen in zip(self.param_names, self.params, self._versions, strict=True):
+            if p._version != seen:
+                return name
+        return None
 
     @property
     def owned_numel(self) -> int:

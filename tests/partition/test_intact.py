@@ -1,0 +1,116 @@
+"""partition/intact.py: in-place writes to a sharded model's parameters outside the engine.
+
+World 1 in process, the tiny GPT of tests/_parity.py, stages 0-3. A write through the parameters
+themselves between steps (`with torch.no_grad(): p.clamp_(...)`, `model.apply(init_fn)`) used to be
+lost without a word (3e-3 off the plain loop at stages 0-1, 1.0 at stage 3); the next forward and
+`zeroinf.save` now refuse it, naming the parameter and `zeroinf.gathered(..., modify=True)`. The
+same write inside such a block trains on (and bitwise as PyTorch: tests/partition/test_gathered.py);
+a write inside a read block is refused at the block's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import zeroinf
+from tests._parity import LR, build_model, global_batch
+
+
+@pytest.fixture(params=[0, 1, 2, 3], ids=lambda s: f"stage{s}")
+def trained(request: pytest.FixtureRequest) -> Iterator[tuple[nn.Module, zeroinf.AdamW]]:
+    torch.manual_seed(0)
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=request.param, persist_threshold_bytes=0))
+    opt = zeroinf.AdamW(model, lr=LR)
+    _train_step(model, opt, 0)
+    yield model, opt
+    zeroinf.engine_of(model).close()
+
+
+def _train_step(model: nn.Module, opt: zeroinf.AdamW, step: int) -> None:
+    x, y = global_batch(step)
+    opt.backward(model(x, y))
+    opt.step()
+    opt.zero_grad()
+
+
+def _clamp(p: torch.Tensor) -> None:
+    p.clamp_(-0.05, 0.05)
+
+
+def _init_normal(p: torch.Tensor) -> None:
+    nn.init.normal_(p, std=0.02)
+
+
+@pytest.mark.parametrize("write", [_clamp, _init_normal], ids=["clamp", "nn.init"])
+def test_a_write_outside_gathered_is_refused_at_the_next_forward_and_save(
+    trained: tuple[nn.Module, zeroinf.AdamW], write: Callable[[torch.Tensor], None], tmp_path: object
+) -> None:
+    model, opt = trained
+    with torch.no_grad():
+        write(model.blocks[0].qkv.weight)
+    x, y = global_batch(1)
+    with pytest.raises(RuntimeError, match=r"parameter blocks\.0\.qkv\.weight was written in place .*gathered"):
+        model(x, y)
+    with pytest.raises(RuntimeError, match="written in place"):
+        zeroinf.save(str(tmp_path), model, opt, step=1)
+
+
+def test_model_apply_of_an_init_function_is_refused(trained: tuple[nn.Module, zeroinf.AdamW]) -> None:
+    model, _ = trained
+
+    def init_fn(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    model.apply(init_fn)
+    x, y = global_batch(1)
+    with pytest.raises(RuntimeError, match="model.apply"):
+        model(x, y)
+
+
+def test_the_same_write_inside_gathered_trains_on(trained: tuple[nn.Module, zeroinf.AdamW]) -> None:
+    model, opt = trained
+    with zeroinf.gathered(list(model.parameters()), modify=True):
+        for p in model.parameters():
+            _clamp(p)
+    _train_step(model, opt, 1)
+    _train_step(model, opt, 2)
+    with zeroinf.gathered(model.head.weight):
+        assert model.head.weight.abs().max().item() <= 0.05 + 3 * LR  # clamped, then two Adam steps
+
+
+def test_a_write_inside_a_read_block_is_refused(trained: tuple[nn.Module, zeroinf.AdamW]) -> None:
+    """Stage 3 drops the uncommitted write with the gathered copy and trains on; stages 0-2 keep the
+    copy whole, so it still holds the write and the next forward refuses it too."""
+    model, opt = trained
+    weight = model.blocks[0].qkv.weight  # a unit stage 3 shards (the root unit stays whole)
+    with zeroinf.gathered(weight):
+        before = weight.clone()
+    with pytest.raises(RuntimeError, match=r"written in place inside zeroinf\.gathered\(\.\.\., modify=False\)"):
+        with zeroinf.gathered(weight):
+            with torch.no_grad():
+                weight.zero_()
+    if zeroinf.engine_of(model).cfg.stage == 3:
+        with zeroinf.gathered(weight):
+            assert torch.equal(weight, before)
+        _train_step(model, opt, 1)
+    else:
+        with pytest.raises(RuntimeError, match="written in place after zeroinf.shard"):
+            _train_step(model, opt, 1)
+
+
+def test_training_and_reading_never_count_as_writes(trained: tuple[nn.Module, zeroinf.AdamW], tmp_path: object) -> None:
+    """Steps, gathers for reading, state_dict and save leave the version counters alone."""
+    model, opt = trained
+    for step in range(1, 4):
+        _train_step(model, opt, step)
+        with zeroinf.gathered(list(model.parameters())):
+            pass
+        model.state_dict()
+    zeroinf.save(str(tmp_path), model, opt, step=3)
+    with torch.no_grad():
+        model(*global_batch(4))
