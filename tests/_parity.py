@@ -68,6 +68,7 @@ class Case:
     accum: int = 1
     sync_every_micro_step: bool = False
     clip: float | None = None
+    clip_value: float | None = None  # Config.grad_clip_value; the reference calls clip_grad_value_
     overflow_step: int | None = None  # fp16: multiply that step's loss by inf
     initial_scale: float = 1024.0  # fp16 loss scale at step 0
     overrides: tuple[tuple[str, object], ...] = ()
@@ -149,6 +150,8 @@ def train_reference(
             for c, m in zip(compute.parameters(), master.parameters(), strict=True):
                 m.grad = None if c.grad is None else c.grad.float() / scale  # unused/frozen: no grad
                 c.grad = None
+        if case.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(master.parameters(), case.clip_value)
         if case.clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(master.parameters(), case.clip)
             if grad_norms is not None:
@@ -165,7 +168,7 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
 
     cfg = zeroinf.Config(
         stage=case.stage, param_dtype=case.dtype, grad_accum_steps=case.accum,
-        sync_every_micro_step=case.sync_every_micro_step, grad_clip_norm=case.clip,
+        sync_every_micro_step=case.sync_every_micro_step, grad_clip_norm=case.clip, grad_clip_value=case.clip_value,
         loss_scale=zeroinf.LossScaleConfig(initial_scale=case.initial_scale), **dict(case.overrides),
     )
     topology = zeroinf.Topology.single(device) if device is not None else None

@@ -292,6 +292,10 @@ class Config:
     """Reduce gradients after every micro-step instead of only the last one (trades bandwidth for memory)."""
     grad_clip_norm: float | None = None
     """Clip the global gradient L2 norm (exact across shards) to this value; None disables clipping."""
+    grad_clip_value: float | None = None
+    """Clamp every gradient element to [-value, value] before the step, as
+    `torch.nn.utils.clip_grad_value_` does (after averaging over ranks and micro-steps, loss scale
+    removed); None disables it. Not together with `grad_clip_norm`."""
     bucket_bytes: int = 25 * 2**20
     """Largest single gradient all-reduce (stages 0-1); bigger units are reduced in pieces of this size."""
     unit_classes: tuple[str, ...] = ()
@@ -354,6 +358,17 @@ class Config:
             and self.grad_clip_norm > 0
         ):
             raise ConfigError("grad_clip_norm", self.grad_clip_norm, "use a positive number or leave it unset")
+        if self.grad_clip_value is not None:
+            value = self.grad_clip_value
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and value > 0):
+                raise ConfigError("grad_clip_value", value, "use a positive finite number or leave it unset")
+            if self.grad_clip_norm is not None:
+                raise ConfigError(
+                    "grad_clip_value", value,
+                    "set grad_clip_norm or grad_clip_value, not both: torch's clip_grad_norm_ after clip_grad_value_ "
+                    "takes the norm of the clamped gradients, which the engine does not compute",
+                )
         _positive_int("bucket_bytes", self.bucket_bytes)
         classes: Any = self.unit_classes
         listed = isinstance(classes, (list, tuple, set, frozenset))

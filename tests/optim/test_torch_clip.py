@@ -11,8 +11,8 @@ both outcomes of the speculative step are taken. The call goes through `clip_gra
 imported by name before any model was sharded (the wrapped functions are the ones it calls).
 Every other use is refused by name: no `grad_clip_norm`, another `max_norm` or norm type, part of
 the parameters, a mix with other parameters, a norm computed elsewhere, in mid-accumulation.
-Parameters of unsharded models clip as before. `clip_grad_value_` over a sharded model is refused
-(it clipped nothing); over a plain one it clamps as before.
+Parameters of unsharded models clip as before. `clip_grad_value_` over a sharded model without
+`grad_clip_value` is refused (it clipped nothing); over a plain one it clamps as before.
 """
 
 from __future__ import annotations

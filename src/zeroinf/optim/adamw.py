@@ -444,6 +444,13 @@ class AdamW(torch.optim.Optimizer):
             for grad in grads:
                 if isinstance(grad, GradOnDisk):
                     grad.coef = coef
+        clip_value = engine.cfg.grad_clip_value  # elementwise, after the loss scale is removed
+        if clip_value is not None:
+            for g in present:
+                g.clamp_(-clip_value, clip_value)
+            for grad in grads:
+                if isinstance(grad, GradOnDisk):
+                    grad.clip_value = clip_value
         if session is not None:
             self._check_hyperparameters(session)
         self._update_states(grads, session)
@@ -668,6 +675,10 @@ class AdamW(torch.optim.Optimizer):
         if self.track_grad_norm and not session.speculative:  # the gradient is freed before step()
             session.squares[ui] = torch.linalg.vector_norm(raw, dtype=torch.float32) ** 2  # as optim/clip.py
         grad = raw * session.coef if session.coef != 1.0 else raw  # the original stays for a redo
+        clip_value = self.engine.cfg.grad_clip_value
+        if clip_value is not None:
+            keep = grad is raw and session.speculative
+            grad = grad.clamp(-clip_value, clip_value) if keep else grad.clamp_(-clip_value, clip_value)
         grads: list = [None] * len(self.engine.units)
         grads[ui] = grad
         crossing = GradsToHost(

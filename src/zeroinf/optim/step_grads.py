@@ -23,6 +23,7 @@ class GradOnDisk:
 
     def __init__(self, unit: ShardedUnit) -> None:
         self.unit, self.coef = unit, 1.0
+        self.clip_value: float | None = None  # Config.grad_clip_value, applied after `coef`
         self._loaded: torch.Tensor | None = None
 
     def load(self) -> torch.Tensor:
@@ -31,6 +32,8 @@ class GradOnDisk:
             assert self._loaded is not None
             if self.coef != 1.0:
                 self._loaded.mul_(self.coef)
+            if self.clip_value is not None:
+                self._loaded.clamp_(-self.clip_value, self.clip_value)
         return self._loaded
 
     def drop(self) -> None:

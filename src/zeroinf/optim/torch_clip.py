@@ -25,10 +25,13 @@ writes the global norm into it. A tensor of other origin passed to `clip_grads_w
 refused. Older torch computes inline: there the call still returns 0 (README).
 
 `torch.nn.utils.clip_grad_value_` finds no `p.grad` either and clipped nothing. Clamping is
-elementwise, so the engine could clamp each reduced shard before its step, but nothing does that
-yet: the call is refused over a sharded model's parameters, naming `grad_clip_norm`. It is caught
-as `torch.nn.utils.clip_grad_value_` (and in `torch.nn.utils.clip_grad`), the names loops call
-it by; a copy imported by name before the first `zeroinf.shard` is not.
+elementwise, so the engine does it on each reduced shard before its update (inside backward too)
+when `Config.grad_clip_value` is set; the call with that value is then a check that passes (the
+clamp happens at the step, on the gradient torch would clamp: averaged over ranks and micro-steps,
+loss scale removed), and any other use over a sharded model's parameters is refused by name.
+Parameters no sharded model holds are clamped as before, also in the same call. It is caught as
+`torch.nn.utils.clip_grad_value_` (and in `torch.nn.utils.clip_grad`), the names loops call it by;
+a copy imported by name before the first `zeroinf.shard` is not.
 """
 
 from __future__ import annotations
@@ -87,16 +90,45 @@ def install() -> None:
 def _refusing_sharded_clip_value(original: Callable[..., None]) -> Callable[..., None]:
     def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if _sharded_parameters(params) is not None:
-            raise ClipGradNormError(
-                f"torch.nn.utils.clip_grad_value_(..., {float(clip_value):g}) over a sharded model's parameters "
-                f"would clip nothing: {_SET_CONFIG} (by the L2 norm; clipping by value is not supported yet)"
-            )
+        held = _sharded_parameters(params)
+        if held is not None:
+            _check_clip_value(held, float(clip_value))
+            held_ids = {id(p) for p, _ in held}
+            params = [p for p in params if id(p) not in held_ids]
+            if not any(p.grad is not None for p in params):
+                return  # torch's own call fails on an empty list
         original(params, clip_value, foreach)
 
     clip_grad_value_.__doc__ = original.__doc__
     clip_grad_value_.__wrapped__ = original  # type: ignore[attr-defined]
     return clip_grad_value_
+
+
+def _check_clip_value(held: list[tuple[torch.Tensor, Any]], clip_value: float) -> None:
+    """`clip_grad_value_(..., clip_value)` over sharded parameters: what the engine does anyway, or refused."""
+    call = f"torch.nn.utils.clip_grad_value_(..., {clip_value:g})"
+    engines = {id(engine): engine for _, engine in held}
+    for engine in engines.values():
+        configured = engine.cfg.grad_clip_value
+        if configured is None:
+            raise ClipGradNormError(
+                f"{call} over a sharded model's parameters would clip nothing: the engine keeps a sharded "
+                "model's gradients in its shards, not in p.grad, and clamps them itself. Set "
+                f"grad_clip_value={clip_value:g} in the zeroinf Config; this call then checks that value and "
+                "every step clamps with it"
+            )
+        if configured != clip_value:
+            raise ClipGradNormError(
+                f"{call}, but the sharded model's Config.grad_clip_value is {configured:g} and the engine clamps "
+                "with that: make them equal"
+            )
+        held_ids = {id(p) for p, e in held if e is engine}
+        missing = [p for p in engine.trained_params if p.requires_grad and id(p) not in held_ids]
+        if missing:
+            raise ClipGradNormError(
+                f"{call} over {len(held_ids)} of the sharded model's {len(engine.trained_params)} trained "
+                "parameters: the engine clamps every gradient (Config.grad_clip_value); pass model.parameters()"
+            )
 
 
 def _recording_total_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
