@@ -204,7 +204,7 @@ class OffloadConfig:
     """The asynchronous I/O engine's settings for every `nvme` tier (table `[offload.aio]`)."""
     step_in_backward: bool | str = AUTO
     """Step each unit's optimizer states during backward, as soon as its reduced gradient is complete,
-    instead of after it (optim/adamw.py [Note: the step inside backward]); its gradient is then freed,
+    instead of after it (optim/backward_step.py [Note: the step inside backward]); its gradient is then freed,
     so no gradient buffer of the model's size exists on any tier. Exact; with clipping or fp16 it is
     speculative and undone when the norm says so, which on `host` or `device` keeps a copy of the
     stepped states until `step()`. "auto": on for `nvme` states, and for `host` and `device` states

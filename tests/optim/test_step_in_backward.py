@@ -1,4 +1,4 @@
-"""The optimizer step inside backward (optim/adamw.py [Note: the step inside backward]) equals the
+"""The optimizer step inside backward (optim/backward_step.py [Note: the step inside backward]) equals the
 step after backward bitwise in fp32: stage 3 (and 2), states on the device, on host and on NVMe, world 1 and 2,
 with clipping off, with clipping that triggers, and with an fp16 overflow. One spawned group per
 world size runs every pair of cases; each pair differs only in `offload.step_in_backward`."""

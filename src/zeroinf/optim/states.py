@@ -135,7 +135,7 @@ class OptimizerStateStore(Protocol):
 
     def fail(self, error: BaseException) -> None: ...
 
-    # The speculative step (optim/adamw.py [Note: the step inside backward]): between `speculate()`
+    # The speculative step (optim/backward_step.py [Note: the step inside backward]): between `speculate()`
     # and `commit()` or `rollback()` the states before each update stay recoverable.
     def speculate(self) -> None: ...
 

@@ -251,7 +251,7 @@ def gradient_buffer_dtype(cfg: Config, world_size: int, device_type: str) -> str
 
 
 def step_in_backward_mode(cfg: Config) -> str | None:
-    """How the optimizer steps (pure; optim/adamw.py [Note: the step inside backward]): None after
+    """How the optimizer steps (pure; optim/backward_step.py [Note: the step inside backward]): None after
     backward; "final" inside backward, exact as it goes (no decision needs every gradient);
     "speculative" inside backward, checked against the global norm in `step()` and undone when
     clipping triggers or fp16 overflows."""
@@ -287,7 +287,7 @@ def _optimizer_staging(
     itemsizes: tuple[int, int, int] = (FP32_BYTES, FP32_BYTES, FP32_BYTES),
 ) -> OptimizerStaging:
     """`buffer_count` 0: "auto", room for two units' sub-groups and two more within AUTO_STAGING_BYTES
-    (optim/adamw.py [Note: states read while their unit's backward runs])."""
+    (optim/backward_step.py [Note: states read while their unit's backward runs])."""
     sub_groups = tuple(plan_sub_groups(list(owned_numels), sub_group_numel))
     slot_numel = max((sg.numel for sg in sub_groups), default=1)
     master, exp_avg, exp_avg_sq = (round_up(slot_numel * size, alignment) for size in itemsizes)
