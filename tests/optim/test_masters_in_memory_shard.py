@@ -1,9 +1,11 @@
 """fp32 masters held as the parameter shard in memory (optim/states.py [Note: masters in the memory
-shard]): where the plan applies it, that the optimizer's master and the unit's shard are one tensor
-and the ledger counts it once (12 bytes per parameter live at stage 3 in memory, as torch.optim's
-AdamW on fp32 parameters), and bitwise parity with the same run keeping the two apart (parameters on
-NVMe): training in bf16 and fp32, a `zeroinf.gathered` write that leaves the other elements' masters
-unrounded, a speculative step inside backward undone by clipping, and a checkpoint round trip."""
+shard]; at stages 0-2 in fp32 the owned range of the parameters): where the plan applies it, that
+the optimizer's master and the unit's shard are one tensor and the ledger counts it once (12 bytes
+per parameter live at stage 3 in memory, as torch.optim's AdamW on fp32 parameters), and bitwise
+parity with the same run keeping the two apart (parameters on NVMe): training in bf16 and fp32, a
+`zeroinf.gathered` write that leaves the other elements' masters unrounded, a speculative step
+inside backward undone by clipping, and a checkpoint round trip. At stages 0-2 in fp32, writes
+between steps land in the masters as under DDP."""
 
 from __future__ import annotations
 
@@ -40,8 +42,12 @@ def test_the_plan_shares_where_master_and_shard_live_in_one_memory(tmp_path: Pat
     assert not any(_flags(_cfg(tmp_path, "device", "host", "fp32"), "cuda"))  # two memories
     assert not any(_flags(_cfg(tmp_path, "nvme", "host")))  # on disk: masters_in_param_file's business
     assert not any(_flags(_cfg(tmp_path, optimizer="nvme")))
-    stage2 = zeroinf.Config(stage=2, offload=OffloadConfig(optimizer="device"))
-    assert not any(_flags(stage2))
+    for stage in (0, 1, 2):  # the owned range of the whole buffer is the master, in fp32 only
+        assert all(_flags(zeroinf.Config(stage=stage, offload=OffloadConfig(optimizer="device"))))
+        assert all(_flags(zeroinf.Config(stage=stage, offload=OffloadConfig(optimizer="host"))))  # a CPU device
+        assert all(_flags(zeroinf.Config(stage=stage, offload=OffloadConfig(optimizer="device")), "cuda"))
+        assert not any(_flags(zeroinf.Config(stage=stage, offload=OffloadConfig(optimizer="host")), "cuda"))
+        assert not any(_flags(zeroinf.Config(stage=stage, param_dtype="bf16")))
 
 
 def _edit(model: torch.nn.Module) -> None:
@@ -165,3 +171,43 @@ def test_load_weights_replaces_a_shared_master(tmp_path: Path) -> None:
     assert Tier.DEVICE.value in zeroinf.memory_report(model)
     opt.close()
     engine.close()
+
+
+@pytest.mark.parametrize("through", ["data", "no_grad"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stages_0_to_2_in_fp32_step_the_parameters_themselves(stage: int, through: str) -> None:
+    """The master is the owned range of the whole buffer: one tensor, 8 bytes of states per owned
+    parameter, and a write between steps, through `p.data` (WGAN's clipping) or the parameter under
+    no_grad, lands in the master as under DDP: bitwise the plain loop, no refusal
+    (partition/intact.py). bf16 keeps the two apart."""
+    torch.manual_seed(0)
+    plain = build_model()
+    torch.manual_seed(0)
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=stage))
+    engine = zeroinf.engine_of(model)
+    plain_opt, opt = torch.optim.AdamW(plain.parameters(), lr=LR, fused=True), zeroinf.AdamW(model, lr=LR)
+    try:
+        owned = sum(u.owned_numel for u in engine.units)
+        for unit, views in zip(engine.units, opt.states.states, strict=True):
+            assert views.master.data_ptr() == unit.param_flat[unit.owned_start :].data_ptr()
+        assert engine.ledger.live_bytes(Tier.DEVICE, "optimizer_state") == 8 * owned
+        for step in range(3):
+            x, y = global_batch(step)
+            plain(x, y).backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+            opt.backward(model(x, y))
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for p in (*plain.parameters(), *model.parameters()):
+                    (p.data if through == "data" else p).clamp_(-0.05, 0.05)
+        ours = model.state_dict()
+        assert all(torch.equal(ours[k], v) for k, v in plain.state_dict().items())
+    finally:
+        engine.close()
+    bf16 = zeroinf.shard(build_model(), zeroinf.Config(stage=stage, param_dtype="bf16"))
+    try:
+        assert not any(zeroinf.engine_of(bf16).unit_plan.masters_in_memory_shard)
+    finally:
+        zeroinf.engine_of(bf16).close()

@@ -30,6 +30,8 @@ AdamW on fp32 parameters and FSDP2 hold, where two tensors took 16 (fp32) or 14 
 units share only in fp32 (their master is their slice of the whole buffer); in bf16 the whole
 buffer stays in the compute dtype. A host shard on an accelerator keeps its own compute-dtype copy:
 its copies to the device would cross in fp32 and read the master while a step may write it.
+Stages 0-2 in fp32 share too (the unit has no home there): the owned range of the whole buffer is
+the master, so the step updates the parameters in place and uploads nothing (`master_in_params`).
 Writes that do not come from the step go to the master: `zeroinf.gathered(..., modify=True)`
 changes only the elements written (the others keep their unrounded masters), `load_weights` writes
 the fp32 values, and a checkpoint's masters are loaded into the shard itself.

@@ -26,10 +26,11 @@ write lands everywhere. Every in-place operation on a tensor bumps its version c
 engine never writes through the parameters (its gathers and updates write the flat buffer, whose
 views set by `p.data = ...` count apart), so a parameter whose counter moved since the engine last
 looked (after building, after each `gathered` block) was written by someone else: refused at the
-next forward or save, naming the parameter and the fix. Everywhere, also where a placement happens
-to keep such a write (a stage-3 unit kept whole whose master is its shard): one rule for every
-placement. Only a frozen unit kept whole takes writes through its parameters as its values (no
-master, no shard elsewhere; a checkpoint's load writes them so). What this cannot see: writes through
+next forward or save, naming the parameter and the fix, wherever the write would be lost. A unit
+kept whole whose buffer is all the engine holds takes it as its values (`writes_reach_values`): a
+frozen one (no master; a checkpoint's load writes them so), and one whose fp32 masters are its owned
+range (stages 0-2 in fp32 with the states in the same memory, a resident stage-3 unit whose shard
+is the master), as DDP takes such writes. What this cannot see: writes through
 `p.data` (a tensor with a counter of its own, by PyTorch's design) and through views the user made
 before `shard`; README says so.
 """

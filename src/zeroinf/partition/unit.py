@@ -193,6 +193,7 @@ class ShardedUnit:
         self._fp32_master_from_shard = False  # fp32 built in place: the master is read from the shard
         self.user_gathers = 0  # open `zeroinf.gathered` contexts holding this unit
         self.user_writer = False  # one of them gathered it for writing
+        self.master_in_params = False  # stages 0-2 in fp32: the master is the owned range itself (`share_master`)
         self._versions: list[int] = []  # the parameters' version counters the engine knows (remember_versions)
         # The all-gather refreshing the unsharded copy after a step (`start_update_params`): waited
         # before the copy is read or freed ([Note: a step's refresh of a gathered unit]).
@@ -315,9 +316,13 @@ class ShardedUnit:
 
     @property
     def writes_reach_values(self) -> bool:
-        """A write through the parameters is a write of the unit's values: a frozen unit kept whole has
-        no master, and its shard is (or aliases) the whole copy."""
-        return self.frozen and not (self.policy.shard_params and not self.resident)
+        """A write through the parameters is a write of the unit's values: the unit is kept whole and
+        its whole buffer is what the engine holds: frozen (no master; its shard is, or aliases, the
+        whole copy), or with fp32 masters that are its owned range (stages 0-2, `master_in_params`; a
+        resident stage-3 unit whose shard is the master). A write to another rank's range is replaced by
+        that rank's values at the next step's gather, as DDP's replicas must write alike."""
+        whole = not (self.policy.shard_params and not self.resident)
+        return whole and (self.frozen or self.master_in_params or self.home_holds_master)
 
     def written_in_place(self) -> str | None:
         """The name of a parameter written in place since `remember_versions` where that write is lost
@@ -364,6 +369,15 @@ class ShardedUnit:
         fp32 shard is the master already; a compute-dtype shard is replaced by the master, which
         gathers cast from then on."""
         home = self.home
+        if home is None and not self.policy.shard_params and self.param_flat.dtype == torch.float32:
+            # stages 0-2 in fp32: the owned range of the whole buffer is the master, as torch.optim's
+            # AdamW steps fp32 parameters themselves (one tensor, not two)
+            if self._master_taken:
+                raise RuntimeError(f"unit {self.name}: the initial master weights were already taken by an optimizer")
+            self._master_taken = True
+            self.initial_master = self._master_source = None
+            self.master_in_params = True
+            return self.param_flat[self.owned_start : self.owned_end]
         if not isinstance(home, MemoryHome):
             raise RuntimeError(f"unit {self.name}: a {type(home).__name__} cannot hold the master, only a MemoryHome")
         if home.shard.dtype == torch.float32:  # the same numbers: no copy, no conversion
@@ -799,10 +813,11 @@ class ShardedUnit:
             # just stored, then let the loaded shard go ([Note: a step's refresh of a gathered unit])
             source, release = self.home.finish_load(), self.home.end_load
         else:  # from a CPU optimizer: asynchronously, ordered before the all-gather and the next forward
-            self.transfers.upload(master_owned, self.param_flat[self.owned_start : self.owned_end])
+            source = self.param_flat[self.owned_start : self.owned_end]
+            if not self.master_in_params:  # else the step wrote the parameters themselves
+                self.transfers.upload(master_owned, source)
             if not self.policy.shard_optimizer:
                 return DoneHandle()
-            source = self.param_flat[self.owned_start : self.owned_end]
         self.transfers.order_uploads()  # the all-gather reads the shard just uploaded
         self.counter.add("all_gather")
         gather = all_gather_into(self.param_flat, source, self.topo)

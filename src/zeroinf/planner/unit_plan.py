@@ -509,20 +509,24 @@ class ModelPlan:
     @cached_property
     def masters_in_memory_shard(self) -> tuple[bool, ...]:
         """Per trainable unit: its fp32 master is its parameter shard in memory, one tensor, not two
-        (optim/states.py [Note: masters in the memory shard]). Holds at stage 3 when the optimizer's
-        states stay in the memory that holds the unit's shard (both on the device; on a CPU device
-        host and device are one memory), without a host/NVMe split, for sharded units in any compute
+        (optim/states.py [Note: masters in the memory shard]). Holds at stages 0-2 in fp32 with the
+        optimizer's states on the device (its owned range of the whole buffer is the master), and at
+        stage 3 when the optimizer's states stay in the memory that holds the unit's shard (both on
+        the device; on a CPU device host and device are one memory); never with a host/NVMe split. At
+        stage 3 for sharded units in any compute
         dtype (the shard is then held in fp32 and cast as it is gathered) and for resident ones in fp32
         (the master is their slice of the whole buffer). Not for a host shard on an accelerator: its
         copies to the device would cross in fp32 and read the master while a step may write it."""
         cfg, optimizer = self.cfg, self.cfg.offload.optimizer
-        if cfg.stage != 3 or optimizer not in ("device", "host") or self.optimizer_split() is not None:
+        if optimizer not in ("device", "host") or self.optimizer_split() is not None:
             return (False,) * len(self.trainable_units)
 
         def same_memory(tier: Tier) -> bool:
             return self.device_type == "cpu" or (tier is Tier.DEVICE and optimizer == "device")
 
         fp32 = cfg.param_dtype == "fp32"
+        if cfg.stage != 3:  # the whole buffer on the device: in fp32 the owned range is the master
+            return (fp32 and same_memory(Tier.DEVICE),) * len(self.trainable_units)
         return tuple(
             u.param_tier is not Tier.NVME and same_memory(u.param_tier) and (fp32 or not u.resident)
             for u in self.trainable_units
