@@ -12,7 +12,8 @@ imported by name before any model was sharded (the wrapped functions are the one
 Every other use is refused by name: no `grad_clip_norm`, another `max_norm` or norm type, part of
 the parameters, a mix with other parameters, a norm computed elsewhere, in mid-accumulation.
 Parameters of unsharded models clip as before. `clip_grad_value_` over a sharded model without
-`grad_clip_value` is refused (it clipped nothing); over a plain one it clamps as before.
+`grad_clip_value` is refused (it clipped nothing); over a plain one it clamps as before. On torch
+2.4-2.5 `clip_grad_norm_` itself is wrapped; that wrapper is tested over this torch's function.
 """
 
 from __future__ import annotations
@@ -218,3 +219,30 @@ def test_clip_grad_value_over_a_sharded_model_is_refused_and_plain_models_clip_a
     expected = [p.grad.clamp(-0.5, 0.5) for p in plain.parameters()]
     torch.nn.utils.clip_grad_value_(plain.parameters(), 0.5)
     assert all(torch.equal(p.grad, e) for p, e in zip(plain.parameters(), expected, strict=True))
+
+
+def test_torch_before_2_6_clips_through_a_wrapped_clip_grad_norm() -> None:
+    """torch 2.4 and 2.5 compute clip_grad_norm_ inline (no `_get_total_norm` to wrap): there the
+    function itself is wrapped. The wrapper over this torch's function behaves as the 2.6+ path:
+    the global norm, equal to the step's bitwise, refusals by name, plain parameters untouched."""
+    from zeroinf.optim.torch_clip import _clip_grad_norm_through_engine
+
+    whole = _clip_grad_norm_through_engine(clip_grad_norm_)  # sharded parameters never reach it
+    model, opt = _sharded(grad_clip_norm=CLIP, offload=zeroinf.OffloadConfig(step_in_backward=False))
+    try:
+        _backward(model, opt)
+        returned = whole(model.parameters(), CLIP)
+        opt.step()
+        assert returned.item() == opt.last_grad_norm
+        assert returned.item() == pytest.approx(plain_grad_norms(1, CLIP)[0], rel=1e-5)
+        opt.zero_grad()
+        _backward(model, opt)
+        with pytest.raises(ClipGradNormError, match="make them equal"):
+            whole(model.parameters(), 2 * CLIP)
+    finally:
+        zeroinf.engine_of(model).close()
+    plain = nn.Linear(4, 4)
+    (plain(torch.ones(2, 4)) * 10).sum().backward()
+    norm = whole(plain.parameters(), 0.5)
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in plain.parameters()]))
+    assert norm.item() > 0.5 and clipped.item() <= 0.5 + 1e-6

@@ -22,7 +22,9 @@ wrappers change nothing for parameters no sharded model holds, and catch the cal
 imported (`from torch.nn.utils import clip_grad_norm_` before `import zeroinf` included). The
 norm `_get_total_norm` returned (0 over no gradients) is the tensor the call returns: the wrapper
 writes the global norm into it. A tensor of other origin passed to `clip_grads_with_norm_` is
-refused. Older torch computes inline: there the call still returns 0 (README).
+refused. Older torch (2.4, 2.5) computes inline, so there `install` wraps `clip_grad_norm_` itself
+as `torch.nn.utils.clip_grad_norm_` and `torch.nn.utils.clip_grad.clip_grad_norm_`: the same two
+outcomes, except for a copy imported by name before the first `zeroinf.shard`.
 
 `torch.nn.utils.clip_grad_value_` finds no `p.grad` either and clipped nothing. Clamping is
 elementwise, so the engine does it on each reduced shard before its update (inside backward too)
@@ -74,8 +76,14 @@ def install() -> None:
         clip_grad.clip_grad_value_ = refusing
     total_norm = getattr(clip_grad, "_get_total_norm", None)
     clip_with_norm = getattr(clip_grad, "_clip_grads_with_norm_", None)
-    if total_norm is None or clip_with_norm is None:
-        return  # torch < 2.6 computes inline (module docstring)
+    if total_norm is None or clip_with_norm is None:  # torch < 2.6 computes inline (module docstring)
+        public = getattr(clip_grad, "clip_grad_norm_", None)
+        if public is not None:
+            whole = _clip_grad_norm_through_engine(public)
+            if getattr(torch.nn.utils, "clip_grad_norm_", None) is public:
+                torch.nn.utils.clip_grad_norm_ = whole
+            clip_grad.clip_grad_norm_ = whole
+        return
     wrapped_norm = _recording_total_norm(total_norm)
     wrapped_clip = _clip_through_engine(clip_with_norm)
     clip_grad._get_total_norm = wrapped_norm
@@ -129,6 +137,27 @@ def _check_clip_value(held: list[tuple[torch.Tensor, Any]], clip_value: float) -
                 f"{call} over {len(held_ids)} of the sharded model's {len(engine.trained_params)} trained "
                 "parameters: the engine clamps every gradient (Config.grad_clip_value); pass model.parameters()"
             )
+
+
+def _clip_grad_norm_through_engine(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`clip_grad_norm_` itself, for torch < 2.6 (which has no `_get_total_norm` to wrap)."""
+
+    def clip_grad_norm_(
+        parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        held = _sharded_parameters(params)
+        if held is None:
+            return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        total_norm = torch.zeros((), dtype=torch.float32)  # what torch returns over no gradient, filled
+        _last_norm.value = (weakref.ref(total_norm), float(norm_type), bool(error_if_nonfinite))
+        _clip_sharded(params, held, float(max_norm), total_norm)
+        return total_norm
+
+    clip_grad_norm_.__doc__ = original.__doc__
+    clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+    return clip_grad_norm_
 
 
 def _recording_total_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
