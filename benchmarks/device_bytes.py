@@ -1,6 +1,6 @@
-"""Engine memory per parameter at stage 3 with everything on the device, measured and predicted.
+"""Engine memory per parameter with everything on the device, measured and predicted.
 
-    python benchmarks/device_bytes.py [--steps 3]
+    python benchmarks/device_bytes.py [--steps 3] [--stage 3]
 
 Measured: a small Hugging Face Llama (29M parameters) trains `--steps` steps at stage 3, world 1,
 parameters, gradients and optimizer on the device (the CPU here), with activation checkpointing, in
@@ -8,6 +8,7 @@ fp32 and in bf16, prefetching two blocks ahead; the engine's ledger gives its de
 parameter, live after the step and at the step's peak, by tag. torch.optim's AdamW on fp32
 parameters (and FSDP2) holds 12 live and 16 with the gradients (optim/states.py [Note: masters in
 the memory shard]; the step inside backward frees each gradient once its unit is stepped).
+`--stage 0|1|2` measures those stages instead (world 1: the whole model is each rank's).
 Predicted: the planner's ledger bytes (the same tags, no activations) for the GPU issue's 3.4B
 Llama (hidden 3200, 26 layers, intermediate 8640, vocab 32000), bf16, one CUDA device, the case
 where FSDP2 peaked at 53.1 GiB. No GPU is needed for either figure.
@@ -41,22 +42,22 @@ def _llama(hidden: int, layers: int, ffn: int, heads: int, vocab: int, seq: int,
     return LlamaForCausalLM(cfg)
 
 
-def _config(dtype: str, prefetch_bytes: int | None = None) -> object:
+def _config(dtype: str, prefetch_bytes: int | None = None, stage: int = 3) -> object:
     import zeroinf
 
     offload = zeroinf.OffloadConfig(params="device", optimizer="device", gradients="device")
     extra = {} if prefetch_bytes is None else {"prefetch_bytes": prefetch_bytes}
-    return zeroinf.Config(stage=3, param_dtype=dtype, activation_checkpointing=True, offload=offload, **extra)
+    return zeroinf.Config(stage=stage, param_dtype=dtype, activation_checkpointing=True, offload=offload, **extra)
 
 
-def measured(dtype: str, steps: int) -> dict:
+def measured(dtype: str, steps: int, stage: int = 3) -> dict:
     import zeroinf
 
     model = _llama(512, 8, 1376, 8, 4000, 256)
     n = sum(p.numel() for p in model.parameters())
     # Prefetch two blocks ahead (a block is 12.6 MB in fp32): the default budget would keep this small
     # model gathered whole, which a model of the sizes that matter never is.
-    model = zeroinf.shard(model, _config(dtype, prefetch_bytes=32 * 2**20))
+    model = zeroinf.shard(model, _config(dtype, prefetch_bytes=32 * 2**20, stage=stage))
     opt = zeroinf.AdamW(model, lr=1e-4, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
@@ -96,8 +97,10 @@ def predicted_3b() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
     a = p.parse_args()
-    result = {"machine": machine(), "measured": {d: measured(d, a.steps) for d in ("fp32", "bf16")},
+    result = {"machine": machine(), "stage": a.stage,
+              "measured": {d: measured(d, a.steps, a.stage) for d in ("fp32", "bf16")},
               "predicted_3.4b_bf16_cuda": predicted_3b()}
     print(json.dumps(result, indent=1))
 
