@@ -814,7 +814,7 @@ class ShardedUnit:
             source, release = self.home.finish_load(), self.home.end_load
         else:  # from a CPU optimizer: asynchronously, ordered before the all-gather and the next forward
             source = self.param_flat[self.owned_start : self.owned_end]
-            if not self.master_in_params:  # else the step wrote the parameters themselves
+            if master_owned.data_ptr() != source.data_ptr():  # else (`master_in_params`) the step wrote them
                 self.transfers.upload(master_owned, source)
             if not self.policy.shard_optimizer:
                 return DoneHandle()
