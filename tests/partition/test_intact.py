@@ -108,6 +108,21 @@ def test_a_write_inside_a_read_block_is_refused(trained: tuple[nn.Module, zeroin
             _train_step(model, opt, 1)
 
 
+def test_a_read_nested_in_a_write_block_leaves_its_writes_to_the_enclosing_block(
+    trained: tuple[nn.Module, zeroinf.AdamW],
+) -> None:
+    model, opt = trained
+    weight = model.blocks[0].qkv.weight
+    with zeroinf.gathered(weight, modify=True):
+        with torch.no_grad():
+            weight.fill_(0.25)
+        with zeroinf.gathered(weight):  # found by the gathered fuzz: this read's end refused the write
+            pass
+    with zeroinf.gathered(weight):
+        assert bool((weight == 0.25).all())
+    _train_step(model, opt, 1)
+
+
 def test_training_and_reading_never_count_as_writes(trained: tuple[nn.Module, zeroinf.AdamW], tmp_path: object) -> None:
     """Steps, gathers for reading, state_dict and save leave the version counters alone."""
     model, opt = trained

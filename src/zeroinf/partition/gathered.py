@@ -74,7 +74,9 @@ class UnitGather:
         unit, topo = self.engine.all_units[self.index], self.engine.topo
         try:
             unit.wait_refresh()  # a step inside a backward in the block refreshed it (unit.py)
-            written = unit.written_in_place() if commit and not self.modify else None
+            # a read nested in a block that writes this unit: the enclosing block's end commits its writes
+            reads_only = not self.modify and not unit.user_writer
+            written = unit.written_in_place() if commit and reads_only else None
             if written is not None:  # partition/intact.py [Note: in-place writes to a sharded model's parameters]
                 raise RuntimeError(
                     f"parameter {written} was written in place inside zeroinf.gathered(..., modify=False): a "
