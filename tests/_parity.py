@@ -111,6 +111,29 @@ def plain_grad_norms(steps: int, max_norm: float) -> list[float]:
     return norms
 
 
+def wgan_clipping_matches_plain(model: nn.Module, opt: Any, clip_ours: Callable[[], None], steps: int = 3) -> bool:
+    """WGAN's loop on the sharded `model` beside plain PyTorch from the same seed: every weight
+    clamped to [-0.05, 0.05] after each step, on the plain model in place and on ours by `clip_ours`
+    (the way under test). True when the final weights are bitwise equal."""
+    torch.manual_seed(0)
+    plain = build_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, fused=True)
+    for step in range(steps):
+        x, y = global_batch(step)
+        plain(x, y).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        opt.backward(model(x, y))
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p in plain.parameters():
+                p.clamp_(-0.05, 0.05)
+        clip_ours()
+    ours = model.state_dict()
+    return all(torch.equal(ours[k], v) for k, v in plain.state_dict().items())
+
+
 def build_model(name: str = "tiny_gpt", seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "zoo":

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zeroinf
-from tests._parity import LR, build_model, global_batch, train_step
+from tests._parity import LR, build_model, global_batch, train_step, wgan_clipping_matches_plain
 from zeroinf import OffloadConfig
 from zeroinf.memory import Tier
 from zeroinf.partition.wrap import discover_units
@@ -180,30 +180,21 @@ def test_stages_0_to_2_in_fp32_step_the_parameters_themselves(stage: int, throug
     parameter, and a write between steps, through `p.data` (WGAN's clipping) or the parameter under
     no_grad, lands in the master as under DDP: bitwise the plain loop, no refusal
     (partition/intact.py). bf16 keeps the two apart."""
-    torch.manual_seed(0)
-    plain = build_model()
-    torch.manual_seed(0)
     model = zeroinf.shard(build_model(), zeroinf.Config(stage=stage))
     engine = zeroinf.engine_of(model)
-    plain_opt, opt = torch.optim.AdamW(plain.parameters(), lr=LR, fused=True), zeroinf.AdamW(model, lr=LR)
+    opt = zeroinf.AdamW(model, lr=LR)
+
+    def clip() -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                (p.data if through == "data" else p).clamp_(-0.05, 0.05)
+
     try:
         owned = sum(u.owned_numel for u in engine.units)
         for unit, views in zip(engine.units, opt.states.states, strict=True):
             assert views.master.data_ptr() == unit.param_flat[unit.owned_start :].data_ptr()
         assert engine.ledger.live_bytes(Tier.DEVICE, "optimizer_state") == 8 * owned
-        for step in range(3):
-            x, y = global_batch(step)
-            plain(x, y).backward()
-            plain_opt.step()
-            plain_opt.zero_grad()
-            opt.backward(model(x, y))
-            opt.step()
-            opt.zero_grad()
-            with torch.no_grad():
-                for p in (*plain.parameters(), *model.parameters()):
-                    (p.data if through == "data" else p).clamp_(-0.05, 0.05)
-        ours = model.state_dict()
-        assert all(torch.equal(ours[k], v) for k, v in plain.state_dict().items())
+        assert wgan_clipping_matches_plain(model, opt, clip)
     finally:
         engine.close()
     bf16 = zeroinf.shard(build_model(), zeroinf.Config(stage=stage, param_dtype="bf16"))

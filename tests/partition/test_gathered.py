@@ -404,29 +404,17 @@ def test_a_lora_merge_gathers_adapters_and_frozen_base_at_every_stage(results: l
 def test_wgan_weight_clipping_inside_gathered_trains_as_plain_pytorch(stage: int) -> None:
     """WGAN clamps every weight after each step; inside zeroinf.gathered(modify=True) the clamp
     reaches the shards and the fp32 masters: bitwise the plain loop (README, docs/migrating-from-ddp.md)."""
-    from tests._parity import LR, build_model, global_batch
+    from tests._parity import LR, build_model, wgan_clipping_matches_plain
 
-    torch.manual_seed(0)
-    plain = build_model()
-    torch.manual_seed(0)
     model = zeroinf.shard(build_model(), zeroinf.Config(stage=stage, persist_threshold_bytes=0))
-    plain_opt, opt = torch.optim.AdamW(plain.parameters(), lr=LR, fused=True), zeroinf.AdamW(model, lr=LR)
+    opt = zeroinf.AdamW(model, lr=LR)
+
+    def clip() -> None:
+        with zeroinf.gathered(list(model.parameters()), modify=True):
+            for p in model.parameters():
+                p.clamp_(-0.05, 0.05)
+
     try:
-        for step in range(3):
-            x, y = global_batch(step)
-            plain(x, y).backward()
-            plain_opt.step()
-            plain_opt.zero_grad()
-            opt.backward(model(x, y))
-            opt.step()
-            opt.zero_grad()
-            with torch.no_grad():
-                for p in plain.parameters():
-                    p.clamp_(-0.05, 0.05)
-            with zeroinf.gathered(list(model.parameters()), modify=True):
-                for p in model.parameters():
-                    p.clamp_(-0.05, 0.05)
-        ours = model.state_dict()
-        assert all(torch.equal(ours[k], v) for k, v in plain.state_dict().items())
+        assert wgan_clipping_matches_plain(model, opt, clip)
     finally:
         zeroinf.engine_of(model).close()

@@ -68,21 +68,11 @@ def install() -> None:
     _installed = True
     from torch.nn.utils import clip_grad
 
-    clip_value = getattr(clip_grad, "clip_grad_value_", None)
-    if clip_value is not None:
-        refusing = _refusing_sharded_clip_value(clip_value)
-        if getattr(torch.nn.utils, "clip_grad_value_", None) is clip_value:
-            torch.nn.utils.clip_grad_value_ = refusing
-        clip_grad.clip_grad_value_ = refusing
+    _wrap_public(clip_grad, "clip_grad_value_", _refusing_sharded_clip_value)
     total_norm = getattr(clip_grad, "_get_total_norm", None)
     clip_with_norm = getattr(clip_grad, "_clip_grads_with_norm_", None)
     if total_norm is None or clip_with_norm is None:  # torch < 2.6 computes inline (module docstring)
-        public = getattr(clip_grad, "clip_grad_norm_", None)
-        if public is not None:
-            whole = _clip_grad_norm_through_engine(public)
-            if getattr(torch.nn.utils, "clip_grad_norm_", None) is public:
-                torch.nn.utils.clip_grad_norm_ = whole
-            clip_grad.clip_grad_norm_ = whole
+        _wrap_public(clip_grad, "clip_grad_norm_", _clip_grad_norm_through_engine)
         return
     wrapped_norm = _recording_total_norm(total_norm)
     wrapped_clip = _clip_through_engine(clip_with_norm)
@@ -93,6 +83,18 @@ def install() -> None:
         utils.get_total_norm = wrapped_norm
     if getattr(utils, "clip_grads_with_norm_", None) is clip_with_norm:
         utils.clip_grads_with_norm_ = wrapped_clip
+
+
+def _wrap_public(clip_grad: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+    """Replace torch's function `name` by its wrapper, in `torch.nn.utils.clip_grad` and, where it is the
+    same function, in `torch.nn.utils` (the two names loops call it by)."""
+    original = getattr(clip_grad, name, None)
+    if original is None:
+        return
+    wrapper = wrap(original)
+    if getattr(torch.nn.utils, name, None) is original:
+        setattr(torch.nn.utils, name, wrapper)
+    setattr(clip_grad, name, wrapper)
 
 
 def _refusing_sharded_clip_value(original: Callable[..., None]) -> Callable[..., None]:
