@@ -36,6 +36,7 @@ from torch import nn
 
 from zeroinf.engine import Engine, holding_engine_outside_units, owning_engine
 from zeroinf.partition.init import park_of
+from zeroinf.partition.intact import written_in_place
 from zeroinf.partition.unit import ParamState
 from zeroinf.runtime import hooks
 
@@ -76,7 +77,7 @@ class UnitGather:
             unit.wait_refresh()  # a step inside a backward in the block refreshed it (unit.py)
             # a read nested in a block that writes this unit: the enclosing block's end commits its writes
             reads_only = not self.modify and not unit.user_writer
-            written = unit.written_in_place() if commit and reads_only else None
+            written = written_in_place(unit) if commit and reads_only else None
             if written is not None:  # partition/intact.py [Note: in-place writes to a sharded model's parameters]
                 raise RuntimeError(
                     f"parameter {written} was written in place inside zeroinf.gathered(..., modify=False): a "

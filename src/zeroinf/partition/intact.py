@@ -76,11 +76,32 @@ def replaced_param(unit: ShardedUnit) -> str | None:
     )
 
 
-def _written_in_place(unit: ShardedUnit) -> str | None:
+def writes_reach_values(unit: ShardedUnit) -> bool:
+    """A write through `unit`'s parameters is a write of its values: the unit is kept whole and its
+    whole buffer is what the engine holds: frozen (no master; its shard is, or aliases, the whole
+    copy), or with fp32 masters that are its owned range (stages 0-2, `master_in_params`; a resident
+    stage-3 unit whose shard is the master). A write to another rank's range is replaced by that
+    rank's values at the next step's gather, as DDP's replicas must write alike."""
+    whole = not (unit.policy.shard_params and not unit.resident)
+    return whole and (unit.frozen or unit.master_in_params or unit.home_holds_master)
+
+
+def written_in_place(unit: ShardedUnit) -> str | None:
+    """The name of a parameter of `unit` written in place since its `remember_versions` where that
+    write is lost (not `writes_reach_values`), or None."""
+    if writes_reach_values(unit):
+        return None
+    for name, p, seen in zip(unit.param_names, unit.params, unit.versions, strict=True):
+        if p._version != seen:
+            return name
+    return None
+
+
+def _refusal_of_write(unit: ShardedUnit) -> str | None:
     """The refusal for a parameter of `unit` written in place outside the engine, or None."""
     if unit.user_gathers > 0:  # a `gathered` block holds it: the block's end commits or refuses its writes
         return None
-    name = unit.written_in_place()
+    name = written_in_place(unit)
     if name is None:
         return None
     lost = (
@@ -102,7 +123,7 @@ def check_params_intact(units: list[ShardedUnit]) -> None:
     """Refuse, with the fix, a module whose parameters were resized, converted or written in place
     after `shard`."""
     for unit in units:
-        written = _written_in_place(unit)
+        written = _refusal_of_write(unit)
         if written is not None:
             raise RuntimeError(written)
         resized = resized_param(unit)

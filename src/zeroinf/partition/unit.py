@@ -194,7 +194,7 @@ class ShardedUnit:
         self.user_gathers = 0  # open `zeroinf.gathered` contexts holding this unit
         self.user_writer = False  # one of them gathered it for writing
         self.master_in_params = False  # stages 0-2 in fp32: the master is the owned range itself (`share_master`)
-        self._versions: list[int] = []  # the parameters' version counters the engine knows (remember_versions)
+        self.versions: list[int] = []  # the parameters' version counters the engine knows (remember_versions)
         # The all-gather refreshing the unsharded copy after a step (`start_update_params`): waited
         # before the copy is read or freed ([Note: a step's refresh of a gathered unit]).
         self._refresh_handle: Handle | None = None
@@ -312,27 +312,7 @@ class ShardedUnit:
     def remember_versions(self) -> None:
         """Take the parameters' version counters as they are now as known to the engine
         (partition/intact.py [Note: in-place writes to a sharded model's parameters])."""
-        self._versions = [p._version for p in self.params]
-
-    @property
-    def writes_reach_values(self) -> bool:
-        """A write through the parameters is a write of the unit's values: the unit is kept whole and
-        its whole buffer is what the engine holds: frozen (no master; its shard is, or aliases, the
-        whole copy), or with fp32 masters that are its owned range (stages 0-2, `master_in_params`; a
-        resident stage-3 unit whose shard is the master). A write to another rank's range is replaced by
-        that rank's values at the next step's gather, as DDP's replicas must write alike."""
-        whole = not (self.policy.shard_params and not self.resident)
-        return whole and (self.frozen or self.master_in_params or self.home_holds_master)
-
-    def written_in_place(self) -> str | None:
-        """The name of a parameter written in place since `remember_versions` where that write is lost
-        (not `writes_reach_values`), or None."""
-        if self.writes_reach_values:
-            return None
-        for name, p, seen in zip(self.param_names, self.params, self._versions, strict=True):
-            if p._version != seen:
-                return name
-        return None
+        self.versions = [p._version for p in self.params]
 
     @property
     def owned_numel(self) -> int:
