@@ -111,27 +111,40 @@ def plain_grad_norms(steps: int, max_norm: float) -> list[float]:
     return norms
 
 
-def wgan_clipping_matches_plain(model: nn.Module, opt: Any, clip_ours: Callable[[], None], steps: int = 3) -> bool:
-    """WGAN's loop on the sharded `model` beside plain PyTorch from the same seed: every weight
-    clamped to [-0.05, 0.05] after each step, on the plain model in place and on ours by `clip_ours`
-    (the way under test). True when the final weights are bitwise equal."""
+def plain_weights(steps: int, after_step: Callable[[nn.Module], None] | None = None) -> dict[str, torch.Tensor]:
+    """The test model's weights after `steps` steps of plain PyTorch (fused AdamW, the global batches,
+    from seed 0); `after_step(model)` runs after each optimizer step."""
     torch.manual_seed(0)
-    plain = build_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, fused=True)
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     for step in range(steps):
         x, y = global_batch(step)
-        plain(x, y).backward()
-        plain_opt.step()
-        plain_opt.zero_grad()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(model)
+    return model.state_dict()
+
+
+def _clamp_weights(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.05, 0.05)
+
+
+def wgan_clipping_matches_plain(model: nn.Module, opt: Any, clip_ours: Callable[[], None], steps: int = 3) -> bool:
+    """WGAN's loop on the sharded `model` against plain PyTorch from the same seed: every weight
+    clamped to [-0.05, 0.05] after each step, on the plain model in place and on ours by `clip_ours`
+    (the way under test). True when the final weights are bitwise equal."""
+    for step in range(steps):
+        x, y = global_batch(step)
         opt.backward(model(x, y))
         opt.step()
         opt.zero_grad()
-        with torch.no_grad():
-            for p in plain.parameters():
-                p.clamp_(-0.05, 0.05)
         clip_ours()
     ours = model.state_dict()
-    return all(torch.equal(ours[k], v) for k, v in plain.state_dict().items())
+    return all(torch.equal(ours[k], v) for k, v in plain_weights(steps, _clamp_weights).items())
 
 
 def build_model(name: str = "tiny_gpt", seed: int = 0) -> nn.Module:

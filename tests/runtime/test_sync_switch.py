@@ -18,7 +18,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
-from tests._parity import LR, build_model, global_batch
+from tests._parity import LR, build_model, global_batch, plain_weights
 
 STYLES = ["no_sync", "require_backward_grad_sync", "set_requires_gradient_sync"]
 ACCUM, STEPS = 2, 3
@@ -71,22 +71,10 @@ def results() -> list[dict[str, Any]]:
     return run_ranks(_runs, 2, timeout_s=240)
 
 
-def _plain() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = build_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.state_dict()
-
-
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_ddp_or_fsdp2_accumulation_loop_trains_as_plain_pytorch(results, stage: int, style: str) -> None:
-    plain = _plain()
+    plain = plain_weights(STEPS)
     for rank, runs in enumerate(results):
         switched, counted = runs[f"{stage}-{style}"], runs[f"{stage}-None"]
         assert switched["losses"] == counted["losses"], (rank, stage, style)
