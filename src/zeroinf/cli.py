@@ -410,7 +410,8 @@ def leave_process_group() -> None:
     to the interpreter's shutdown, gloo's threads were torn down with it half gone while the other
     ranks closed their sockets, and a rank aborted with "terminate called without an active
     exception" (1 run in 16 of a two-rank run stopping on a missing checkpoint, with another such
-    run beside it; topology.py [Note: a process group that outlives destroy_process_group])."""
+    run beside it; topology.py [Note: a process group that outlives destroy_process_group]). Leaving
+    at once is safe because `init_distributed` returns only once every rank is connected."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

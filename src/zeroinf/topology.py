@@ -165,4 +165,8 @@ def init_distributed(timeout_s: float = 600.0) -> Topology:
         dist.init_process_group(
             backend=default_backend(device), timeout=datetime.timedelta(seconds=timeout_s)
         )
+        # Every rank connected before any goes on: a rank that then stops on a user error leaves its
+        # group at once (cli.leave_process_group), which closed the socket of a peer still connecting
+        # inside init_process_group ("Gloo connectFullMesh failed ... Connection closed by peer").
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" and device.index is not None else None)
     return Topology.current(device=device)
