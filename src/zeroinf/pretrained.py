@@ -14,7 +14,10 @@
    weight's device gets the real one. A base weight that `prepare` reads is read whole from the
    files then (`resize_token_embeddings` copies the old rows and averages them): it is held like a
    built parameter from there on, and shard does not read it again.
-4. Every other stored key is matched to a parameter (by the names it had before `prepare`) and checked.
+4. Every other stored key is matched to a parameter (by the names it had before `prepare`) and checked,
+   through transformers' checkpoint conversions where the model's names and layout differ from the
+   files' (renamed keys; experts stored one tensor each but fused in the model, read by ranges all
+   the same: weights/hf_conversion.py).
 5. `zeroinf.shard(model, cfg, weights=...)` builds unit by unit: each rank reads only the byte
    ranges of its own shards, straight into the shard's tier; fp32 masters are read from the files
    (exact fp32 whatever the compute dtype) when an optimizer takes them. Host memory stays about one
@@ -39,6 +42,7 @@ from zeroinf.engine import shard
 from zeroinf.optional import require
 from zeroinf.partition.init import init
 from zeroinf.topology import Topology, default_topology
+from zeroinf.weights.hf_conversion import model_keyed
 from zeroinf.weights.safetensors_folder import SafetensorsFolder, WeightsError
 from zeroinf.weights.source import CheckpointWeights, persistent_buffers
 
@@ -89,6 +93,9 @@ def from_pretrained(
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)
             buffers = persistent_buffers(model)
+            keyed = model_keyed(folder, model, [n for ns in names.values() for n in ns] + [n for n, _ in buffers])
+            if keyed is not None:  # transformers' renamings and fused experts (weights/hf_conversion.py)
+                folder.tensors = keyed
             read_early: dict[int, list[str]] = {}  # parameters `prepare` read: their values are in the park
             if prepare is not None:
                 park.defer_values = False  # what `prepare` adds (adapters) is built for real

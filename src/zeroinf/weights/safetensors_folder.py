@@ -16,10 +16,14 @@ malformed entry or two tensors sharing bytes (a damaged header).
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import json
+import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +55,130 @@ class StoredTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
+
+    def ranges(self, start: int, numel: int) -> list[Segment]:
+        """Elements [start, start + numel) as ranges of stored tensors: itself."""
+        return [Segment(self, start, numel)]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [start, start + numel) of a stored tensor (one contiguous byte range of its file)."""
+
+    stored: StoredTensor
+    start: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ComposedTensor:
+    """A tensor the files hold in pieces: its flattened elements are `segments`, in order (the
+    experts of a layer stacked, or two stacks concatenated: weights/hf_conversion.py). A range of
+    it is a few ranges of stored tensors, so a shard is still read as contiguous byte ranges."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    segments: tuple[Segment, ...]
+
+    def __post_init__(self) -> None:
+        if sum(s.numel for s in self.segments) != self.numel:
+            raise ValueError(f"{self.key}: segments of {sum(s.numel for s in self.segments)} elements for {self.shape}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def path(self) -> str:
+        """The file of its first piece (messages name it)."""
+        return self.segments[0].stored.path
+
+    @property
+    def sources(self) -> list[str]:
+        """The stored keys it is made of, each once, in order."""
+        return list(dict.fromkeys(s.stored.key for s in self.segments))
+
+    def ranges(self, start: int, numel: int) -> list[Segment]:
+        """Elements [start, start + numel) as ranges of stored tensors."""
+        offsets = self._offsets
+        out, end = [], start + numel
+        i = bisect.bisect_right(offsets, start) - 1
+        while start < end:
+            seg, seg_start = self.segments[i], offsets[i]
+            take = min(end, seg_start + seg.numel) - start
+            out.append(Segment(seg.stored, seg.start + start - seg_start, take))
+            start += take
+            i += 1
+        return out
+
+    @functools.cached_property
+    def _offsets(self) -> list[int]:
+        """Where each segment starts in the flattened tensor."""
+        return list(itertools.accumulate((seg.numel for seg in self.segments[:-1]), initial=0))
+
+
+Stored = StoredTensor | ComposedTensor
+
+
+def stack(key: str, parts: Sequence[Stored]) -> ComposedTensor:
+    """`torch.stack(parts)` (along dim 0): the parts one after the other."""
+    _check_alike(key, parts, dim=None)
+    segments = tuple(seg for part in parts for seg in part.ranges(0, part.numel))
+    return ComposedTensor(key, (len(parts), *parts[0].shape), parts[0].dtype, _merged(segments))
+
+
+def concatenate(key: str, parts: Sequence[Stored], dim: int) -> ComposedTensor:
+    """`torch.cat(parts, dim)`: for each index of the dimensions before `dim`, each part's block of
+    prod(shape[dim:]) elements in turn."""
+    _check_alike(key, parts, dim)
+    dim = dim % len(parts[0].shape)
+    outer = math.prod(parts[0].shape[:dim])
+    inner = [math.prod(part.shape[dim:]) for part in parts]
+    segments = tuple(
+        seg for o in range(outer) for part, n in zip(parts, inner, strict=True) for seg in part.ranges(o * n, n)
+    )
+    shape = list(parts[0].shape)
+    shape[dim] = sum(part.shape[dim] for part in parts)
+    return ComposedTensor(key, tuple(shape), parts[0].dtype, _merged(segments))
+
+
+def _check_alike(key: str, parts: Sequence[Stored], dim: int | None) -> None:
+    """Parts of one dtype and of one shape (but along `dim`), or a WeightsError naming them."""
+    first = parts[0]
+    for part in parts[1:]:
+        shapes = (first.shape, part.shape)
+        if dim is not None and len(first.shape) == len(part.shape):
+            shapes = tuple(s[: dim % len(s)] + s[dim % len(s) + 1 :] for s in shapes)  # type: ignore[assignment]
+        if part.dtype != first.dtype or shapes[0] != shapes[1]:
+            raise WeightsError(
+                f"{part.path}: {key!r} is built from {first.key!r} ({first.dtype}, {first.shape}) and {part.key!r} "
+                f"({part.dtype}, {part.shape}), which do not fit together"
+            )
+
+
+def _merged(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
+    """Adjacent ranges of one stored tensor as one range (fewer, larger reads)."""
+    out: list[Segment] = []
+    for seg in segments:
+        last = out[-1] if out else None
+        if last is not None and last.stored is seg.stored and last.start + last.numel == seg.start:
+            out[-1] = Segment(seg.stored, last.start, last.numel + seg.numel)
+        else:
+            out.append(seg)
+    return tuple(out)
+
+
+class Reads:
+    """The reads of one range of a tensor: several where it spans stored tensors."""
+
+    def __init__(self, handles: list[AioHandle]) -> None:
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
 
 
 def _read_header(path: str) -> dict[str, StoredTensor]:
@@ -146,7 +270,8 @@ class SafetensorsFolder:
             )
         else:
             raise WeightsError(f"{path}: no such folder or .safetensors file")
-        self.tensors: dict[str, StoredTensor] = {}
+        # by key; `from_pretrained` re-keys them by the model's names (weights/hf_conversion.py)
+        self.tensors: dict[str, Stored] = {}
         for file in files:
             for key, stored in _read_header(file).items():
                 if key in self.tensors:
@@ -176,7 +301,7 @@ class SafetensorsFolder:
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
 
-    def __getitem__(self, key: str) -> StoredTensor:
+    def __getitem__(self, key: str) -> Stored:
         try:
             return self.tensors[key]
         except KeyError:
@@ -189,11 +314,15 @@ class SafetensorsFolder:
             self._engine = open_engine()
         return self._engine
 
-    def start_read(self, stored: StoredTensor, start: int, out: torch.Tensor) -> AioHandle:
+    def start_read(self, stored: Stored, start: int, out: torch.Tensor) -> Reads:
         """Start reading elements [start, start + out.numel()) of `stored` into `out` (its dtype, CPU)."""
         if out.dtype != stored.dtype or start < 0 or start + out.numel() > stored.numel:
             raise ValueError(f"read of {stored.key!r}: elements [{start}, {start + out.numel()}) {out.dtype}")
-        return self.engine.read(out, stored.path, stored.offset_bytes + start * stored.dtype.itemsize)
+        handles, at = [], 0
+        for seg in stored.ranges(start, out.numel()):
+            piece, at = out[at : at + seg.numel], at + seg.numel
+            handles.append(self.engine.read(piece, seg.stored.path, seg.stored.offset_bytes + seg.start * out.itemsize))
+        return Reads(handles)
 
     def read(self, key: str) -> torch.Tensor:
         """A whole tensor, in its stored dtype and shape (small ones: buffers)."""

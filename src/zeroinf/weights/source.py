@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from zeroinf.partition.flat_buffer import FlatLayout
-from zeroinf.weights.safetensors_folder import SafetensorsFolder, StoredTensor, WeightsError
+from zeroinf.weights.safetensors_folder import SafetensorsFolder, Stored, WeightsError
 
 KeyMap = Callable[[str], str]
 
@@ -52,7 +52,7 @@ class CheckpointWeights:
             names = {}
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)
-        self.of_param: dict[int, StoredTensor] = {}
+        self.of_param: dict[int, Stored] = {}
         used: set[str] = set(read_early or ())
         missing = []
         params = {id(p): p for p in model.parameters()}
@@ -69,7 +69,7 @@ class CheckpointWeights:
             shape = shapes.get(pid) if shapes else None
             self._check(stored, params[pid], tuple(shape) if shape is not None else tuple(params[pid].shape))
             self.of_param[pid] = stored
-        self.buffers: list[tuple[torch.Tensor, StoredTensor]] = []
+        self.buffers: list[tuple[torch.Tensor, Stored]] = []
         for name, b in persistent_buffers(model) if buffers is None else buffers:
             key = key_map(name)
             if key in folder:
@@ -94,7 +94,7 @@ class CheckpointWeights:
             )
 
     @staticmethod
-    def _check(stored: StoredTensor, target: torch.Tensor, shape: tuple[int, ...]) -> None:
+    def _check(stored: Stored, target: torch.Tensor, shape: tuple[int, ...]) -> None:
         if stored.shape != shape:
             raise WeightsError(
                 f"{stored.path}: tensor {stored.key!r} has shape {stored.shape}, the model's has {shape}"
@@ -104,7 +104,7 @@ class CheckpointWeights:
                 f"{stored.path}: tensor {stored.key!r} is {stored.dtype}, the model's is {target.dtype}"
             )
 
-    def stored(self, p: torch.Tensor) -> StoredTensor | None:
+    def stored(self, p: torch.Tensor) -> Stored | None:
         return self.of_param.get(id(p))
 
     def covers(self, params: Iterable[torch.Tensor]) -> bool:

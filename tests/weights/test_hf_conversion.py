@@ -1,0 +1,197 @@
+"""Folders whose stored tensors are not the model's parameters (weights/hf_conversion.py).
+
+`ComposedTensor` ranges against torch.stack / torch.cat on real files: every range of a stack, of a
+concatenation along each dimension, and of a concatenation of stacks (the experts' gate_up_proj)
+reads exactly the elements torch's result holds there.
+
+Hugging Face folders as `save_pretrained` writes them under transformers 5 (the Hub layout, checked
+below: one tensor per expert and matrix, Mixtral's `block_sparse_moe`, GPT-NeoX's `embed_out`):
+Mixtral (fp32, several files), Qwen2-MoE (bf16, shared expert) and GPT-NeoX (a renamed head). For
+each, at world 1 and 2 (one spawned group) and stage-3 parameters on the host and on NVMe, the
+gathered state_dict equals `AutoModelForCausalLM.from_pretrained` bitwise, the logits agree, and the
+fp32 masters an optimizer takes are the stored values (tests/weights/test_pretrained.py's check).
+Mixtral loaded at stage 3 trains as Hugging Face's own load does under torch's AdamW. A conversion
+zeroinf cannot read by ranges is refused naming the parameter and the operation.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+import zeroinf
+from tests._harness import run_ranks
+from tests.partition._construction import VOCAB
+from tests.weights.test_pretrained import _cfg, _compare
+from zeroinf.weights import SafetensorsFolder, WeightsError
+from zeroinf.weights.safetensors_folder import concatenate, stack
+
+pytest.importorskip("transformers")
+
+
+# -- ranges of composed tensors -------------------------------------------------------------------------
+def _ranges_match(folder: SafetensorsFolder, composed: Any, expected: torch.Tensor) -> None:
+    flat = expected.reshape(-1)
+    n = flat.numel()
+    g = torch.Generator().manual_seed(n)
+    spans = [(0, n), (0, 1), (n - 1, 1)] + [
+        (s, int(torch.randint(1, n - s + 1, (1,), generator=g))) for s in torch.randint(0, n, (40,), generator=g).tolist()
+    ]
+    assert composed.shape == tuple(expected.shape)
+    for start, count in spans:
+        out = torch.empty(count, dtype=expected.dtype)
+        folder.start_read(composed, start, out).wait()
+        assert torch.equal(out, flat[start : start + count]), (composed.key, start, count)
+
+
+def test_stacks_and_concatenations_read_as_torch_builds_them(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"e{e}.{m}": torch.randn(6, 5, generator=g) for e in range(3) for m in ("w1", "w3")}
+    tensors["other"] = torch.randn(6, 7, generator=g)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    folder = SafetensorsFolder(tmp_path)
+    try:
+        w1 = [folder[f"e{e}.w1"] for e in range(3)]
+        w3 = [folder[f"e{e}.w3"] for e in range(3)]
+        t1 = [tensors[f"e{e}.w1"] for e in range(3)]
+        t3 = [tensors[f"e{e}.w3"] for e in range(3)]
+        _ranges_match(folder, stack("s", w1), torch.stack(t1))
+        for dim in (0, 1, -1):
+            _ranges_match(folder, concatenate("c", [w1[0], w3[1]], dim), torch.cat([t1[0], t3[1]], dim))
+        _ranges_match(folder, concatenate("wide", [w1[0], folder["other"]], 1), torch.cat([t1[0], tensors["other"]], 1))
+        fused = concatenate("gate_up", [stack("a", w1), stack("b", w3)], 1)  # MergeModulelist, then Concatenate(1)
+        _ranges_match(folder, fused, torch.cat([torch.stack(t1), torch.stack(t3)], 1))
+        with pytest.raises(WeightsError, match="do not fit together"):
+            concatenate("bad", [w1[0], folder["other"]], 0)
+    finally:
+        folder.close()
+
+
+# -- Hugging Face folders in the Hub layout ---------------------------------------------------------------
+def _build(arch: str) -> torch.nn.Module:
+    import transformers as tf
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(3)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32)
+    if arch == "mixtral":
+        cfg = tf.MixtralConfig(**common, intermediate_size=48, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, tie_word_embeddings=False)
+    elif arch == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_key_value_heads=2,
+                                shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    else:
+        cfg = tf.GPTNeoXConfig(**common, intermediate_size=64, tie_word_embeddings=False)
+    return tf.AutoModelForCausalLM.from_config(cfg)
+
+
+FOLDERS = [("mixtral", torch.float32, "20KB", "block_sparse_moe.experts.3.w3.weight"),
+           ("qwen2_moe", torch.bfloat16, "1GB", "mlp.experts.3.up_proj.weight"),
+           ("gpt_neox", torch.float32, "1GB", "embed_out.weight")]
+
+
+@pytest.fixture(scope="module")
+def folders() -> Any:
+    root = tempfile.mkdtemp(prefix="zeroinf-hf-conversion-")
+    try:
+        paths = []
+        for arch, dtype, shard, hub_key in FOLDERS:
+            path = os.path.join(root, arch)
+            _build(arch).to(dtype).save_pretrained(path, max_shard_size=shard)
+            stored = SafetensorsFolder(path)
+            assert any(k.endswith(hub_key) for k in stored), f"{arch}: not saved in the Hub layout ({list(stored)[:4]})"
+            stored.close()
+            paths.append(path)
+        yield root, paths
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _trains_as_hugging_face(path: str, swap: str) -> float:
+    """Largest difference in losses and weights over 3 steps: stage 3 on NVMe vs Hugging Face's load."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = zeroinf.from_pretrained(path, _cfg("nvme", swap))
+    reference.train(), model.train()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    worst = 0.0
+    for step in range(3):
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(step))
+        ref_loss = reference(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        ref_opt.step(), ref_opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.step(), opt.zero_grad()
+        worst = max(worst, abs(loss.item() - ref_loss.item()))
+    ref_state = reference.state_dict()
+    for k, v in model.state_dict().items():
+        worst = max(worst, (v - ref_state[k]).abs().max().item())
+    opt.close()
+    zeroinf.engine_of(model).close()
+    return worst
+
+
+def run(rank: int, world: int, paths: list[str], swap_root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        f"{os.path.basename(p)}/{tier}": _compare(p, tier, rank, swap_root) for p in paths for tier in ("host", "nvme")
+    }
+    if world == 1:
+        out["trained"] = _trains_as_hugging_face(paths[0], os.path.join(swap_root, "train"))
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
+def results(request: pytest.FixtureRequest, folders: tuple[str, list[str]]) -> tuple[int, list[dict]]:
+    root, paths = folders
+    swap_root = tempfile.mkdtemp(dir=root)
+    if request.param == 1:
+        return 1, [run(0, 1, paths, swap_root)]
+    return 2, run_ranks(run, 2, paths, swap_root, timeout_s=300)
+
+
+def test_hub_layout_loads_as_hugging_face_loads_it(results: tuple[int, list[dict]]) -> None:
+    world, per_rank = results
+    for rank, by_case in enumerate(per_rank):
+        for case, r in by_case.items():
+            if case == "trained":
+                continue
+            where = f"world {world} rank {rank} {case}"
+            assert r["param_diffs"] == [] and r["buffer_diffs"] == [], f"{where}: {r}"
+            assert r["logit_diff"] <= 1e-5, f"{where}: logits differ by {r['logit_diff']}"
+            assert r["masters_ok"], f"{where}: the fp32 masters are not the stored values"
+            assert r["swap_left"] == [], f"{where}: a park file was left: {r['swap_left']}"
+
+
+def test_a_fused_moe_folder_trains_as_hugging_face_loads_it(results: tuple[int, list[dict]]) -> None:
+    world, per_rank = results
+    if world == 1:
+        assert per_rank[0]["trained"] <= 1e-5, per_rank[0]["trained"]
+
+
+def test_a_conversion_that_is_not_a_range_is_refused(folders: tuple[str, list[str]], monkeypatch: Any) -> None:
+    import transformers.conversion_mapping as mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    _, paths = folders
+    real = mapping.get_model_conversion_mapping
+
+    def with_a_transpose(model: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        return [*real(model, *args, **kwargs), WeightConverter(
+            source_patterns=["self_attn.q_proj.weight"], target_patterns=["self_attn.q_proj.weight"],
+            operations=[Transpose(0, 1)],
+        )]
+
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", with_a_transpose)
+    with pytest.raises(WeightsError, match=r"q_proj.weight.*Transpose"):
+        zeroinf.from_pretrained(paths[0], zeroinf.Config(stage=3))
