@@ -88,7 +88,9 @@ def from_pretrained(
     try:
         config = AutoConfig.from_pretrained(path)
         with init(cfg, topology=topology, defer_values=True) as park:
-            model = (auto_class or AutoModelForCausalLM).from_config(config, **hf_kwargs)
+            # in the compute dtype, as transformers' from_pretrained(dtype=...) builds: what `prepare` adds
+            # (LoRA adapters, made in their base layer's dtype) is then built as it would be there
+            model = (auto_class or AutoModelForCausalLM).from_config(config, dtype=cfg.param_torch_dtype, **hf_kwargs)
             names: dict[int, list[str]] = {}
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)
