@@ -37,7 +37,7 @@ from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.partition.init import InitFn, materialize_and_build, needs_materializing
-from zeroinf.partition.intact import check_not_wrapped_in_ddp, check_params_intact
+from zeroinf.partition.intact import PassWrites, check_not_wrapped_in_ddp, check_params_intact
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
@@ -194,6 +194,8 @@ class Engine:
             for h in hooks.register_grad_ready_hooks(unit.params, functools.partial(self._on_grad_ready, ui))
         ]
         self._hook_handles.append(hooks.register_input_hook(module, lambda _: self._check_before_forward()))
+        self.pass_writes = PassWrites(self.all_units)  # partition/intact.py: the model's own bumps in a pass
+        self._hook_handles.append(hooks.register_output_hook(module, lambda _: self.pass_writes.end_pass()))
         if cfg.cast_forward_inputs and cfg.param_dtype != "fp32":  # Config.cast_forward_inputs
             self._hook_handles.append(hooks.register_input_cast(module, cfg.param_torch_dtype))
         # The pass begins in the outermost backward, where the model's output gets its gradient (see
@@ -227,6 +229,7 @@ class Engine:
                 unit.remember_versions()
             raise
         check_params_intact(self.all_units)
+        self.pass_writes.begin_forward()
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
         """The unit holding `param`, or None (frozen, or not this model's)."""
@@ -441,12 +444,14 @@ class Engine:
         hooks.queue_end_of_backward(self._end_input_gradient_pass)
 
     def _end_input_gradient_pass(self) -> None:
+        self.pass_writes.end_pass()
         assert self._input_gradient_pass is not None
         self._input_gradient_pass.release_all()
         self._input_gradient_pass = None
         self._in_backward = False
 
     def _end_backward(self) -> None:
+        self.pass_writes.end_pass()
         self._settle_agreement()
         if self.backward_step_barrier is not None:
             self.backward_step_barrier()

@@ -6,7 +6,8 @@ through the parameters themselves between steps (`with torch.no_grad(): p.clamp_
 at stage 3); the next forward and
 `zeroinf.save` now refuse it, naming the parameter and `zeroinf.gathered(..., modify=True)`. The
 same write inside such a block trains on (and bitwise as PyTorch: tests/partition/test_gathered.py);
-a write inside a read block is refused at the block's end.
+a write inside a read block is refused at the block's end. Version bumps the model's own code makes while it
+runs (peft's LoRA on a bare parameter, in forward and in a checkpointed recompute) are not refused.
 """
 
 from __future__ import annotations
@@ -134,3 +135,73 @@ def test_training_and_reading_never_count_as_writes(trained: tuple[nn.Module, ze
     zeroinf.save(str(tmp_path), model, opt, step=3)
     with torch.no_grad():
         model(*global_batch(4))
+
+
+class _Router(nn.Module):
+    """An MoE router's shape: a bare parameter, not an nn.Linear (peft wraps it in a ParamWrapper)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, d) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+class _RoutedBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.router, self.out = _Router(d), nn.Linear(8, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.tanh(self.router(x)))
+
+
+class _Routed(nn.Module):
+    """Blocks, so that the router's frozen base weight shares a sharded unit with trainable ones."""
+
+    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList([_RoutedBlock(d) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.emb(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_writes_the_model_makes_while_it_runs_are_not_refused(checkpointing: bool) -> None:
+    """peft's LoRA on a bare parameter registers a torch parametrization in every forward (and in
+    the recompute of a checkpointed backward), whose `set_` bumps the frozen base weight's version
+    counter without writing a value: it used to be refused at the next forward as a write between
+    steps. It trains as the plain peft model does (stage 3, frozen units sharded on the host), and a
+    real write between steps is still refused."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, target_parameters=["router.weight"], init_lora_weights=False)
+    plain = peft.get_peft_model(_Routed(), lora)
+    assert type(plain.base_model.model.blocks[0].router).__name__ == "ParamWrapper"
+    offload = zeroinf.OffloadConfig(params="host")
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, activation_checkpointing=checkpointing, offload=offload)
+    model = zeroinf.shard(copy.deepcopy(plain), cfg)
+    plain_opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    for step in range(3):
+        x = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step))
+        expected = nn.functional.cross_entropy(plain(x).flatten(0, 1), x.roll(1, 1).flatten())
+        expected.backward()
+        plain_opt.step(), plain_opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.roll(1, 1).flatten())
+        opt.backward(loss)
+        opt.step(), opt.zero_grad()
+        assert loss.item() == expected.item(), step
+    with torch.no_grad():
+        model.base_model.model.head.weight.clamp_(-0.01, 0.01)
+    with pytest.raises(RuntimeError, match=r"head\.weight was written in place"):
+        model(x)
+    zeroinf.engine_of(model).close()

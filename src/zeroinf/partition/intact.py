@@ -32,7 +32,7 @@ frozen one (no master; a checkpoint's load writes them so), and one whose fp32 m
 range (stages 0-2 in fp32 with the states in the same memory, a resident stage-3 unit whose shard
 is the master), as DDP takes such writes. What this cannot see: writes through
 `p.data` (a tensor with a counter of its own, by PyTorch's design) and through views the user made
-before `shard`; README says so.
+before `shard`; README says so. Nor writes the model's own code makes while it runs (`PassWrites`).
 """
 
 from __future__ import annotations
@@ -91,10 +91,35 @@ def written_in_place(unit: ShardedUnit) -> str | None:
     write is lost (not `writes_reach_values`), or None."""
     if writes_reach_values(unit):
         return None
+    return _first_written(unit)
+
+
+def _first_written(unit: ShardedUnit) -> str | None:
     for name, p, seen in zip(unit.param_names, unit.params, unit.versions, strict=True):
         if p._version != seen:
             return name
     return None
+
+
+class PassWrites:
+    """The model's own code may bump version counters while it runs: peft's LoRA on a bare parameter
+    (an MoE router, fused experts: `ParamWrapper`) registers a torch parametrization in every
+    forward, and registering one `set_`s the parameter to itself, a version bump that writes
+    nothing. Such bumps, during a forward or a backward (activation-checkpoint recomputes), are not
+    the writes between steps this module refuses: the units whose counters were unchanged when the
+    forward began take their counters again when it and its backward end. A unit already written
+    then (inside a read-only `gathered` block) keeps its old counters, and is refused as before."""
+
+    def __init__(self, units: list[ShardedUnit]) -> None:
+        self.units = units
+        self.clean: list[ShardedUnit] = []
+
+    def begin_forward(self) -> None:
+        self.clean = [unit for unit in self.units if _first_written(unit) is None]
+
+    def end_pass(self) -> None:
+        for unit in self.clean:
+            unit.remember_versions()
 
 
 def _refusal_of_write(unit: ShardedUnit) -> str | None:
