@@ -352,7 +352,7 @@ def export(run: FinetuneRun, args: FinetuneArgs) -> None:
             return None
         return name[len(prefix) :].replace(".base_layer.", ".")
 
-    save_pretrained_weights(model, out, rename=rename)
+    save_pretrained_weights(model, out, rename=rename, hub_layout_of=base)
     if run.topo.rank == 0:
         write_configs(base, out)
         if run.tokenizer is not None:

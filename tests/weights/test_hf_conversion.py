@@ -9,9 +9,16 @@ below: one tensor per expert and matrix, Mixtral's `block_sparse_moe`, GPT-NeoX'
 Mixtral (fp32, several files), Qwen2-MoE (bf16, shared expert) and GPT-NeoX (a renamed head). For
 each, at world 1 and 2 (one spawned group) and stage-3 parameters on the host and on NVMe, the
 gathered state_dict equals `AutoModelForCausalLM.from_pretrained` bitwise, the logits agree, and the
-fp32 masters an optimizer takes are the stored values (tests/weights/test_pretrained.py's check).
+fp32 masters an optimizer takes are the stored values (tests/weights/test_pretrained.py's check);
+with the default settings (small parameters read whole), and with peft's LoRA at stages 0-1 (frozen
+base weights read whole), the values are equal to Hugging Face's load (then the same LoRA) too.
 Mixtral loaded at stage 3 trains as Hugging Face's own load does under torch's AdamW. A conversion
 zeroinf cannot read by ranges is refused naming the parameter and the operation.
+
+Saving goes the other way, as transformers' `save_pretrained` does: `zeroinf.save_pretrained` of
+the loaded Mixtral writes the folder's own keys and values back (experts one tensor each), and of a
+Qwen2-MoE built from a config what Hugging Face's save_pretrained writes, at world 1 and 2; a
+conversion joining two units' tensors falls back to the model's own layout with a warning.
 """
 
 from __future__ import annotations
@@ -39,9 +46,8 @@ def _ranges_match(folder: SafetensorsFolder, composed: Any, expected: torch.Tens
     flat = expected.reshape(-1)
     n = flat.numel()
     g = torch.Generator().manual_seed(n)
-    spans = [(0, n), (0, 1), (n - 1, 1)] + [
-        (s, int(torch.randint(1, n - s + 1, (1,), generator=g))) for s in torch.randint(0, n, (40,), generator=g).tolist()
-    ]
+    starts = torch.randint(0, n, (40,), generator=g).tolist()
+    spans = [(0, n), (0, 1), (n - 1, 1)] + [(s, int(torch.randint(1, n - s + 1, (1,), generator=g))) for s in starts]
     assert composed.shape == tuple(expected.shape)
     for start, count in spans:
         out = torch.empty(count, dtype=expected.dtype)
@@ -81,7 +87,9 @@ def _build(arch: str) -> torch.nn.Module:
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(3)
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32
+    )
     if arch == "mixtral":
         cfg = tf.MixtralConfig(**common, intermediate_size=48, num_key_value_heads=2, num_local_experts=4,
                                num_experts_per_tok=2, tie_word_embeddings=False)
@@ -142,12 +150,67 @@ def _trains_as_hugging_face(path: str, swap: str) -> float:
     return worst
 
 
+def _stored(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    return {k: v for name in names for k, v in load_file(os.path.join(path, name)).items()}
+
+
+def _differences(written: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(set(written) ^ set(expected)) or [k for k, v in expected.items() if not torch.equal(written[k], v)]
+
+
+def _saved_in_the_hub_layout(path: str, rank: int, world: int, swap_root: str) -> dict[str, list[str]]:
+    """`zeroinf.save_pretrained` of a loaded folder writes the folder's keys and values; of a model
+    built from a config, what Hugging Face's own save_pretrained writes (keys that differ: none)."""
+    model = zeroinf.from_pretrained(path, _cfg("nvme", os.path.join(swap_root, f"save-{rank}")))
+    out = os.path.join(swap_root, f"resaved-w{world}")
+    zeroinf.save_pretrained(model, out)
+    zeroinf.engine_of(model).close()
+    built = _build("qwen2_moe")
+    plain = os.path.join(swap_root, f"plain-w{world}-r{rank}")
+    built.save_pretrained(plain)
+    sharded = zeroinf.shard(built, zeroinf.Config(stage=3, persist_threshold_bytes=0))
+    from_config = os.path.join(swap_root, f"from-config-w{world}")
+    zeroinf.save_pretrained(sharded, from_config)
+    zeroinf.engine_of(sharded).close()
+    if rank != 0:
+        return {}
+    return {"loaded": _differences(_stored(out), _stored(path)),
+            "built": _differences(_stored(from_config), _stored(plain))}
+
+
+def _default_config_differences(path: str, stage: int, lora: bool) -> list[str]:
+    """Keys whose values differ from Hugging Face's load (then peft's LoRA on every linear layer, after
+    the same seed), with the default persist threshold: small parameters, a renamed router or head
+    among them, and at stages 0-2 the frozen base weights, are read whole outside units."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def prepare(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(5)
+        return get_peft_model(model, LoraConfig(r=2, target_modules="all-linear"))  # type: ignore[return-value]
+
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = (prepare(reference) if lora else reference).state_dict()
+    model = zeroinf.from_pretrained(path, zeroinf.Config(stage=stage), prepare=prepare if lora else None)
+    state = model.state_dict()
+    zeroinf.engine_of(model).close()
+    return _differences(state, expected)
+
+
 def run(rank: int, world: int, paths: list[str], swap_root: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         f"{os.path.basename(p)}/{tier}": _compare(p, tier, rank, swap_root) for p in paths for tier in ("host", "nvme")
     }
+    out["defaults"] = {
+        f"{os.path.basename(p)}/stage{stage}{'/lora' if lora else ''}": _default_config_differences(p, stage, lora)
+        for p in paths for stage, lora in ((0, True), (1, True), (3, False))
+    }
     if world == 1:
         out["trained"] = _trains_as_hugging_face(paths[0], os.path.join(swap_root, "train"))
+    out["saved"] = _saved_in_the_hub_layout(paths[0], rank, world, swap_root)
     return out
 
 
@@ -164,7 +227,7 @@ def test_hub_layout_loads_as_hugging_face_loads_it(results: tuple[int, list[dict
     world, per_rank = results
     for rank, by_case in enumerate(per_rank):
         for case, r in by_case.items():
-            if case == "trained":
+            if case in ("trained", "saved", "defaults"):
                 continue
             where = f"world {world} rank {rank} {case}"
             assert r["param_diffs"] == [] and r["buffer_diffs"] == [], f"{where}: {r}"
@@ -173,10 +236,53 @@ def test_hub_layout_loads_as_hugging_face_loads_it(results: tuple[int, list[dict
             assert r["swap_left"] == [], f"{where}: a park file was left: {r['swap_left']}"
 
 
+def test_hub_layout_loads_with_default_settings(results: tuple[int, list[dict]]) -> None:
+    world, per_rank = results
+    for rank, r in enumerate(per_rank):
+        assert all(d == [] for d in r["defaults"].values()), f"world {world} rank {rank}: {r['defaults']}"
+
+
 def test_a_fused_moe_folder_trains_as_hugging_face_loads_it(results: tuple[int, list[dict]]) -> None:
     world, per_rank = results
     if world == 1:
         assert per_rank[0]["trained"] <= 1e-5, per_rank[0]["trained"]
+
+
+def test_save_pretrained_writes_the_hub_layout(results: tuple[int, list[dict]]) -> None:
+    world, per_rank = results
+    assert per_rank[0]["saved"] == {"loaded": [], "built": []}, f"world {world}: {per_rank[0]['saved']}"
+
+
+def test_a_conversion_across_units_is_saved_in_the_model_layout(
+    folders: tuple[str, list[str]], monkeypatch: Any, caplog: Any, tmp_path: Any
+) -> None:
+    """A conversion that joins two units' tensors cannot be reverted unit by unit: the model's own
+    names are written (transformers loads them too), with a warning."""
+    import transformers.conversion_mapping as mapping
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    real = mapping.get_model_conversion_mapping
+    joined = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+
+    def joining_two_layers(model: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        return [*real(model, *args, **kwargs), WeightConverter(
+            source_patterns=["model.both.weight"], target_patterns=joined, operations=[Chunk(dim=0)],
+        )]
+
+    built = _build("mixtral")
+    expected = {k: v.clone() for k, v in built.state_dict().items()}
+    model = zeroinf.shard(built, zeroinf.Config(stage=3, persist_threshold_bytes=0))
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", joining_two_layers)
+    with caplog.at_level("WARNING", logger="zeroinf.weights"):
+        zeroinf.save_pretrained(model, tmp_path)
+    zeroinf.engine_of(model).close()
+    assert "spans two units" in caplog.text
+    written = _stored(str(tmp_path))
+    assert set(joined) <= set(written) and "model.both.weight" not in written
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", real)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    assert _differences(loaded, expected) == []
 
 
 def test_a_conversion_that_is_not_a_range_is_refused(folders: tuple[str, list[str]], monkeypatch: Any) -> None:

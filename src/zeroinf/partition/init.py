@@ -333,7 +333,7 @@ def _load_deferred(params: list[nn.Parameter], weights: CheckpointWeights | None
             )
         device = park.take_deferred(p)
         assert weights is not None
-        swap_data(p, weights.folder.read(stored.key).to(device=device, dtype=p.dtype))
+        swap_data(p, weights.folder.read(stored).to(device=device, dtype=p.dtype))
 
 
 def _unpark(params: list[nn.Parameter], as_parked: bool = False) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from zeroinf.checkpoint.format import as_bytes, fsync_dir, write_atomic
 from zeroinf.engine import engine_of
 from zeroinf.partition.unit import ParamState
+from zeroinf.weights.hf_conversion import hub_layout
 from zeroinf.weights.safetensors_folder import DTYPES, INDEX_FILE, SINGLE_FILE
 
 ST_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -50,57 +51,76 @@ def save_pretrained_weights(
     dtype: torch.dtype | None = None,
     rename: Rename | None = None,
     max_shard_bytes: int = 5 * 10**9,
+    hub_layout_of: nn.Module | None = None,
 ) -> dict[str, str]:
     """Write the weights (parameters and persistent buffers) of sharded `model`; returns the
-    weight map (name -> file). `dtype`: of floating tensors (default: as they are)."""
+    weight map (name -> file). `dtype`: of floating tensors (default: as they are).
+    `hub_layout_of`: the transformers model inside `model`, whose checkpoint conversions are
+    reverted as its `save_pretrained` reverts them (fused experts written one tensor each:
+    weights/hf_conversion.py `hub_layout`), unit by unit, after `rename`."""
     engine = engine_of(model)
     rename = rename or (lambda name: name)
     rank0 = engine.topo.rank == 0
     first_name: dict[int, str] = {}
     for name, p in model.named_parameters():
         first_name.setdefault(id(p), name)
-    # (name, shape, dtype) in the order they are gathered: unit by unit, then what is outside units
-    entries: list[Entry] = []
-    sources: list[tuple[int, int] | torch.Tensor] = []  # (unit index, slot index) or a whole tensor
+    # The tensors by group, in the order they are gathered: one group per unit (name -> slot index),
+    # then what is outside units (name -> tensor)
+    groups: list[dict[str, int | torch.Tensor]] = []
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     in_units: set[int] = set()
-    for ui, unit in enumerate(engine.all_units):
+    for unit in engine.all_units:
+        group: dict[str, int | torch.Tensor] = {}
         for si, (p, slot) in enumerate(zip(unit.params, unit.layout.slots, strict=True)):
             in_units.add(id(p))
             new = rename(first_name.get(id(p), slot.name))
             if new is not None:
-                entries.append((new, tuple(slot.shape), dtype or unit.param_flat.dtype))
-                sources.append((ui, si))
+                group[new] = si
+                shapes[new] = (tuple(slot.shape), dtype or unit.param_flat.dtype)
+        groups.append(group)
     outside = [(n, p) for n, p in model.named_parameters() if id(p) not in in_units]
     buffers = [
         (f"{m}.{b}" if m else b, t) for m, mod in model.named_modules() for b, t in mod._buffers.items()
         if t is not None and b not in mod._non_persistent_buffers_set
     ]
+    group = {}
     for name, t in outside + buffers:
         new = rename(name)
         if new is not None:
-            entries.append((new, tuple(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype))
-            sources.append(t.detach())
-    handles: dict[int, Any] = {}
-    current_unit: list[int] = []  # the unit gathered now (its index), released when the next comes
+            group[new] = t.detach()
+            shapes[new] = (tuple(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype)
+    groups.append(group)
+    metas = [{n: torch.empty(shapes[n][0], dtype=shapes[n][1], device="meta") for n in g} for g in groups]
+    revert = hub_layout(hub_layout_of, metas) if hub_layout_of is not None else None
+    entries: list[Entry] = []  # (name, shape, dtype) as written
+    sources: list[tuple[int, str]] = []  # (group, name)
+    for gi, meta in enumerate(metas):
+        for name, t in (revert(meta) if revert is not None else meta).items():
+            entries.append((name, tuple(t.shape), t.dtype))
+            sources.append((gi, name))
+    current: dict[str, Any] = {}  # the group gathered now: its index, whether to reshard, its tensors
 
     def values(i: int) -> torch.Tensor:
-        source = sources[i]
-        if isinstance(source, torch.Tensor):
-            return source
-        ui, si = source
-        unit = engine.all_units[ui]
-        if not current_unit or current_unit[0] != ui:
+        gi, name = sources[i]
+        if current.get("group") != gi:
             release()
-            current_unit.append(ui)
-            handles[ui] = unit.state is not ParamState.UNSHARDED
-            unit.wait_unshard()
-        return unit.params[si].detach()
+            current["group"] = gi
+            tensors = {}
+            for new, source in groups[gi].items():
+                if isinstance(source, int):
+                    unit = engine.all_units[gi]
+                    if "reshard" not in current:
+                        current["reshard"] = unit.state is not ParamState.UNSHARDED
+                        unit.wait_unshard()
+                    source = unit.params[source].detach()
+                tensors[new] = source
+            current["tensors"] = revert(tensors) if revert is not None else tensors
+        return current["tensors"][name]
 
     def release() -> None:
-        if current_unit:
-            ui = current_unit.pop()
-            if handles.pop(ui):
-                engine.all_units[ui].reshard()
+        if current.pop("reshard", False):
+            engine.all_units[current["group"]].reshard()
+        current.clear()
 
     try:  # copies we own: writing a view would export the flat buffer's storage, which then can no
         # longer be resized (freed) when its unit is sharded again
@@ -110,7 +130,6 @@ def save_pretrained_weights(
         )
     finally:
         release()
-
 
 
 def write_safetensors_files(

@@ -23,10 +23,13 @@ operation, before anything is read.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 
+import torch
 from torch import nn
 
+from zeroinf.telemetry import get_logger
 from zeroinf.weights.safetensors_folder import (
     SafetensorsFolder,
     Stored,
@@ -78,6 +81,8 @@ def model_keyed(folder: SafetensorsFolder, model: nn.Module, names: Iterable[str
         if name in out:
             raise WeightsError(f"{folder.path}: {name!r} is stored whole ({out[name].key!r}) and in pieces")
         out[name] = _fuse(folder, name, converter, pieces)
+    # as transformers' loader does: saving reverts the conversions this folder needed (`hub_layout`)
+    setattr(model, "_weight_conversions", [t for t in transforms if t.was_used()])  # noqa: B010
     return out
 
 
@@ -105,3 +110,46 @@ def _fuse(folder: SafetensorsFolder, name: str, converter: object, pieces: dict[
     if len(results) != 1:
         raise WeightsError(f"{folder.path}: the conversion of {name!r} gives {len(results)} tensors, not one")
     return results[0]
+
+
+Revert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def hub_layout(model: nn.Module, groups: list[dict[str, torch.Tensor]]) -> Revert | None:
+    """What transformers' `save_pretrained` does to the state dict of `model` before writing it
+    (its checkpoint conversions reverted: the conversions its load used, or all of them for a model
+    built from a config; fused experts written one tensor each), as a function applied to one group
+    of tensors at a time (`groups`: every tensor to be written, on the meta device, by unit). None
+    where that changes nothing, or where reverting group by group would not give what reverting the
+    whole state dict gives (a conversion that joins tensors of two units): the model's own names
+    and layout are written then, which transformers loads as well."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5: no conversions
+        return None
+
+    def revert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(revert_weight_conversion(model, tensors))  # type: ignore[arg-type]
+
+    every = {name: t for group in groups for name, t in group.items()}
+    try:
+        whole = revert(every)
+        parts = [revert(group) for group in groups if group]
+    except Exception as exc:  # an operation that cannot run on a unit's tensors alone
+        get_logger("weights").warning(f"writing the model's own layout: reverting its conversions failed ({exc!r})")
+        return None
+    by_name = {name: t for part in parts for name, t in part.items()}
+    if sum(len(part) for part in parts) != len(by_name) or by_name.keys() != whole.keys() or any(
+        (t.shape, t.dtype) != (whole[name].shape, whole[name].dtype) for name, t in by_name.items()
+    ):
+        get_logger("weights").warning(
+            "writing the model's own layout: one of its checkpoint conversions spans two units"
+        )
+        return None
+    return revert
+
+
+def transformers_model(model: nn.Module) -> nn.Module | None:
+    """`model` if it is a transformers `PreTrainedModel` (without importing transformers), else None."""
+    transformers = sys.modules.get("transformers")
+    return model if transformers is not None and isinstance(model, transformers.PreTrainedModel) else None

@@ -41,7 +41,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str], key_map: KeyMap
             for p in model.parameters():
                 stored = weights.stored(p)
                 if stored is not None and id(p) not in in_units:
-                    swap_data(p, folder.read(stored.key).to(device=p.device, dtype=p.dtype))
+                    swap_data(p, folder.read(stored).to(device=p.device, dtype=p.dtype))
         weights.load_buffers()
     finally:
         folder.close()

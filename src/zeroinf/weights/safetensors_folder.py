@@ -324,9 +324,9 @@ class SafetensorsFolder:
             handles.append(self.engine.read(piece, seg.stored.path, seg.stored.offset_bytes + seg.start * out.itemsize))
         return Reads(handles)
 
-    def read(self, key: str) -> torch.Tensor:
-        """A whole tensor, in its stored dtype and shape (small ones: buffers)."""
-        stored = self[key]
+    def read(self, tensor: str | Stored) -> torch.Tensor:
+        """A whole tensor (by key, or as looked up), in its stored dtype and shape (small ones: buffers)."""
+        stored = self[tensor] if isinstance(tensor, str) else tensor
         out = torch.empty(stored.numel, dtype=stored.dtype)
         self.start_read(stored, 0, out).wait()
         return out.view(stored.shape)

@@ -8,7 +8,9 @@ Hugging Face's own `model.save_pretrained(out)` works on a sharded model too, bu
 unit all-gathered and copied), and every rank writes the same files. Here:
 - a model (a transformers model, or any module): its weights stream out unit by unit through
   `save_pretrained_weights` (weights/export.py), so memory holds one unit; rank 0 writes them and,
-  where the model has them, its `config` and `generation_config`;
+  where the model has them, its `config` and `generation_config`; a transformers model's weights are
+  written in the layout its own `save_pretrained` writes (fused MoE experts one tensor each, as on
+  the Hub: weights/hf_conversion.py `hub_layout`);
 - a peft model: what `PeftModel.save_pretrained` writes (the adapters and their config), gathered
   from the trainable units only: the frozen base is never gathered.
 A collective: every rank calls it, and it returns once the folder is complete.
@@ -25,6 +27,7 @@ from torch import nn
 from zeroinf.engine import engine_of
 from zeroinf.partition.gathered import gathered
 from zeroinf.weights.export import save_pretrained_weights
+from zeroinf.weights.hf_conversion import transformers_model
 
 
 def save_pretrained(
@@ -39,7 +42,9 @@ def save_pretrained(
     if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
         _save_adapters(model, out, dtype)
     else:
-        save_pretrained_weights(model, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        save_pretrained_weights(
+            model, out, dtype=dtype, max_shard_bytes=max_shard_bytes, hub_layout_of=transformers_model(model)
+        )
         if engine.topo.rank == 0:
             write_configs(model, out)
     if engine.topo.is_distributed:

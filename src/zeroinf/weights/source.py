@@ -165,7 +165,7 @@ class CheckpointWeights:
         """Copy the stored persistent buffers into the model's (every rank reads them whole)."""
         with torch.no_grad():
             for b, stored in self.buffers:
-                b.copy_(self.folder.read(stored.key).to(b.dtype))
+                b.copy_(self.folder.read(stored).to(b.dtype))
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
