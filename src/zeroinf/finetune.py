@@ -323,17 +323,15 @@ def write_timeline(args: FinetuneArgs, run: FinetuneRun, timeline: dict[str, Any
     )
 
 
-def export(run: FinetuneRun, args: FinetuneArgs) -> None:
-    """Merge the adapters into the base (inside `zeroinf.gathered`), write the base's weights under
-    its own names, its config, generation config and tokenizer (a collective; rank 0 writes)."""
+def write_merged(model: torch.nn.Module, out: str) -> PreTrainedModel:
+    """Merge a peft model's LoRA adapters into its base weights (each adapter layer inside
+    `zeroinf.gathered(modify=True)`) and write the base's weights to `out` as transformers would
+    save the merged model (`merge_and_unload()` then `save_pretrained`); returns the base model.
+    A model without adapters is written as it is. A collective."""
     from zeroinf.weights.export import save_pretrained_weights
-    from zeroinf.weights.save import write_configs
 
-    out = args.out
-    assert out is not None, "export writes to args.out: call it when that is set"
-    model = run.model
     get_base_model = getattr(model, "get_base_model", None)  # a peft model's
-    # A transformers model (`from_pretrained` loads one): its `config` and `generation_config` are written below.
+    # A transformers model (`from_pretrained` loads one): the caller writes its config files.
     base = cast("PreTrainedModel", get_base_model() if get_base_model is not None else model)
     prefix = ""
     if base is not model:
@@ -350,9 +348,25 @@ def export(run: FinetuneRun, args: FinetuneArgs) -> None:
     def rename(name: str) -> str | None:
         if not name.startswith(prefix) or ".lora_" in name:
             return None
-        return name[len(prefix) :].replace(".base_layer.", ".")
+        name = name[len(prefix) :]
+        # a layer's base weight under its wrappers: nested ones where peft wraps one module twice
+        # (LoRA on both fused expert parameters of an MoE layer: experts.base_layer.base_layer.down_proj)
+        while ".base_layer." in name:
+            name = name.replace(".base_layer.", ".")
+        return name
 
     save_pretrained_weights(model, out, rename=rename, hub_layout_of=base)
+    return base
+
+
+def export(run: FinetuneRun, args: FinetuneArgs) -> None:
+    """Merge the adapters into the base (inside `zeroinf.gathered`), write the base's weights under
+    its own names, its config, generation config and tokenizer (a collective; rank 0 writes)."""
+    from zeroinf.weights.save import write_configs
+
+    out = args.out
+    assert out is not None, "export writes to args.out: call it when that is set"
+    base = write_merged(run.model, out)
     if run.topo.rank == 0:
         write_configs(base, out)
         if run.tokenizer is not None:

@@ -18,7 +18,9 @@ zeroinf cannot read by ranges is refused naming the parameter and the operation.
 Saving goes the other way, as transformers' `save_pretrained` does: `zeroinf.save_pretrained` of
 the loaded Mixtral writes the folder's own keys and values back (experts one tensor each), and of a
 Qwen2-MoE built from a config what Hugging Face's save_pretrained writes, at world 1 and 2; a
-conversion joining two units' tensors falls back to the model's own layout with a warning.
+conversion joining two units' tensors falls back to the model's own layout with a warning. The
+fine-tune writer (`--out`) merges LoRA on every linear layer and on both fused expert parameters
+into what peft's `merge_and_unload()` + `save_pretrained` write, key for key and bitwise.
 """
 
 from __future__ import annotations
@@ -200,6 +202,34 @@ def _default_config_differences(path: str, stage: int, lora: bool) -> list[str]:
     return _differences(state, expected)
 
 
+def _merged_export_differences(path: str, rank: int, world: int, swap_root: str) -> list[str]:
+    """`zeroinf finetune --out`'s writer on a Mixtral with LoRA on every linear layer and on both
+    fused expert parameters (peft wraps the experts module twice), against peft's
+    `merge_and_unload()` of the same adapters on Hugging Face's load, then `save_pretrained`: the
+    written keys and values (keys or values that differ: none)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from zeroinf.finetune import write_merged
+
+    def prepare(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(6)
+        lora = LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False,
+                          target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+        return get_peft_model(model, lora)  # type: ignore[return-value]
+
+    model = zeroinf.from_pretrained(path, _cfg("nvme", os.path.join(swap_root, f"merge-{rank}")), prepare=prepare)
+    out = os.path.join(swap_root, f"merged-w{world}")
+    write_merged(model, out)
+    zeroinf.engine_of(model).close()
+    if rank != 0:
+        return []
+    merged = prepare(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).merge_and_unload()
+    expected = os.path.join(swap_root, f"merged-by-peft-w{world}")
+    merged.save_pretrained(expected)
+    return _differences(_stored(out), _stored(expected))
+
+
 def run(rank: int, world: int, paths: list[str], swap_root: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         f"{os.path.basename(p)}/{tier}": _compare(p, tier, rank, swap_root) for p in paths for tier in ("host", "nvme")
@@ -211,6 +241,7 @@ def run(rank: int, world: int, paths: list[str], swap_root: str) -> dict[str, An
     if world == 1:
         out["trained"] = _trains_as_hugging_face(paths[0], os.path.join(swap_root, "train"))
     out["saved"] = _saved_in_the_hub_layout(paths[0], rank, world, swap_root)
+    out["merged"] = _merged_export_differences(paths[0], rank, world, swap_root)
     return out
 
 
@@ -227,7 +258,7 @@ def test_hub_layout_loads_as_hugging_face_loads_it(results: tuple[int, list[dict
     world, per_rank = results
     for rank, by_case in enumerate(per_rank):
         for case, r in by_case.items():
-            if case in ("trained", "saved", "defaults"):
+            if case in ("trained", "saved", "defaults", "merged"):
                 continue
             where = f"world {world} rank {rank} {case}"
             assert r["param_diffs"] == [] and r["buffer_diffs"] == [], f"{where}: {r}"
@@ -251,6 +282,11 @@ def test_a_fused_moe_folder_trains_as_hugging_face_loads_it(results: tuple[int, 
 def test_save_pretrained_writes_the_hub_layout(results: tuple[int, list[dict]]) -> None:
     world, per_rank = results
     assert per_rank[0]["saved"] == {"loaded": [], "built": []}, f"world {world}: {per_rank[0]['saved']}"
+
+
+def test_merged_lora_is_written_as_peft_merges_it(results: tuple[int, list[dict]]) -> None:
+    world, per_rank = results
+    assert per_rank[0]["merged"] == [], f"world {world}: {per_rank[0]['merged']}"
 
 
 def test_a_conversion_across_units_is_saved_in_the_model_layout(
