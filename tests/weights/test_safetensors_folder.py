@@ -135,3 +135,45 @@ def test_a_damaged_index_is_refused_naming_it(tmp_path: Any, index: str) -> None
     (tmp_path / "model.safetensors.index.json").write_text(index)
     with pytest.raises(WeightsError, match="model.safetensors.index.json: not a safetensors index"):
         SafetensorsFolder(str(tmp_path))
+
+
+def test_a_folder_with_both_layouts_loads_the_single_file_as_transformers_does(tmp_path: Any, caplog: Any) -> None:
+    """A `model.safetensors` beside an index (an earlier save left one behind): transformers loads
+    the single file, so zeroinf does too (`from_pretrained` must equal its load), and says so."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "model.safetensors"))
+    save_file({"w": torch.ones(3)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}})
+    )
+    with caplog.at_level("WARNING", logger="zeroinf.weights"):
+        folder = SafetensorsFolder(tmp_path)
+    try:
+        assert torch.equal(folder.read("w"), torch.zeros(3))
+    finally:
+        folder.close()
+    assert "both model.safetensors and model.safetensors.index.json" in caplog.text
+
+
+def test_a_save_removes_the_weights_files_an_earlier_save_left(tmp_path: Any) -> None:
+    """Writing shards removes an earlier `model.safetensors` (which would be loaded instead), writing
+    one file removes an earlier index and its shards; other files stay."""
+    from zeroinf.weights.export import write_safetensors_files
+
+    entries = [(f"t{i}", (4,), torch.float32) for i in range(3)]
+    produce = lambda i: torch.full((4,), float(i))  # noqa: E731
+    for name in ("model.safetensors", "adapter_model.safetensors", "notes.txt", "model.safetensors.bak"):
+        (tmp_path / name).write_bytes(b"old")
+    write_safetensors_files(tmp_path, entries, produce, max_shard_bytes=16)
+    shards = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("model-"))
+    assert shards == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    assert not (tmp_path / "model.safetensors").exists()
+    write_safetensors_files(tmp_path, entries[:2], produce, max_shard_bytes=10**6)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["adapter_model.safetensors", "model.safetensors", "model.safetensors.bak", "notes.txt"], left
+    folder = SafetensorsFolder(tmp_path)
+    try:
+        assert torch.equal(folder.read("t1"), torch.ones(4))
+    finally:
+        folder.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -185,5 +186,18 @@ def write_safetensors_files(
             total = sum(int(torch.Size(s).numel()) * d.itemsize for _, s, d in entries)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             write_atomic(os.path.join(out, INDEX_FILE), json.dumps(index, indent=2).encode())
+        _remove_stale_weights(out, set(names) | ({INDEX_FILE} if len(files) > 1 else set()))
         fsync_dir(out)
     return weight_map
+
+
+STALE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+def _remove_stale_weights(out: str, written: set[str]) -> None:
+    """Weights files of an earlier save into `out` that this one did not write: a `model.safetensors`
+    left beside new shards is what transformers (and zeroinf) would load, and shards of another
+    count beside a new index would be taken for this model's."""
+    for name in os.listdir(out):
+        if STALE.fullmatch(name) and name not in written:
+            os.remove(os.path.join(out, name))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroinf.aio import AioEngine, AioHandle
+from zeroinf.telemetry import get_logger
 from zeroinf.tiers.nvme import open_engine
 
 SINGLE_FILE = "model.safetensors"
@@ -259,10 +260,15 @@ class SafetensorsFolder:
         self.path = path
         if os.path.isfile(path) and path.endswith(".safetensors"):
             files = [path]
+        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):  # before the index, as transformers looks
+            files = [os.path.join(path, SINGLE_FILE)]
+            if os.path.isfile(os.path.join(path, INDEX_FILE)):
+                get_logger("weights").warning(
+                    f"{path} holds both {SINGLE_FILE} and {INDEX_FILE} (an earlier save left one behind?): "
+                    f"loading {SINGLE_FILE}, as transformers does; delete the stale one"
+                )
         elif os.path.isfile(os.path.join(path, INDEX_FILE)):
             files = self._files_from_index(path)
-        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
-            files = [os.path.join(path, SINGLE_FILE)]
         elif os.path.isdir(path):
             raise WeightsError(
                 f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}: not a Hugging Face weights folder (zeroinf loads "
