@@ -9,7 +9,8 @@ below: one tensor per expert and matrix, Mixtral's `block_sparse_moe`, GPT-NeoX'
 Mixtral (fp32, several files), Qwen2-MoE (bf16, shared expert) and GPT-NeoX (a renamed head). For
 each, at world 1 and 2 (one spawned group) and stage-3 parameters on the host and on NVMe, the
 gathered state_dict equals `AutoModelForCausalLM.from_pretrained` bitwise, the logits agree, and the
-fp32 masters an optimizer takes are the stored values (tests/weights/test_pretrained.py's check);
+fp32 masters an optimizer takes are the stored values (tests/weights/test_pretrained.py's check),
+and `zeroinf.load_weights` of the Mixtral folder into a sharded model of another seed equals it too;
 with the default settings (small parameters read whole), and with peft's LoRA at stages 0-1 (frozen
 base weights read whole), the values are equal to Hugging Face's load (then the same LoRA) too.
 Mixtral loaded at stage 3 trains as Hugging Face's own load does under torch's AdamW. A conversion
@@ -83,12 +84,12 @@ def test_stacks_and_concatenations_read_as_torch_builds_them(tmp_path: Any) -> N
 
 
 # -- Hugging Face folders in the Hub layout ---------------------------------------------------------------
-def _build(arch: str) -> torch.nn.Module:
+def _build(arch: str, seed: int = 3) -> torch.nn.Module:
     import transformers as tf
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32
     )
@@ -230,6 +231,18 @@ def _merged_export_differences(path: str, rank: int, world: int, swap_root: str)
     return _differences(_stored(out), _stored(expected))
 
 
+def _load_weights_differences(path: str, rank: int, swap_root: str) -> list[str]:
+    """`zeroinf.load_weights` of the Hub-layout Mixtral folder into a model of another seed, sharded
+    with parameters on NVMe, against Hugging Face's load (keys or values that differ: none)."""
+    from transformers import AutoModelForCausalLM
+
+    model = zeroinf.shard(_build("mixtral", seed=99), _cfg("nvme", os.path.join(swap_root, f"load-{rank}")))
+    zeroinf.load_weights(model, path)
+    state = model.state_dict()
+    zeroinf.engine_of(model).close()
+    return _differences(state, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
+
+
 def run(rank: int, world: int, paths: list[str], swap_root: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         f"{os.path.basename(p)}/{tier}": _compare(p, tier, rank, swap_root) for p in paths for tier in ("host", "nvme")
@@ -242,6 +255,7 @@ def run(rank: int, world: int, paths: list[str], swap_root: str) -> dict[str, An
         out["trained"] = _trains_as_hugging_face(paths[0], os.path.join(swap_root, "train"))
     out["saved"] = _saved_in_the_hub_layout(paths[0], rank, world, swap_root)
     out["merged"] = _merged_export_differences(paths[0], rank, world, swap_root)
+    out["load_weights"] = _load_weights_differences(paths[0], rank, swap_root)
     return out
 
 
@@ -258,7 +272,7 @@ def test_hub_layout_loads_as_hugging_face_loads_it(results: tuple[int, list[dict
     world, per_rank = results
     for rank, by_case in enumerate(per_rank):
         for case, r in by_case.items():
-            if case in ("trained", "saved", "defaults", "merged"):
+            if case in ("trained", "saved", "defaults", "merged", "load_weights"):
                 continue
             where = f"world {world} rank {rank} {case}"
             assert r["param_diffs"] == [] and r["buffer_diffs"] == [], f"{where}: {r}"
@@ -271,6 +285,11 @@ def test_hub_layout_loads_with_default_settings(results: tuple[int, list[dict]])
     world, per_rank = results
     for rank, r in enumerate(per_rank):
         assert all(d == [] for d in r["defaults"].values()), f"world {world} rank {rank}: {r['defaults']}"
+
+
+def test_load_weights_reads_the_hub_layout_into_a_sharded_model(results: tuple[int, list[dict]]) -> None:
+    world, per_rank = results
+    assert all(r["load_weights"] == [] for r in per_rank), f"world {world}: {[r['load_weights'] for r in per_rank]}"
 
 
 def test_a_fused_moe_folder_trains_as_hugging_face_loads_it(results: tuple[int, list[dict]]) -> None:

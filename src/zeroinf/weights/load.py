@@ -1,11 +1,12 @@
 """`zeroinf.load_weights(model, path)`: stream a safetensors folder into an already sharded model.
 
 For any module sharded by `zeroinf.shard` whose `state_dict` names match the stored keys (or do
-through `key_map`): every key is checked first (missing, unexpected, shape, dtype: errors name the
-key and the file), then each unit, one at a time, reads only this rank's shard range from the
-files and writes it to the shard's tier (NVMe included), the whole unit where it is kept whole,
-and the fp32 masters (into the optimizer's store if one exists, else for the optimizer to read from
-the files when it is built). Parameters outside units and persistent buffers are read whole. A
+through `key_map`, or, for a transformers model, through its checkpoint conversions: a Hub folder
+of an MoE model whose experts the model fuses, weights/hf_conversion.py): every key is checked
+first (missing, unexpected, shape, dtype: errors name the key and the file), then each unit, one
+at a time, reads only this rank's shard range from the files and writes it to the shard's tier
+(NVMe included), the whole unit where it is kept whole, and the fp32 masters (into the optimizer's
+store if one exists, else for the optimizer to read from the files when it is built). Parameters outside units and persistent buffers are read whole. A
 collective: every rank calls it.
 """
 
@@ -18,8 +19,9 @@ from torch import nn
 
 from zeroinf.engine import engine_of
 from zeroinf.partition.park import swap_data
+from zeroinf.weights.hf_conversion import model_keyed, transformers_model
 from zeroinf.weights.safetensors_folder import SafetensorsFolder
-from zeroinf.weights.source import CheckpointWeights, KeyMap, UnitWeights
+from zeroinf.weights.source import CheckpointWeights, KeyMap, UnitWeights, persistent_buffers
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike[str], key_map: KeyMap | None = None) -> None:
@@ -30,6 +32,12 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str], key_map: KeyMap
         id(p): tuple(slot.shape) for u in engine.all_units for p, slot in zip(u.params, u.layout.slots, strict=True)
     }
     try:
+        hf_model = transformers_model(model) if key_map is None else None
+        if hf_model is not None:  # transformers' renamings and fused experts (weights/hf_conversion.py)
+            names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+            keyed = model_keyed(folder, hf_model, names + [n for n, _ in persistent_buffers(model)])
+            if keyed is not None:
+                folder.tensors = keyed
         weights = CheckpointWeights(folder, model, shapes=shapes, key_map=key_map)
         states = engine.optimizer_states
         in_units: set[int] = set()
