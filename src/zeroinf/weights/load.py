@@ -6,8 +6,8 @@ of an MoE model whose experts the model fuses, weights/hf_conversion.py): every 
 first (missing, unexpected, shape, dtype: errors name the key and the file), then each unit, one
 at a time, reads only this rank's shard range from the files and writes it to the shard's tier
 (NVMe included), the whole unit where it is kept whole, and the fp32 masters (into the optimizer's
-store if one exists, else for the optimizer to read from the files when it is built). Parameters outside units and persistent buffers are read whole. A
-collective: every rank calls it.
+store if one exists, else for the optimizer to read from the files when it is built). Parameters
+outside units and persistent buffers are read whole. A collective: every rank calls it.
 """
 
 from __future__ import annotations
