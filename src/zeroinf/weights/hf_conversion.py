@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,18 +87,17 @@ def model_keyed(folder: SafetensorsFolder, model: nn.Module, names: Iterable[str
     return out
 
 
-def _fuse(folder: SafetensorsFolder, name: str, converter: object, pieces: dict[str, list[Stored]]) -> Stored:
+def _fuse(folder: SafetensorsFolder, name: str, converter: Any, pieces: dict[str, list[Stored]]) -> Stored:
     """The parameter `name` as transformers' `converter` builds it from `pieces` (per source
     pattern, in loading order): its operations replayed on ranges instead of values."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     state: dict[str, list[Stored]] = {p: list(ts) for p, ts in pieces.items()}
-    for op in getattr(converter, "operations", []):
+    for op in converter.operations:
         if type(op) is MergeModulelist and op.dim == 0:
             state = {p: [stack(name, ts)] for p, ts in state.items()}
         elif type(op) is Concatenate:
-            order = getattr(converter, "source_patterns", list(state))
-            parts = [t for p in order if p in state for t in state[p]]
+            parts = [t for p in converter.source_patterns if p in state for t in state[p]]
             state = {name: [concatenate(name, parts, op.dim)]}
         else:
             keys = [t.key for ts in pieces.values() for t in ts]
@@ -120,9 +120,9 @@ def hub_layout(model: nn.Module, groups: list[dict[str, torch.Tensor]]) -> Rever
     (its checkpoint conversions reverted: the conversions its load used, or all of them for a model
     built from a config; fused experts written one tensor each), as a function applied to one group
     of tensors at a time (`groups`: every tensor to be written, on the meta device, by unit). None
-    where that changes nothing, or where reverting group by group would not give what reverting the
-    whole state dict gives (a conversion that joins tensors of two units): the model's own names
-    and layout are written then, which transformers loads as well."""
+    where reverting group by group would not give what reverting the whole state dict gives (a
+    conversion that joins tensors of two units): the model's own names and layout are written then,
+    which transformers loads as well."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers < 5: no conversions

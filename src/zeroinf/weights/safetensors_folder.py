@@ -96,11 +96,6 @@ class ComposedTensor:
         """The file of its first piece (messages name it)."""
         return self.segments[0].stored.path
 
-    @property
-    def sources(self) -> list[str]:
-        """The stored keys it is made of, each once, in order."""
-        return list(dict.fromkeys(s.stored.key for s in self.segments))
-
     def ranges(self, start: int, numel: int) -> list[Segment]:
         """Elements [start, start + numel) as ranges of stored tensors."""
         offsets = self._offsets
