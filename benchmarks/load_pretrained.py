@@ -11,6 +11,12 @@ of optimizer states).
 
     python benchmarks/load_pretrained.py --dir /tmp/zi-load --params 3e9
     python benchmarks/load_pretrained.py --dir /tmp/zi-14b --params 14e9 --dtype bf16 --lora-rank 8 --steps 1
+    python benchmarks/load_pretrained.py --dir /tmp/zi-moe --arch mixtral --params 2.5e9 --dtype bf16
+
+`--arch mixtral` writes the checkpoint in the Hub's layout (one tensor per expert and matrix, as
+transformers' `save_pretrained` writes it), which transformers 5 fuses into one 3-D parameter per
+layer at load (weights/hf_conversion.py): the JSON then also gives one layer's experts in bytes
+(what reading them whole and fusing them would hold at once) beside the load's peak.
 """
 
 from __future__ import annotations
@@ -48,15 +54,35 @@ def llama_config(params: float) -> Any:
     )
 
 
-def write_checkpoint(folder: str, params: float) -> dict[str, Any]:
+MIXTRAL_EXPERTS, MIXTRAL_HIDDEN, MIXTRAL_INTER = 8, 1024, 3584
+
+
+def mixtral_config(params: float) -> Any:
+    from transformers import MixtralConfig
+
+    hidden, inter = MIXTRAL_HIDDEN, MIXTRAL_INTER
+    layer = 2 * hidden * hidden + 2 * hidden * hidden // 4 + MIXTRAL_EXPERTS * (3 * hidden * inter + hidden)
+    layers = max(1, round((params - 2 * VOCAB * hidden) / layer))
+    return MixtralConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=4, num_local_experts=MIXTRAL_EXPERTS, num_experts_per_tok=2,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=None, dtype="bfloat16",
+        tie_word_embeddings=False,
+    )
+
+
+def write_checkpoint(folder: str, params: float, arch: str = "llama") -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     from zeroinf.weights.export import write_safetensors_files
 
-    config = llama_config(params)
+    config = mixtral_config(params) if arch == "mixtral" else llama_config(params)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
-    entries = [(n, tuple(t.shape), torch.bfloat16) for n, t in meta.state_dict().items()]
+    # the Hub's layout: what transformers' save_pretrained writes (its conversions reverted)
+    stored = revert_weight_conversion(meta, dict(meta.state_dict()))
+    entries = [(n, tuple(t.shape), torch.bfloat16) for n, t in stored.items()]
     t0 = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
 
@@ -128,9 +154,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         prepare = lambda m: get_peft_model(m, lora)  # noqa: E731
     import transformers
 
-    # Imported before the baseline: importing the library and its Llama module (seconds, and their own
+    # Imported before the baseline: importing the library and its model module (seconds, and their own
     # RSS) is not the load's cost, and a user's process has done it once for every model it loads.
-    transformers.LlamaForCausalLM  # noqa: B018  (transformers imports model modules lazily)
+    transformers.LlamaForCausalLM, transformers.MixtralForCausalLM  # noqa: B018  (imported lazily)
 
     reset_peak_rss()
     before = rss_bytes()
@@ -165,27 +191,47 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def child_transformers(args: argparse.Namespace) -> dict[str, Any]:
+    """transformers' own `from_pretrained` of the same folder, in the run's dtype (`--compare-hf`)."""
+    import transformers
+
+    transformers.LlamaForCausalLM, transformers.MixtralForCausalLM  # noqa: B018  (imported lazily)
+    reset_peak_rss()
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    transformers.AutoModelForCausalLM.from_pretrained(os.path.join(args.dir, "model"), dtype=dtype)
+    return {"load_s": time.perf_counter() - t0, "load_peak_above_bytes": peak_rss_bytes() - before}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, help="holds the checkpoint (model/) and the swap files (swap/)")
     ap.add_argument("--params", type=float, default=3e9)
+    ap.add_argument("--arch", default="llama", choices=["llama", "mixtral"])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype of the run")
     ap.add_argument("--lora-rank", type=int, default=0)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--compare-hf", action="store_true", help="also time transformers' own from_pretrained")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-hf", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:
-        print("RESULT " + json.dumps(child(args)))
+    if args.child or args.child_hf:
+        print("RESULT " + json.dumps(child_transformers(args) if args.child_hf else child(args)))
         return 0
     model_dir = os.path.join(args.dir, "model")
     out: dict[str, Any] = {"free_disk_bytes_before": shutil.disk_usage(args.dir if os.path.exists(args.dir) else
                                                                        os.path.dirname(args.dir)).free}
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        out["write"] = write_checkpoint(model_dir, args.params)
+        out["write"] = write_checkpoint(model_dir, args.params, args.arch)
     out["checkpoint_bytes"] = checkpoint_bytes(model_dir)
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
-    out["model"] = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")}
+    out["model"] = {k: cfg[k] for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                        "vocab_size") if k in cfg}
+    if "num_local_experts" in cfg:  # one layer's experts, bf16: what a whole-tensor fusion holds at once
+        out["model"]["layer_experts_bytes"] = cfg["num_local_experts"] * 3 * cfg["hidden_size"] * cfg[
+            "intermediate_size"] * 2
     out["disk_read_bytes_per_s"] = disk_read_speed(model_dir)
     out["disk_write_bytes_per_s"] = disk_write_speed(os.path.join(args.dir, "swap"))
     cmd = [sys.executable, __file__, "--child", "--dir", args.dir, "--params", str(args.params), "--dtype",
@@ -203,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     disk_s = out["checkpoint_bytes"] / out["disk_read_bytes_per_s"] + run["load_written_bytes"] / out[
         "disk_write_bytes_per_s"]
     out["load_speed_vs_disk_read_and_write"] = disk_s / run["load_s"]
+    if args.compare_hf:
+        done = subprocess.run([*cmd[:2], "--child-hf", *cmd[3:]], capture_output=True, text=True, check=False)
+        if done.returncode:
+            print(done.stderr[-4000:], file=sys.stderr)
+            return done.returncode
+        out["transformers"] = json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     out["cpu"] = open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": \t")
     print(json.dumps(out, indent=1))
     return 0
