@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
+import pytest
 import torch
 
 from zeroinf.planner.model_facts import from_preset
@@ -38,3 +41,52 @@ def test_the_pass_leaves_torch_dynamo_unimported_and_working() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def _saved_config(tmp_path: Any, name: str) -> str:
+    import transformers as tf
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if name == "mixtral":
+        config = tf.MixtralConfig(**common, intermediate_size=96, num_key_value_heads=2, num_local_experts=4)
+    else:  # DeepSeek-V3: multi-head latent attention, values of another head size than queries and keys
+        config = tf.DeepseekV3Config(
+            **common, intermediate_size=96, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        )
+    path = str(tmp_path / name)
+    config.save_pretrained(path)
+    return path
+
+
+def test_plan_of_an_moe_folder_in_a_fresh_process(tmp_path: Any) -> None:
+    """`zeroinf plan --hf` of a Mixtral stopped in a fresh process: its model module, imported lazily
+    inside the meta build, imports what the dynamo stand-in cannot serve (torch._dynamo's submodules;
+    torch.distributed.tensor, re-entered half-done). The class is imported before the build now."""
+    pytest.importorskip("transformers")
+    path = _saved_config(tmp_path, "mixtral")
+    out = subprocess.run([sys.executable, "-m", "zeroinf", "plan", "--hf", path, "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads(out.stdout)
+    assert plan["param_count"] > 0 and plan["best"], plan["summary"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_values_of_another_head_size_take_the_kernel_that_accepts_them(tmp_path: Any, device: str) -> None:
+    """DeepSeek-V3's values have another head size than its queries: flash kernels refuse that, and the
+    pass took the flash kernel's output shape (the query's head size) into o_proj's matmul and stopped.
+    Planned for the CPU, and for a GPU from this machine, its parameters are counted as transformers'."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from zeroinf.planner.model_facts import from_hf
+
+    path = _saved_config(tmp_path, "deepseek_v3")
+    facts = from_hf(path)
+    assert facts.pass_facts(1, 32, "bf16", torch.device(device)) is not None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    expected = sum(p.numel() for p in model.parameters())
+    assert facts.param_count == expected

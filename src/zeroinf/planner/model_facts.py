@@ -233,6 +233,7 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
     except ImportError:
         raise ImportError("reading a Hugging Face config needs transformers: pip install 'zeroinf[hf]'") from None
     config = AutoConfig.for_model(**data)
+    _import_model_class(config)
     seq_len = getattr(config, "max_position_embeddings", None)
     layers = getattr(config, "num_hidden_layers", None)
     uniform = not any(key in data for key in ("layer_types", "block_types", "hybrid_override_pattern"))
@@ -262,6 +263,17 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
 
         facts.short_module = short_module
     return facts
+
+
+def _import_model_class(config: Any) -> None:
+    """Import the config's causal-LM class (transformers imports model modules lazily) before the meta
+    build: a model module imports what the dynamo stand-in of `_dynamo_import_deferred` cannot serve
+    (torch._dynamo's submodules, through transformers' generation utilities; torch.distributed.tensor,
+    whose custom ops re-enter a half-done import). `zeroinf plan --hf` of a Mixtral stopped there."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    with contextlib.suppress(KeyError):  # not a causal LM: from_config names the problem
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
 def _from_decoder(data: dict[str, Any], name: str) -> ModelFacts:
@@ -369,12 +381,15 @@ def device_type_of(t: torch.Tensor) -> str:
 _FLASH, _EFFICIENT = 1, 2  # torch.nn.attention.SDPBackend values that `torch._fused_sdp_choice` returns
 
 
-def _backend_choice(device: torch.device, query: torch.Tensor, key: torch.Tensor, attn_mask: Any,
-                    dropout_p: float, is_causal: bool, enable_gqa: bool) -> int:
+def _backend_choice(device: torch.device, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: Any, dropout_p: float, is_causal: bool, enable_gqa: bool) -> int:
     """The SDPA kernel PyTorch picks on `device` for inputs like these: asked on tiny real tensors of
-    the same dtype, heads and head size (the choice does not depend on the sequence length)."""
+    the same dtype, heads and head sizes (the choice does not depend on the sequence length). The
+    value's head size counts: flash kernels need it equal to the query's (DeepSeek-V3's is not; the
+    plan of such a model took the flash kernel's output shape and stopped in the next matmul)."""
     if device.type == "cuda" and not torch.cuda.is_available():  # planning for a GPU from a CPU machine
-        return _FLASH if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) else _EFFICIENT
+        flash = attn_mask is None and query.dtype in (torch.float16, torch.bfloat16)
+        return _FLASH if flash and value.shape[-1] == query.shape[-1] else _EFFICIENT
 
     def tiny(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*t.shape[:-2], 2, t.shape[-1], dtype=t.dtype, device=device, requires_grad=t.requires_grad)
@@ -383,8 +398,8 @@ def _backend_choice(device: torch.device, query: torch.Tensor, key: torch.Tensor
         mask = None
         if isinstance(attn_mask, torch.Tensor):
             mask = torch.zeros(*(min(n, 1) for n in attn_mask.shape[:-2]), 2, 2, dtype=attn_mask.dtype, device=device)
-        q, k = tiny(query), tiny(key)
-        return int(torch._fused_sdp_choice(q, k, k, mask, dropout_p, is_causal, enable_gqa=enable_gqa))
+        q, k, v = tiny(query), tiny(key), tiny(value)
+        return int(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, enable_gqa=enable_gqa))
 
 
 @contextlib.contextmanager
@@ -416,6 +431,10 @@ def _dynamo_import_deferred() -> Iterator[None]:
         return fn
 
     def real(name: str) -> Any:
+        if name.startswith("__"):  # a module's metadata (inspect.getmodule asks every module for __file__
+            # while torch's custom ops register, inside a torch.distributed.tensor import that the
+            # real dynamo import would then re-enter half-done): the stand-in has none
+            raise AttributeError(name)
         _remove_stand_in(stand_in)
         return getattr(importlib.import_module("torch._dynamo"), name)
 
@@ -454,7 +473,7 @@ def _attention_as_on(device: torch.device) -> Iterator[None]:
              enable_gqa: bool = False) -> torch.Tensor:
         args = (query, key, value)
         if query.device.type == "meta":
-            backend = _backend_choice(device, query, key, attn_mask, dropout_p, is_causal, enable_gqa)
+            backend = _backend_choice(device, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
             aten = torch.ops.aten
             if backend == _FLASH and device.type == "cpu":
                 return aten._scaled_dot_product_flash_attention_for_cpu(
