@@ -90,3 +90,35 @@ def test_values_of_another_head_size_take_the_kernel_that_accepts_them(tmp_path:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     expected = sum(p.numel() for p in model.parameters())
     assert facts.param_count == expected
+
+
+SWEEP = dict(  # one set of small sizes that every config below accepts
+    vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=96, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    head_dim=16, num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+)
+
+
+@pytest.mark.parametrize("model_type", ["minimax", "falcon_h1", "jetmoe"])
+def test_configs_that_stopped_the_plan(tmp_path: Any, model_type: str) -> None:
+    """MiniMax: its persistent fp32 decay buffers stayed fp32 in the bf16 pass (the engine casts
+    persistent floating buffers to the compute dtype) and met bf16 activations in a matmul.
+    Falcon-H1: its config.json holds {"__float__": "Infinity"}, which transformers decodes when it
+    reads a config and the planner did not. JetMoE: its expert routing reads values (`.tolist()`),
+    which meta tensors do not have: the plan is made without measured activations and says why."""
+    pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from zeroinf.planner.api import plan
+    from zeroinf.planner.model_facts import from_hf
+
+    path = tmp_path / model_type
+    CONFIG_MAPPING[model_type](**SWEEP).save_pretrained(path)
+    facts = from_hf(path)
+    measured = facts.pass_facts(1, 32, "bf16", torch.device("cpu"))
+    if model_type == "jetmoe":
+        assert measured is None and facts.pass_error is not None and "meta" in facts.pass_error
+        notes = plan(facts, world_size=1, seq_len=32, nvme_dir=str(tmp_path)).notes
+        assert any("activations not measured: the forward does not run on meta tensors" in n for n in notes), notes
+    else:
+        assert measured is not None and measured.saved_bytes > 0

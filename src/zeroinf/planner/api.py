@@ -166,7 +166,12 @@ def plan(
     work = Workload(tokens, seq, world_size, base.grad_accum_steps)
     device = torch.device("cuda") if cuda_in_use() else torch.device("cpu")
     pass_facts = facts.pass_facts(work.micro_batch, seq, base.param_dtype, device)
-    if pass_facts is None:
+    if pass_facts is None and facts.pass_error is not None:
+        notes.append(
+            "activations not measured: the forward does not run on meta tensors, which have shapes but no "
+            f"values ({facts.pass_error})"
+        )
+    elif pass_facts is None:
         notes.append("activations not measured (the planner cannot call this module: pass example_inputs)")
     ranks_here = ranks_per_machine or world_size
     capacity = capacity or machine_capacity(profile, folder, ranks_here)

@@ -108,6 +108,9 @@ class ModelFacts:
     """Position in `named_parameters` of the root's and the split layers' parameters: a layer a config
     does not split goes back into the root where the engine's root holds it."""
     _passes: dict[tuple[int, int, str], PassFacts] = field(default_factory=dict, repr=False)
+    pass_error: str | None = None
+    """Why the forward could not run on meta tensors (a forward that reads values: JetMoE's expert
+    routing calls `.tolist()`), or None; the plan then estimates without measured activations."""
 
     def units_for(self, cfg: Config) -> tuple[UnitShape, ...]:
         """The units the engine builds under `cfg`: `units` holds every layer `Config.split_root` may
@@ -143,7 +146,13 @@ class ModelFacts:
             if self.module is None or self.example_inputs is None:
                 return None
             module = self.short_module() if self.short_module is not None else self.module
-            facts = measure_pass(module, self.example_inputs, micro_batch, seq_len, dtype, device, self.unit_classes)
+            try:
+                facts = measure_pass(
+                    module, self.example_inputs, micro_batch, seq_len, dtype, device, self.unit_classes
+                )
+            except (NotImplementedError, RuntimeError) as exc:  # meta tensors have shapes, not values
+                self.pass_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                return None
             full = self.outer_count
             if full is None:
                 full = len(outer_units(self.module, self.unit_classes))
@@ -215,7 +224,7 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
     if not config_file.is_file():
         raise FileNotFoundError(f"--hf {str(path)!r}: no config.json there; pass a model folder or its config.json")
     try:
-        data = json.loads(config_file.read_text())
+        data = _special_floats(json.loads(config_file.read_text()))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict):
@@ -263,6 +272,18 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
 
         facts.short_module = short_module
     return facts
+
+
+def _special_floats(data: Any) -> Any:
+    """transformers writes floats JSON lacks as {"__float__": "Infinity"} (Falcon-H1's time_step_limit)
+    and reads them back in `from_pretrained`; the planner builds configs from the dict itself."""
+    if isinstance(data, dict):
+        if set(data) == {"__float__"} and data["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(data["__float__"].lower().replace("infinity", "inf"))
+        return {k: _special_floats(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_special_floats(v) for v in data]
+    return data
 
 
 def _import_model_class(config: Any) -> None:
@@ -547,8 +568,14 @@ def _meta_model_state(module: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
         if id(p) not in made:
             made[id(p)] = nn.Parameter(meta(p, cast=True), requires_grad=p.requires_grad)
         state[name] = made[id(p)]
-    for name, b in module.named_buffers(remove_duplicate=False):
-        state[name] = meta(b, cast=b.is_floating_point() and b.dtype != torch.float32)
+    # as the engine casts them (engine.py): persistent floating buffers take the compute dtype, derived
+    # tables (non-persistent: rotary inv_freq) keep theirs. MiniMax's fp32 decay buffers kept in fp32
+    # here met bf16 activations in a matmul and stopped the pass.
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for bname, b in sub._buffers.items():
+            if b is not None:
+                persistent = bname not in sub._non_persistent_buffers_set
+                state[f"{prefix}.{bname}" if prefix else bname] = meta(b, cast=persistent)
     return state
 
 
