@@ -42,7 +42,7 @@ from zeroinf.engine import shard
 from zeroinf.optional import require
 from zeroinf.partition.init import init
 from zeroinf.topology import Topology, default_topology
-from zeroinf.weights.hf_conversion import model_keyed
+from zeroinf.weights.hf_conversion import key_by_model
 from zeroinf.weights.safetensors_folder import SafetensorsFolder, WeightsError
 from zeroinf.weights.source import CheckpointWeights, persistent_buffers
 
@@ -95,9 +95,7 @@ def from_pretrained(
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)
             buffers = persistent_buffers(model)
-            keyed = model_keyed(folder, model, [n for ns in names.values() for n in ns] + [n for n, _ in buffers])
-            if keyed is not None:  # transformers' renamings and fused experts (weights/hf_conversion.py)
-                folder.tensors = keyed
+            key_by_model(folder, model)  # transformers' renamings and fused experts (weights/hf_conversion.py)
             read_early: dict[int, list[str]] = {}  # parameters `prepare` read: their values are in the park
             if prepare is not None:
                 park.defer_values = False  # what `prepare` adds (adapters) is built for real

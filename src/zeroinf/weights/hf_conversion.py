@@ -38,9 +38,21 @@ from zeroinf.weights.safetensors_folder import (
     concatenate,
     stack,
 )
+from zeroinf.weights.source import persistent_buffers
 
 
-def model_keyed(folder: SafetensorsFolder, model: nn.Module, names: Iterable[str]) -> dict[str, Stored] | None:
+def key_by_model(folder: SafetensorsFolder, model: nn.Module) -> None:
+    """Key `folder`'s tensors by the state_dict names of `model` where it is a transformers model with
+    checkpoint conversions (`from_pretrained` before `prepare`, `load_weights`); else leave them."""
+    if transformers_model(model) is None:
+        return
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    keyed = _model_keyed(folder, model, names + [n for n, _ in persistent_buffers(model)])
+    if keyed is not None:
+        folder.tensors = keyed
+
+
+def _model_keyed(folder: SafetensorsFolder, model: nn.Module, names: Iterable[str]) -> dict[str, Stored] | None:
     """`folder`'s tensors keyed by the names of `model` (a transformers `PreTrainedModel`; `names`:
     its state_dict names), or None where transformers defines no conversion for it (or is older
     than 5): the stored keys are then the names. A stored key no conversion maps to a name keeps its

@@ -19,9 +19,9 @@ from torch import nn
 
 from zeroinf.engine import engine_of
 from zeroinf.partition.park import swap_data
-from zeroinf.weights.hf_conversion import model_keyed, transformers_model
+from zeroinf.weights.hf_conversion import key_by_model
 from zeroinf.weights.safetensors_folder import SafetensorsFolder
-from zeroinf.weights.source import CheckpointWeights, KeyMap, UnitWeights, persistent_buffers
+from zeroinf.weights.source import CheckpointWeights, KeyMap, UnitWeights
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike[str], key_map: KeyMap | None = None) -> None:
@@ -32,12 +32,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str], key_map: KeyMap
         id(p): tuple(slot.shape) for u in engine.all_units for p, slot in zip(u.params, u.layout.slots, strict=True)
     }
     try:
-        hf_model = transformers_model(model) if key_map is None else None
-        if hf_model is not None:  # transformers' renamings and fused experts (weights/hf_conversion.py)
-            names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-            keyed = model_keyed(folder, hf_model, names + [n for n, _ in persistent_buffers(model)])
-            if keyed is not None:
-                folder.tensors = keyed
+        if key_map is None:  # transformers' renamings and fused experts (weights/hf_conversion.py)
+            key_by_model(folder, model)
         weights = CheckpointWeights(folder, model, shapes=shapes, key_map=key_map)
         states = engine.optimizer_states
         in_units: set[int] = set()
