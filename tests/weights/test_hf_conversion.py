@@ -1,12 +1,15 @@
 """Folders whose stored tensors are not the model's parameters (weights/hf_conversion.py).
 
-`ComposedTensor` ranges against torch.stack / torch.cat on real files: every range of a stack, of a
-concatenation along each dimension, and of a concatenation of stacks (the experts' gate_up_proj)
-reads exactly the elements torch's result holds there.
+`ComposedTensor` ranges against torch.stack / torch.cat / torch.split / torch.chunk on real files:
+every range of a stack, of a concatenation along each dimension, of a concatenation of stacks (the
+experts' gate_up_proj) and of each piece of a split (a fused qkv, along each dimension, uneven
+chunks) reads exactly the elements torch's result holds there.
 
 Hugging Face folders as `save_pretrained` writes them under transformers 5 (the Hub layout, checked
 below: one tensor per expert and matrix, Mixtral's `block_sparse_moe`, GPT-NeoX's `embed_out`):
-Mixtral (fp32, several files), Qwen2-MoE (bf16, shared expert) and GPT-NeoX (a renamed head). For
+Mixtral (fp32, several files), Qwen2-MoE (bf16, shared expert), GPT-NeoX (a renamed head), HRM
+(fused [gate|q|k|v] and [gate|up] rows chunked, several files) and Sarvam-MoE (a GQA qkv split by
+each target's size, bf16). For
 each, at world 1 and 2 (one spawned group) and stage-3 parameters on the host and on NVMe, the
 gathered state_dict equals `AutoModelForCausalLM.from_pretrained` bitwise, the logits agree, and the
 fp32 masters an optimizer takes are the stored values (tests/weights/test_pretrained.py's check),
@@ -39,7 +42,7 @@ from tests._harness import run_ranks
 from tests.partition._construction import VOCAB
 from tests.weights.test_pretrained import _cfg, _compare
 from zeroinf.weights import SafetensorsFolder, WeightsError
-from zeroinf.weights.safetensors_folder import concatenate, stack
+from zeroinf.weights.safetensors_folder import chunk_sizes, concatenate, split, stack
 
 pytest.importorskip("transformers")
 
@@ -83,6 +86,36 @@ def test_stacks_and_concatenations_read_as_torch_builds_them(tmp_path: Any) -> N
         folder.close()
 
 
+def test_splits_and_chunks_read_as_torch_cuts_them(tmp_path: Any) -> None:
+    """A fused tensor split into the model's parameters (a qkv, Chunk or Split): each piece, and a
+    piece of a stack, reads exactly the elements torch.split / torch.chunk give, along any dim."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"qkv": torch.randn(10, 6, 3, generator=g), "e0": torch.randn(4, 5, generator=g),
+               "e1": torch.randn(4, 5, generator=g)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    folder = SafetensorsFolder(tmp_path)
+    try:
+        qkv = tensors["qkv"]
+        for dim in (0, 1, 2, -1):
+            for sizes in ([qkv.shape[dim]], [1] * qkv.shape[dim], chunk_sizes(qkv.shape[dim], 3)):
+                names = [f"p{i}" for i in range(len(sizes))]
+                pieces = split(names, folder["qkv"], dim, sizes)
+                for piece, expected in zip(pieces, torch.split(qkv, sizes, dim), strict=True):
+                    _ranges_match(folder, piece, expected.contiguous())
+        assert chunk_sizes(10, 3) == [len(t) for t in torch.chunk(torch.empty(10), 3)] == [4, 4, 2]
+        assert chunk_sizes(6, 4) == [len(t) for t in torch.chunk(torch.empty(6), 4)] == [2, 2, 2]
+        experts = stack("s", [folder["e0"], folder["e1"]])
+        for piece, expected in zip(split(["a", "b"], experts, 1, [1, 3]), torch.split(torch.stack(
+                [tensors["e0"], tensors["e1"]]), [1, 3], 1), strict=True):
+            _ranges_match(folder, piece, expected.contiguous())
+        with pytest.raises(WeightsError, match="cannot be split"):
+            split(["a", "b"], folder["qkv"], 0, [4, 4])
+    finally:
+        folder.close()
+
+
 # -- Hugging Face folders in the Hub layout ---------------------------------------------------------------
 def _build(arch: str, seed: int = 3) -> torch.nn.Module:
     import transformers as tf
@@ -99,6 +132,11 @@ def _build(arch: str, seed: int = 3) -> torch.nn.Module:
     elif arch == "qwen2_moe":
         cfg = tf.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_key_value_heads=2,
                                 shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    elif arch == "hrm_text":  # fused [gate|q|k|v] and [gate|up] rows: Chunk(dim=0) into 4 and 2
+        cfg = tf.AutoConfig.for_model(arch, **common, intermediate_size=48, num_key_value_heads=4)
+    elif arch == "sarvam_moe":  # GQA [q|k|v] rows: Split(dim=0) by each target's size; experts stacked
+        cfg = tf.AutoConfig.for_model(arch, **common, intermediate_size=48, num_key_value_heads=2, num_experts=4,
+                                      moe_intermediate_size=24, num_experts_per_tok=2, first_k_dense_replace=1)
     else:
         cfg = tf.GPTNeoXConfig(**common, intermediate_size=64, tie_word_embeddings=False)
     return tf.AutoModelForCausalLM.from_config(cfg)
@@ -106,7 +144,9 @@ def _build(arch: str, seed: int = 3) -> torch.nn.Module:
 
 FOLDERS = [("mixtral", torch.float32, "20KB", "block_sparse_moe.experts.3.w3.weight"),
            ("qwen2_moe", torch.bfloat16, "1GB", "mlp.experts.3.up_proj.weight"),
-           ("gpt_neox", torch.float32, "1GB", "embed_out.weight")]
+           ("gpt_neox", torch.float32, "1GB", "embed_out.weight"),
+           ("hrm_text", torch.float32, "20KB", "attn.gqkv_proj.weight"),
+           ("sarvam_moe", torch.bfloat16, "1GB", "attention.query_key_value.weight")]
 
 
 @pytest.fixture(scope="module")
@@ -232,11 +272,13 @@ def _merged_export_differences(path: str, rank: int, world: int, swap_root: str)
 
 
 def _load_weights_differences(path: str, rank: int, swap_root: str) -> list[str]:
-    """`zeroinf.load_weights` of the Hub-layout Mixtral folder into a model of another seed, sharded
-    with parameters on NVMe, against Hugging Face's load (keys or values that differ: none)."""
+    """`zeroinf.load_weights` of a Hub-layout folder (Mixtral's stacked experts; Sarvam-MoE's split
+    qkv, sized by the full shapes of parameters that are placeholders now) into a model of another
+    seed, sharded with parameters on NVMe, against Hugging Face's load (keys or values that differ: none)."""
     from transformers import AutoModelForCausalLM
 
-    model = zeroinf.shard(_build("mixtral", seed=99), _cfg("nvme", os.path.join(swap_root, f"load-{rank}")))
+    arch = os.path.basename(path)
+    model = zeroinf.shard(_build(arch, seed=99), _cfg("nvme", os.path.join(swap_root, f"load-{arch}-{rank}")))
     zeroinf.load_weights(model, path)
     state = model.state_dict()
     zeroinf.engine_of(model).close()
@@ -255,7 +297,7 @@ def run(rank: int, world: int, paths: list[str], swap_root: str) -> dict[str, An
         out["trained"] = _trains_as_hugging_face(paths[0], os.path.join(swap_root, "train"))
     out["saved"] = _saved_in_the_hub_layout(paths[0], rank, world, swap_root)
     out["merged"] = _merged_export_differences(paths[0], rank, world, swap_root)
-    out["load_weights"] = _load_weights_differences(paths[0], rank, swap_root)
+    out["load_weights"] = [d for p in (paths[0], paths[-1]) for d in _load_weights_differences(p, rank, swap_root)]
     return out
 
 
@@ -338,6 +380,40 @@ def test_a_conversion_across_units_is_saved_in_the_model_layout(
     monkeypatch.setattr(mapping, "get_model_conversion_mapping", real)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
     assert _differences(loaded, expected) == []
+
+
+@pytest.mark.parametrize("arch", ["gte", "nomic_bert", "dinov2"])
+def test_an_encoder_in_the_hub_layout_loads_and_saves_as_hugging_face(arch: str, tmp_path: Any) -> None:
+    """Embedding and vision encoders (`auto_class=AutoModel`), params on NVMe: gte and nomic-bert store
+    each layer's q, k and v as one fused tensor (and gte its gate and up) that the model splits
+    (Chunk); Dinov2's initialization draws with trunc_normal_, which cannot run on the placeholders
+    of weights the files hold (the draws are skipped as transformers' own loader skips them). The
+    sharded model equals transformers' load (parameters and buffers), and saving writes the folder
+    back key for key and bitwise."""
+    import transformers as tf
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if arch == "dinov2":
+        cfg = tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                              image_size=32, patch_size=8)
+    else:
+        cfg = tf.AutoConfig.for_model(arch, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=48, max_position_embeddings=32)
+    torch.manual_seed(0)
+    folder = str(tmp_path / "hub")
+    tf.AutoModel.from_config(cfg).save_pretrained(folder)
+    stored = _stored(folder)
+    reference = tf.AutoModel.from_pretrained(folder, dtype=torch.float32)
+    assert set(stored) != set(reference.state_dict()) or arch == "dinov2"  # the Hub layout is not the model's
+    model = zeroinf.from_pretrained(folder, _cfg("nvme", str(tmp_path / "swap")), auto_class=tf.AutoModel)
+    try:
+        assert _differences(model.state_dict(), reference.state_dict()) == []
+        assert _differences(dict(model.named_buffers()), dict(reference.named_buffers())) == []
+        zeroinf.save_pretrained(model, tmp_path / "resaved")
+        assert _differences(_stored(str(tmp_path / "resaved")), stored) == []
+    finally:
+        zeroinf.engine_of(model).close()
 
 
 def test_a_conversion_that_is_not_a_range_is_refused(folders: tuple[str, list[str]], monkeypatch: Any) -> None:

@@ -306,6 +306,9 @@ class ParamPark:
             with torch.no_grad(), torch._C.DisableTorchFunction():
                 swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))  # `torch.empty`: no page touched
             self.deferred[id(p)] = (p, device)
+            # transformers' init functions skip it, as they skip what its own loader loaded: drawing
+            # a placeholder is wasted, and some draws (trunc_normal_'s rejection loop) need values
+            p._is_hf_initialized = True  # type: ignore[attr-defined]
             return
         self.live[id(p)] = p
 

@@ -6,25 +6,29 @@ Since transformers 5 a model's parameters need not be its files' tensors. Renami
 OLMoE, DeepSeek-V3 and most MoE models hold each layer's experts as 3-D parameters
 (`mlp.experts.down_proj` = every expert's `w2` stacked; `mlp.experts.gate_up_proj` = the stacks of
 `w1` and `w3` concatenated along dim 1), while the files on the Hub, and what `save_pretrained`
-writes back, keep one tensor per expert and matrix. transformers' loader reads the pieces whole and
-runs the operations; zeroinf reads each rank's shard as byte ranges (safetensors_folder.py), so a
-fused parameter becomes a `ComposedTensor`: its flattened elements as ordered ranges of the stored
-pieces (a stack appends them; a concatenation along dim d takes each piece's block of
-prod(shape[d:]) elements in turn). A shard of a fused parameter is then a few contiguous reads,
-no byte is read by two ranks, and no layer's experts are ever whole in memory.
+writes back, keep one tensor per expert and matrix. Splits, the other way round: gte, nomic-bert
+and jina-embeddings-v3 store a layer's q, k and v as one `qkv` tensor the model holds as three
+(`Chunk`: equal parts), Sarvam-MoE its GQA `query_key_value` (`Split`: each target's size).
+transformers' loader reads the pieces whole and runs the operations; zeroinf reads each rank's
+shard as byte ranges (safetensors_folder.py), so a converted parameter becomes a
+`ComposedTensor`: its flattened elements as ordered ranges of the stored tensors (a stack appends
+them; a concatenation along dim d takes each piece's block of prod(shape[d:]) elements in turn; a
+split along dim d takes its block of each row of the dims before d). A shard of a converted
+parameter is then a few contiguous reads, no byte is read by two ranks, and no layer's experts are
+ever whole in memory.
 
 Which stored key feeds which parameter, and in which order, is transformers' own answer
 (`get_model_conversion_mapping`, `rename_source_key`, keys in `dot_natural_key` order as its loader
-collects them), so the mapping follows the installed version. Stacking along dim 0 and
-concatenation are the operations of nearly every conversion transformers defines; any other
-(splitting a fused qkv, transposes, RoPE permutations) is refused naming the parameter and the
-operation, before anything is read.
+collects them), so the mapping follows the installed version. Stacking along dim 0, concatenation
+and splitting are the operations of most conversions transformers defines (of the 86 tables with
+tensor operations in 5.24, 74 use nothing else); any other (transposes, RoPE permutations,
+interleaving) is refused naming the parameter and the operation, before anything is read.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,31 +36,40 @@ from torch import nn
 
 from zeroinf.telemetry import get_logger
 from zeroinf.weights.safetensors_folder import (
+    ComposedTensor,
     SafetensorsFolder,
     Stored,
     WeightsError,
+    chunk_sizes,
     concatenate,
+    split,
     stack,
 )
 from zeroinf.weights.source import persistent_buffers
 
 
-def key_by_model(folder: SafetensorsFolder, model: nn.Module) -> None:
+def key_by_model(
+    folder: SafetensorsFolder, model: nn.Module, shapes: Mapping[int, tuple[int, ...]] | None = None
+) -> None:
     """Key `folder`'s tensors by the state_dict names of `model` where it is a transformers model with
-    checkpoint conversions (`from_pretrained` before `prepare`, `load_weights`); else leave them."""
+    checkpoint conversions (`from_pretrained` before `prepare`, `load_weights`); else leave them.
+    `shapes`: the parameters' full shapes by id where the model holds placeholders (a sharded model)."""
     if transformers_model(model) is None:
         return
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    keyed = _model_keyed(folder, model, names + [n for n, _ in persistent_buffers(model)])
+    named = [(n, tuple((shapes or {}).get(id(p), p.shape))) for n, p in model.named_parameters(remove_duplicate=False)]
+    named += [(n, tuple(b.shape)) for n, b in persistent_buffers(model)]
+    keyed = _model_keyed(folder, model, dict(named))
     if keyed is not None:
         folder.tensors = keyed
 
 
-def _model_keyed(folder: SafetensorsFolder, model: nn.Module, names: Iterable[str]) -> dict[str, Stored] | None:
-    """`folder`'s tensors keyed by the names of `model` (a transformers `PreTrainedModel`; `names`:
-    its state_dict names), or None where transformers defines no conversion for it (or is older
-    than 5): the stored keys are then the names. A stored key no conversion maps to a name keeps its
-    own key (the caller reports it as unexpected)."""
+def _model_keyed(
+    folder: SafetensorsFolder, model: nn.Module, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Stored] | None:
+    """`folder`'s tensors keyed by the names of `model` (a transformers `PreTrainedModel`; `shapes`:
+    its state_dict names and shapes), or None where transformers defines no conversion for it (or is
+    older than 5): the stored keys are then the names. A stored key no conversion maps to a name
+    keeps its own key (the caller reports it as unexpected)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
@@ -72,11 +85,11 @@ def _model_keyed(folder: SafetensorsFolder, model: nn.Module, names: Iterable[st
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     if not renamings and not converters:
         return None
-    model_names = dict.fromkeys(names, True)  # what transformers' rename asks of a meta state_dict
+    model_names = dict.fromkeys(shapes, True)  # what transformers' rename asks of a meta state_dict
     prefix = getattr(model, "base_model_prefix", None) or None
     converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
     out: dict[str, Stored] = {}
-    fused: dict[str, tuple[WeightConverter, dict[str, list[Stored]]]] = {}
+    converted: dict[str, tuple[WeightConverter, dict[str, list[Stored]]]] = {}
     for key in sorted(folder, key=dot_natural_key):
         name, pattern = rename_source_key(key, renamings, converters, prefix, model_names)
         if name not in model_names and key in model_names:  # a key renamed away from its own name
@@ -88,40 +101,61 @@ def _model_keyed(folder: SafetensorsFolder, model: nn.Module, names: Iterable[st
                 raise WeightsError(f"{folder.path}: stored tensors {out[name].key!r} and {key!r} are both {name!r}")
             out[name] = folder[key]
         else:
-            converter, pieces = fused.setdefault(name, (converter_of[pattern], {}))
+            converter, pieces = converted.setdefault(name, (converter_of[pattern], {}))
             pieces.setdefault(pattern, []).append(folder[key])
-    for name, (converter, pieces) in fused.items():
-        if name in out:
-            raise WeightsError(f"{folder.path}: {name!r} is stored whole ({out[name].key!r}) and in pieces")
-        out[name] = _fuse(folder, name, converter, pieces)
+    for name, (converter, pieces) in converted.items():
+        for target, stored in _convert(folder, name, converter, pieces, shapes).items():
+            if target in out:
+                raise WeightsError(f"{folder.path}: {target!r} is stored whole ({out[target].key!r}) and in pieces")
+            out[target] = stored
     # as transformers' loader does: saving reverts the conversions this folder needed (`hub_layout`)
     setattr(model, "_weight_conversions", [t for t in transforms if t.was_used()])  # noqa: B010
     return out
 
 
-def _fuse(folder: SafetensorsFolder, name: str, converter: Any, pieces: dict[str, list[Stored]]) -> Stored:
-    """The parameter `name` as transformers' `converter` builds it from `pieces` (per source
-    pattern, in loading order): its operations replayed on ranges instead of values."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist
+def _convert(
+    folder: SafetensorsFolder, name: str, converter: Any, pieces: dict[str, list[Stored]],
+    shapes: dict[str, tuple[int, ...]],
+) -> dict[str, Stored]:
+    """The parameters transformers' `converter` builds from `pieces` (per source pattern, in loading
+    order), by name: its operations replayed on ranges instead of values. `name` is the first
+    target's (what transformers' rename gives); a split's other targets are named as its loader
+    names them, the first target pattern in `name` replaced by each."""
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, Split
 
+    targets = converter.target_patterns
     state: dict[str, list[Stored]] = {p: list(ts) for p, ts in pieces.items()}
     for op in converter.operations:
         if type(op) is MergeModulelist and op.dim == 0:
             state = {p: [stack(name, ts)] for p, ts in state.items()}
         elif type(op) is Concatenate:
             parts = [t for p in converter.source_patterns if p in state for t in state[p]]
-            state = {name: [concatenate(name, parts, op.dim)]}
+            state = {targets[0]: [concatenate(name, parts, op.dim)]}
+        elif (
+            type(op) in (Chunk, Split) and getattr(op, "num_shards_attribute", None) is None
+            and [len(ts) for ts in state.values()] == [1] and targets[0] in name
+        ):
+            (whole,) = next(iter(state.values()))
+            head, _, tail = name.partition(targets[0])
+            names = [head + target + tail for target in targets]
+            if type(op) is Split:  # sized like each target's model parameter
+                sizes = [shapes[n][op.dim] if n in shapes else -1 for n in names]
+            else:
+                sizes = chunk_sizes(whole.shape[op.dim], len(targets))
+            state = {target: [piece] for target, piece in zip(targets, split(names, whole, op.dim, sizes), strict=True)}
         else:
             keys = [t.key for ts in pieces.values() for t in ts]
             raise WeightsError(
                 f"{folder.path}: the model's {name!r} is built from {keys[:3]} by transformers' "
-                f"{type(op).__name__}{vars(op)}, which zeroinf cannot read by ranges (it reads stacking and "
-                "concatenation); build the model with transformers' from_pretrained and zeroinf.shard it"
+                f"{type(op).__name__}{vars(op)}, which zeroinf cannot read by ranges (it reads stacking, "
+                "concatenation and splitting); build the model with transformers' from_pretrained and zeroinf.shard it"
             )
     results = [t for ts in state.values() for t in ts]
-    if len(results) != 1:
-        raise WeightsError(f"{folder.path}: the conversion of {name!r} gives {len(results)} tensors, not one")
-    return results[0]
+    if len(results) == 1:
+        return {name: results[0]}
+    if all(isinstance(t, ComposedTensor) for t in results) and len(results) == len(targets):
+        return {t.key: t for t in results}
+    raise WeightsError(f"{folder.path}: the conversion of {name!r} gives {len(results)} tensors, not one")
 
 
 Revert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]

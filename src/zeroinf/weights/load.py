@@ -33,7 +33,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str], key_map: KeyMap
     }
     try:
         if key_map is None:  # transformers' renamings and fused experts (weights/hf_conversion.py)
-            key_by_model(folder, model)
+            key_by_model(folder, model, shapes)  # a split's sizes: the full shapes, not the placeholders
         weights = CheckpointWeights(folder, model, shapes=shapes, key_map=key_map)
         states = engine.optimizer_states
         in_units: set[int] = set()

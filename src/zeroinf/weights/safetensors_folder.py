@@ -74,9 +74,10 @@ class Segment:
 
 @dataclass(frozen=True)
 class ComposedTensor:
-    """A tensor the files hold in pieces: its flattened elements are `segments`, in order (the
-    experts of a layer stacked, or two stacks concatenated: weights/hf_conversion.py). A range of
-    it is a few ranges of stored tensors, so a shard is still read as contiguous byte ranges."""
+    """A tensor the files hold in pieces, or a piece of a stored tensor: its flattened elements are
+    `segments`, in order (the experts of a layer stacked, two stacks concatenated, a fused qkv split:
+    weights/hf_conversion.py). A range of it is a few ranges of stored tensors, so a shard is still
+    read as contiguous byte ranges."""
 
     key: str
     shape: tuple[int, ...]
@@ -94,7 +95,7 @@ class ComposedTensor:
     @property
     def path(self) -> str:
         """The file of its first piece (messages name it)."""
-        return self.segments[0].stored.path
+        return self.segments[0].stored.path if self.segments else "(no elements)"
 
     def ranges(self, start: int, numel: int) -> list[Segment]:
         """Elements [start, start + numel) as ranges of stored tensors."""
@@ -138,6 +139,31 @@ def concatenate(key: str, parts: Sequence[Stored], dim: int) -> ComposedTensor:
     shape = list(parts[0].shape)
     shape[dim] = sum(part.shape[dim] for part in parts)
     return ComposedTensor(key, tuple(shape), parts[0].dtype, _merged(segments))
+
+
+def split(keys: Sequence[str], part: Stored, dim: int, sizes: Sequence[int]) -> list[ComposedTensor]:
+    """`torch.split(part, sizes, dim)`, piece i named `keys[i]`: for each index of the dimensions
+    before `dim`, its block of sizes[i] * prod(shape[dim + 1:]) elements (one range for dim 0)."""
+    dim = dim % len(part.shape)
+    if len(keys) != len(sizes) or sum(sizes) != part.shape[dim] or min(sizes, default=0) < 0:
+        raise WeightsError(
+            f"{part.path}: {part.key!r} {tuple(part.shape)} cannot be split along dim {dim} into {list(keys)} of "
+            f"sizes {list(sizes)}"
+        )
+    outer, row = math.prod(part.shape[:dim]), math.prod(part.shape[dim + 1 :])
+    out, at = [], 0
+    for key, size in zip(keys, sizes, strict=True):
+        segments = tuple(seg for o in range(outer) for seg in part.ranges((o * part.shape[dim] + at) * row, size * row))
+        shape = (*part.shape[:dim], size, *part.shape[dim + 1 :])
+        out.append(ComposedTensor(key, shape, part.dtype, _merged(segments)))
+        at += size
+    return out
+
+
+def chunk_sizes(length: int, chunks: int) -> list[int]:
+    """The sizes `torch.chunk` cuts `length` into for `chunks` (fewer pieces where it does not divide)."""
+    size = -(-length // chunks) if length else 0
+    return [min(size, length - start) for start in range(0, length, size)] if size else [0] * chunks
 
 
 def _check_alike(key: str, parts: Sequence[Stored], dim: int | None) -> None:
