@@ -42,6 +42,7 @@ from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, Nv
 from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
+from zeroinf.precision import buffer_in_compute_dtype
 from zeroinf.runtime import hooks, sync_switch
 from zeroinf.runtime.reach import PENALTY_AT_STAGE_3, InputGradientPass, ReachAgreement
 from zeroinf.runtime.schedule import UnshardScheduler
@@ -147,17 +148,15 @@ class Engine:
         # (98M GPT in memory, bf16, 2 ranks: 1.27 s/step against 0.93 built eagerly).
         reuse_step_buffers()
         module.to(topo.device)  # buffers and frozen parameters; unit parameters are already there
-        # Frozen parameters and floating-point buffers take the compute dtype in place (as
-        # `module.to(param_dtype)` would), so mixed-dtype arithmetic does not upcast activations.
+        # Frozen parameters and persistent floating-point buffers take the compute dtype in place
+        # (as `module.to(param_dtype)` would), so mixed-dtype arithmetic does not upcast activations.
         for p in module.parameters():
             if p.dtype != cfg.param_torch_dtype and p.numel() > 0:
                 p.data = p.data.to(cfg.param_torch_dtype)
         for sub in module.modules():
             for name, b in sub._buffers.items():
-                if name in sub._non_persistent_buffers_set:
-                    continue  # derived tables (e.g. rotary inv_freq) keep the precision they were built in
-                if b is not None and b.is_floating_point() and b.dtype != cfg.param_torch_dtype:
-                    sub._buffers[name] = b.to(cfg.param_torch_dtype)
+                if b is not None:
+                    sub._buffers[name] = buffer_in_compute_dtype(sub, name, b, cfg.param_torch_dtype)
         self._unit_of_param = {id(p): ui for ui, u in enumerate(self.all_units) for p in u.params}
         # Parameters of this model in no unit (frozen ones at stages 0-2): whole on every rank.
         self._outside_params = {id(p) for p in module.parameters() if id(p) not in self._unit_of_param}

@@ -1,16 +1,33 @@
-"""Dynamic loss scaling for fp16 compute (bf16 and fp32 need none).
+"""Precision: which buffers take the compute dtype, and dynamic loss scaling for fp16 compute.
 
-The scale multiplies the loss before backward; the optimizer divides it out of the gradients.
-A step whose gradients overflow (inf/nan anywhere, on any rank) is skipped and the scale backs off;
-after `growth_interval` clean steps it grows again.
+`buffer_in_compute_dtype`: the engine casts a model's persistent floating buffers to the compute
+dtype, as `module.to(param_dtype)` would, and the planner's meta pass does the same so it meets the
+dtypes training meets.
+
+The loss scale multiplies the loss before backward; the optimizer divides it out of the gradients
+(bf16 and fp32 need none). A step whose gradients overflow (inf/nan anywhere, on any rank) is
+skipped and the scale backs off; after `growth_interval` clean steps it grows again.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from zeroinf.config import LossScaleConfig
 from zeroinf.telemetry import get_logger
+
+
+def buffer_in_compute_dtype(module: nn.Module, name: str, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Buffer `name` of `module` as the engine holds it: persistent floating buffers in the compute
+    `dtype` (so mixed-dtype arithmetic does not upcast activations); derived tables (non-persistent:
+    rotary inv_freq) keep the precision they were built in."""
+    if name in module._non_persistent_buffers_set or not buffer.is_floating_point() or buffer.dtype == dtype:
+        return buffer
+    return buffer.to(dtype)
+
 
 MAX_OVERFLOWS_AT_MIN_SCALE = 10
 

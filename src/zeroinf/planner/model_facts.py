@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from zeroinf.config import DTYPES, Config
 from zeroinf.partition.wrap import discover_units
 from zeroinf.planner.unit_plan import UnitShape
+from zeroinf.precision import buffer_in_compute_dtype
 
 SHORT_BLOCKS = 2  # blocks of the shortened model a deep model's pass is measured on
 ExampleInputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
@@ -558,24 +559,21 @@ class _PassCounter(TorchDispatchMode):
 def _meta_model_state(module: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
     """Meta copies of the module's parameters (in `dtype`) and buffers."""
 
-    def meta(t: torch.Tensor, cast: bool) -> torch.Tensor:
-        out = t.detach().to("meta")
-        return out.to(dtype) if cast and out.is_floating_point() else out
-
     state: dict[str, Any] = {}
     made: dict[int, nn.Parameter] = {}  # tied parameters stay one object
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in made:
-            made[id(p)] = nn.Parameter(meta(p, cast=True), requires_grad=p.requires_grad)
+            on_meta = p.detach().to("meta")
+            made[id(p)] = nn.Parameter(on_meta.to(dtype) if on_meta.is_floating_point() else on_meta,
+                                       requires_grad=p.requires_grad)
         state[name] = made[id(p)]
-    # as the engine casts them (engine.py): persistent floating buffers take the compute dtype, derived
-    # tables (non-persistent: rotary inv_freq) keep theirs. MiniMax's fp32 decay buffers kept in fp32
-    # here met bf16 activations in a matmul and stopped the pass.
+    # as the engine casts them: MiniMax's persistent fp32 decay buffers, kept in fp32 here, met bf16
+    # activations in a matmul and stopped the pass
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for bname, b in sub._buffers.items():
             if b is not None:
-                persistent = bname not in sub._non_persistent_buffers_set
-                state[f"{prefix}.{bname}" if prefix else bname] = meta(b, cast=persistent)
+                on_meta = buffer_in_compute_dtype(sub, bname, b.detach().to("meta"), dtype)
+                state[f"{prefix}.{bname}" if prefix else bname] = on_meta
     return state
 
 
