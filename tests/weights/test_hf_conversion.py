@@ -3,13 +3,14 @@
 `ComposedTensor` ranges against torch.stack / torch.cat / torch.split / torch.chunk on real files:
 every range of a stack, of a concatenation along each dimension, of a concatenation of stacks (the
 experts' gate_up_proj) and of each piece of a split (a fused qkv, along each dimension, uneven
-chunks) reads exactly the elements torch's result holds there.
+chunks) reads exactly the elements torch's result holds there; so does every range of a
+`TransposedTensor` (read by blocks) against torch.transpose(...).contiguous().
 
 Hugging Face folders as `save_pretrained` writes them under transformers 5 (the Hub layout, checked
 below: one tensor per expert and matrix, Mixtral's `block_sparse_moe`, GPT-NeoX's `embed_out`):
 Mixtral (fp32, several files), Qwen2-MoE (bf16, shared expert), GPT-NeoX (a renamed head), HRM
 (fused [gate|q|k|v] and [gate|up] rows chunked, several files) and Sarvam-MoE (a GQA qkv split by
-each target's size, bf16). For
+each target's size, bf16); Qwen3-VL-MoE with its experts stored transposed, at world 1 and 2. For
 each, at world 1 and 2 (one spawned group) and stage-3 parameters on the host and on NVMe, the
 gathered state_dict equals `AutoModelForCausalLM.from_pretrained` bitwise, the logits agree, and the
 fp32 masters an optimizer takes are the stored values (tests/weights/test_pretrained.py's check),
@@ -42,7 +43,7 @@ from tests._harness import run_ranks
 from tests.partition._construction import VOCAB
 from tests.weights.test_pretrained import _cfg, _compare
 from zeroinf.weights import SafetensorsFolder, WeightsError
-from zeroinf.weights.safetensors_folder import chunk_sizes, concatenate, split, stack
+from zeroinf.weights.safetensors_folder import chunk_sizes, concatenate, split, stack, transpose
 
 pytest.importorskip("transformers")
 
@@ -112,6 +113,10 @@ def test_splits_and_chunks_read_as_torch_cuts_them(tmp_path: Any) -> None:
             _ranges_match(folder, piece, expected.contiguous())
         with pytest.raises(WeightsError, match="cannot be split"):
             split(["a", "b"], folder["qkv"], 0, [4, 4])
+        for dims in ((1, 2), (0, 2), (2, 0), (0, 1)):  # read by blocks of the dims from the first on
+            _ranges_match(folder, transpose("t", folder["qkv"], *dims), qkv.transpose(*dims).contiguous())
+        stacked = torch.stack([tensors["e0"], tensors["e1"]])
+        _ranges_match(folder, transpose("t", experts, 1, 2), stacked.mT.contiguous())
     finally:
         folder.close()
 
@@ -416,19 +421,77 @@ def test_an_encoder_in_the_hub_layout_loads_and_saves_as_hugging_face(arch: str,
         zeroinf.engine_of(model).close()
 
 
+def _qwen3_vl_moe_folder(root: str) -> str:
+    """A Qwen3-VL-MoE folder in the Hub's layout: its experts stored (experts, in, out), which the
+    model holds transposed (transformers' Transpose(1, 2, check_dims=True) at load)."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    text = dict(vocab_size=160, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=8,
+                rope_scaling=dict(rope_type="default", mrope_section=[1, 1, 2], mrope_interleaved=True))
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
+    cfg = tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=150, video_token_id=151,
+                              vision_start_token_id=152)
+    torch.manual_seed(0)
+    path = os.path.join(root, "qwen3_vl_moe")
+    tf.AutoModelForImageTextToText.from_config(cfg).save_pretrained(path, max_shard_size="20KB")
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            tensors = load_file(os.path.join(path, name))
+            tensors = {k: v.mT.contiguous() if ".mlp.experts." in k else v for k, v in tensors.items()}
+            save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+    return path
+
+
+def _transposed_experts(rank: int, world: int, path: str, root: str) -> list[str]:
+    """Parameters on NVMe against transformers' load, then `save_pretrained` against its own (which
+    writes the experts as the model holds them: check_dims finds them already in shape)."""
+    from transformers import AutoModelForImageTextToText as Auto
+
+    reference = Auto.from_pretrained(path, dtype=torch.float32)
+    model = zeroinf.from_pretrained(path, _cfg("nvme", os.path.join(root, f"swap-{world}-{rank}")), auto_class=Auto)
+    out = os.path.join(root, f"resaved-{world}")
+    try:
+        diffs = _differences(model.state_dict(), reference.state_dict())
+        zeroinf.save_pretrained(model, out)
+    finally:
+        zeroinf.engine_of(model).close()
+    if rank == 0:
+        reference.save_pretrained(os.path.join(root, f"by-hf-{world}"))
+        diffs += [f"saved {k}" for k in _differences(_stored(out), _stored(os.path.join(root, f"by-hf-{world}")))]
+    return diffs
+
+
+def test_transposed_experts_load_and_save_as_hugging_face(tmp_path: Any) -> None:
+    """Qwen3-VL-MoE's experts, stored transposed against the model, read by blocks (one expert's
+    matrix) and transposed in memory, at world 1 and 2 (shards cut inside experts)."""
+    path = _qwen3_vl_moe_folder(str(tmp_path))
+    assert _transposed_experts(0, 1, path, str(tmp_path)) == []
+    assert run_ranks(_transposed_experts, 2, path, str(tmp_path), timeout_s=300) == [[], []]
+
+
 def test_a_conversion_that_is_not_a_range_is_refused(folders: tuple[str, list[str]], monkeypatch: Any) -> None:
     import transformers.conversion_mapping as mapping
-    from transformers.core_model_loading import Transpose, WeightConverter
+    from transformers.core_model_loading import Chunk, Interleave, Transpose, WeightConverter
 
     _, paths = folders
     real = mapping.get_model_conversion_mapping
 
-    def with_a_transpose(model: Any, *args: Any, **kwargs: Any) -> list[Any]:
-        return [*real(model, *args, **kwargs), WeightConverter(
-            source_patterns=["self_attn.q_proj.weight"], target_patterns=["self_attn.q_proj.weight"],
-            operations=[Transpose(0, 1)],
-        )]
+    def adding(operations: list[Any]) -> Any:
+        def conversions(model: Any, *args: Any, **kwargs: Any) -> list[Any]:
+            return [*real(model, *args, **kwargs), WeightConverter(
+                source_patterns=["self_attn.q_proj.weight"], target_patterns=["self_attn.q_proj.weight"],
+                operations=operations,
+            )]
+        return conversions
 
-    monkeypatch.setattr(mapping, "get_model_conversion_mapping", with_a_transpose)
-    with pytest.raises(WeightsError, match=r"q_proj.weight.*Transpose"):
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", adding([Interleave(0)]))
+    with pytest.raises(WeightsError, match=r"q_proj.weight.*Interleave"):
+        zeroinf.from_pretrained(paths[0], zeroinf.Config(stage=3))
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", adding([Transpose(0, 1), Chunk(0)]))
+    with pytest.raises(WeightsError, match=r"q_proj.weight.*Chunk"):  # a transposed tensor feeds another operation
         zeroinf.from_pretrained(paths[0], zeroinf.Config(stage=3))

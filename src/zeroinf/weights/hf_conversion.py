@@ -9,20 +9,26 @@ OLMoE, DeepSeek-V3 and most MoE models hold each layer's experts as 3-D paramete
 writes back, keep one tensor per expert and matrix. Splits, the other way round: gte, nomic-bert
 and jina-embeddings-v3 store a layer's q, k and v as one `qkv` tensor the model holds as three
 (`Chunk`: equal parts), Sarvam-MoE its GQA `query_key_value` (`Split`: each target's size).
+Transposes: Qwen3-VL-MoE's Hub files store the experts (experts, in, out), the model holds them
+(experts, out, in).
 transformers' loader reads the pieces whole and runs the operations; zeroinf reads each rank's
 shard as byte ranges (safetensors_folder.py), so a converted parameter becomes a
 `ComposedTensor`: its flattened elements as ordered ranges of the stored tensors (a stack appends
 them; a concatenation along dim d takes each piece's block of prod(shape[d:]) elements in turn; a
 split along dim d takes its block of each row of the dims before d). A shard of a converted
 parameter is then a few contiguous reads, no byte is read by two ranks, and no layer's experts are
-ever whole in memory.
+ever whole in memory. A transposed tensor is no ranges of the files: it is read as the whole blocks
+it falls in (one expert's matrix) and transposed in memory (`TransposedTensor`), so it must be the
+converter's last operation.
 
 Which stored key feeds which parameter, and in which order, is transformers' own answer
 (`get_model_conversion_mapping`, `rename_source_key`, keys in `dot_natural_key` order as its loader
-collects them), so the mapping follows the installed version. Stacking along dim 0, concatenation
-and splitting are the operations of most conversions transformers defines (of the 86 tables with
-tensor operations in 5.24, 74 use nothing else); any other (transposes, RoPE permutations,
-interleaving) is refused naming the parameter and the operation, before anything is read.
+collects them), so the mapping follows the installed version. Stacking along dim 0, concatenation,
+splitting and a final transpose are the operations of most conversions transformers defines (of
+the 86 tables with tensor operations in 5.24, 76 use nothing else); any other (RoPE permutations,
+interleaving, model-specific ones) is refused naming the parameter and the operation, before
+anything is read. Saving reverts them with transformers' own code, the model asked for its
+parameters' full shapes (a transpose with `check_dims` compares them), not a shard's placeholders.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from zeroinf.weights.safetensors_folder import (
     ComposedTensor,
     SafetensorsFolder,
     Stored,
+    TransposedTensor,
     WeightsError,
     chunk_sizes,
     concatenate,
     split,
     stack,
+    transpose,
 )
 from zeroinf.weights.source import persistent_buffers
 
@@ -120,22 +128,37 @@ def _convert(
     """The parameters transformers' `converter` builds from `pieces` (per source pattern, in loading
     order), by name: its operations replayed on ranges instead of values. `name` is the first
     target's (what transformers' rename gives); a split's other targets are named as its loader
-    names them, the first target pattern in `name` replaced by each."""
-    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, Split
+    names them, the first target pattern in `name` replaced by each. A transpose is read by blocks
+    (safetensors_folder.TransposedTensor), so it must be the last operation."""
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, Split, Transpose
 
     targets = converter.target_patterns
     state: dict[str, list[Stored]] = {p: list(ts) for p, ts in pieces.items()}
+
+    def refuse(op: Any) -> WeightsError:
+        keys = [t.key for ts in pieces.values() for t in ts]
+        return WeightsError(
+            f"{folder.path}: the model's {name!r} is built from {keys[:3]} by transformers' "
+            f"{type(op).__name__}{vars(op)}, which zeroinf cannot read by ranges (it reads stacking, "
+            "concatenation, splitting and a final transpose); build the model with transformers' from_pretrained "
+            "and zeroinf.shard it"
+        )
+
     for op in converter.operations:
+        ranged = {p: [t for t in ts if not isinstance(t, TransposedTensor)] for p, ts in state.items()}
+        if ranged != state:  # a transposed tensor feeds another operation
+            raise refuse(op)
+        single = next(iter(state.values())) if [len(ts) for ts in state.values()] == [1] else None
         if type(op) is MergeModulelist and op.dim == 0:
-            state = {p: [stack(name, ts)] for p, ts in state.items()}
+            state = {p: [stack(name, ts)] for p, ts in ranged.items()}
         elif type(op) is Concatenate:
-            parts = [t for p in converter.source_patterns if p in state for t in state[p]]
+            parts = [t for p in converter.source_patterns if p in ranged for t in ranged[p]]
             state = {targets[0]: [concatenate(name, parts, op.dim)]}
         elif (
             type(op) in (Chunk, Split) and getattr(op, "num_shards_attribute", None) is None
-            and [len(ts) for ts in state.values()] == [1] and targets[0] in name
+            and single is not None and targets[0] in name
         ):
-            (whole,) = next(iter(state.values()))
+            (whole,) = next(iter(ranged.values()))
             head, _, tail = name.partition(targets[0])
             names = [head + target + tail for target in targets]
             if type(op) is Split:  # sized like each target's model parameter
@@ -143,13 +166,13 @@ def _convert(
             else:
                 sizes = chunk_sizes(whole.shape[op.dim], len(targets))
             state = {target: [piece] for target, piece in zip(targets, split(names, whole, op.dim, sizes), strict=True)}
+        elif type(op) is Transpose and single is not None and len(targets) == 1:
+            (whole,) = next(iter(ranged.values()))
+            if op.check_dims and tuple(whole.shape) == shapes.get(name):  # stored as the model holds it
+                continue
+            state = {targets[0]: [transpose(name, whole, op.dim0, op.dim1)]}
         else:
-            keys = [t.key for ts in pieces.values() for t in ts]
-            raise WeightsError(
-                f"{folder.path}: the model's {name!r} is built from {keys[:3]} by transformers' "
-                f"{type(op).__name__}{vars(op)}, which zeroinf cannot read by ranges (it reads stacking, "
-                "concatenation and splitting); build the model with transformers' from_pretrained and zeroinf.shard it"
-            )
+            raise refuse(op)
     results = [t for ts in state.values() for t in ts]
     if len(results) == 1:
         return {name: results[0]}
@@ -174,10 +197,19 @@ def hub_layout(model: nn.Module, groups: list[dict[str, torch.Tensor]]) -> Rever
     except ImportError:  # transformers < 5: no conversions
         return None
 
-    def revert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return dict(revert_weight_conversion(model, tensors))  # type: ignore[arg-type]
-
     every = {name: t for group in groups for name, t in group.items()}
+
+    def revert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Operations that ask the model for a parameter's shape (Transpose(check_dims=True): Qwen3-VL-MoE's
+        # experts are written as the model holds them) must see its full shape, not a shard's placeholder
+        model.__dict__["get_parameter"] = lambda target: (
+            every[target] if target in every else type(model).get_parameter(model, target)
+        )
+        try:
+            return dict(revert_weight_conversion(model, tensors))  # type: ignore[arg-type]
+        finally:
+            del model.__dict__["get_parameter"]
+
     try:
         whole = revert(every)
         parts = [revert(group) for group in groups if group]

@@ -23,7 +23,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,17 +116,63 @@ class ComposedTensor:
         return list(itertools.accumulate((seg.numel for seg in self.segments[:-1]), initial=0))
 
 
-Stored = StoredTensor | ComposedTensor
+Ranged = StoredTensor | ComposedTensor  # any range of its elements is ranges of the files
 
 
-def stack(key: str, parts: Sequence[Stored]) -> ComposedTensor:
+@dataclass(frozen=True)
+class TransposedTensor:
+    """`base.transpose(dim0, dim1)`, contiguous (transformers' Transpose: Qwen3-VL-MoE's experts
+    are stored (experts, hidden, 2 x intermediate), the model holds (experts, 2 x intermediate,
+    hidden)). Its elements are not ranges of the files: a range is read as the whole blocks of
+    `base` it falls in (a block: the dims from `dim0` on, one expert's matrix there), transposed in
+    memory, so a rank reads at most two blocks beyond its shard, never the whole tensor for 3-D."""
+
+    key: str
+    base: Ranged
+    dim0: int  # dim0 < dim1, both >= 0
+    dim1: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.base.shape)
+        shape[self.dim0], shape[self.dim1] = shape[self.dim1], shape[self.dim0]
+        return tuple(shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    @property
+    def numel(self) -> int:
+        return self.base.numel
+
+    @property
+    def path(self) -> str:
+        return self.base.path
+
+    @property
+    def block(self) -> int:
+        """Elements per block: what one index of the dims before `dim0` holds."""
+        return math.prod(self.base.shape[self.dim0 :])
+
+
+Stored = StoredTensor | ComposedTensor | TransposedTensor
+
+
+def transpose(key: str, base: Ranged, dim0: int, dim1: int) -> TransposedTensor:
+    """`base.transpose(dim0, dim1).contiguous()`, read by blocks."""
+    dims = sorted((dim0 % len(base.shape), dim1 % len(base.shape)))
+    return TransposedTensor(key, base, dims[0], dims[1])
+
+
+def stack(key: str, parts: Sequence[Ranged]) -> ComposedTensor:
     """`torch.stack(parts)` (along dim 0): the parts one after the other."""
     _check_alike(key, parts, dim=None)
     segments = tuple(seg for part in parts for seg in part.ranges(0, part.numel))
     return ComposedTensor(key, (len(parts), *parts[0].shape), parts[0].dtype, _merged(segments))
 
 
-def concatenate(key: str, parts: Sequence[Stored], dim: int) -> ComposedTensor:
+def concatenate(key: str, parts: Sequence[Ranged], dim: int) -> ComposedTensor:
     """`torch.cat(parts, dim)`: for each index of the dimensions before `dim`, each part's block of
     prod(shape[dim:]) elements in turn."""
     _check_alike(key, parts, dim)
@@ -141,7 +187,7 @@ def concatenate(key: str, parts: Sequence[Stored], dim: int) -> ComposedTensor:
     return ComposedTensor(key, tuple(shape), parts[0].dtype, _merged(segments))
 
 
-def split(keys: Sequence[str], part: Stored, dim: int, sizes: Sequence[int]) -> list[ComposedTensor]:
+def split(keys: Sequence[str], part: Ranged, dim: int, sizes: Sequence[int]) -> list[ComposedTensor]:
     """`torch.split(part, sizes, dim)`, piece i named `keys[i]`: for each index of the dimensions
     before `dim`, its block of sizes[i] * prod(shape[dim + 1:]) elements (one range for dim 0)."""
     dim = dim % len(part.shape)
@@ -166,7 +212,7 @@ def chunk_sizes(length: int, chunks: int) -> list[int]:
     return [min(size, length - start) for start in range(0, length, size)] if size else [0] * chunks
 
 
-def _check_alike(key: str, parts: Sequence[Stored], dim: int | None) -> None:
+def _check_alike(key: str, parts: Sequence[Ranged], dim: int | None) -> None:
     """Parts of one dtype and of one shape (but along `dim`), or a WeightsError naming them."""
     first = parts[0]
     for part in parts[1:]:
@@ -193,14 +239,19 @@ def _merged(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
 
 
 class Reads:
-    """The reads of one range of a tensor: several where it spans stored tensors."""
+    """The reads of one range of a tensor: several where it spans stored tensors; `then` runs once
+    they are done (a transposed tensor's blocks are transposed into place)."""
 
-    def __init__(self, handles: list[AioHandle]) -> None:
+    def __init__(self, handles: list[AioHandle], then: Callable[[], None] | None = None) -> None:
         self.handles = handles
+        self.then = then
 
     def wait(self) -> None:
         for handle in self.handles:
             handle.wait()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
 
 
 def _read_header(path: str) -> dict[str, StoredTensor]:
@@ -345,11 +396,28 @@ class SafetensorsFolder:
         """Start reading elements [start, start + out.numel()) of `stored` into `out` (its dtype, CPU)."""
         if out.dtype != stored.dtype or start < 0 or start + out.numel() > stored.numel:
             raise ValueError(f"read of {stored.key!r}: elements [{start}, {start + out.numel()}) {out.dtype}")
+        if isinstance(stored, TransposedTensor):
+            return self._start_transposed_read(stored, start, out)
         handles, at = [], 0
         for seg in stored.ranges(start, out.numel()):
             piece, at = out[at : at + seg.numel], at + seg.numel
             handles.append(self.engine.read(piece, seg.stored.path, seg.stored.offset_bytes + seg.start * out.itemsize))
         return Reads(handles)
+
+    def _start_transposed_read(self, stored: TransposedTensor, start: int, out: torch.Tensor) -> Reads:
+        """The blocks of `stored.base` the range falls in, into a staging tensor; transposed into
+        `out` when the reads are done."""
+        block = stored.block
+        first, end = start // block, -(-(start + out.numel()) // block)
+        staging = torch.empty((end - first) * block, dtype=stored.dtype)
+        reads = self.start_read(stored.base, first * block, staging)
+
+        def place() -> None:
+            blocks = staging.view(end - first, *stored.base.shape[stored.dim0 :])
+            moved = blocks.transpose(1, stored.dim1 - stored.dim0 + 1).reshape(-1)  # a copy
+            out.copy_(moved[start - first * block : start - first * block + out.numel()])
+
+        return Reads(reads.handles, then=place)
 
     def read(self, tensor: str | Stored) -> torch.Tensor:
         """A whole tensor (by key, or as looked up), in its stored dtype and shape (small ones: buffers)."""
