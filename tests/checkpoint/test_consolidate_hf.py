@@ -1,5 +1,9 @@
-"""A consolidated checkpoint of a Hugging Face model loads with `from_pretrained` (world 1, stage 3)
-and gives the trained weights and the same logits as the model that was saved."""
+"""A consolidated checkpoint of a Hugging Face model loads with `from_pretrained` as it is (world 1,
+stage 3): the checkpoint recorded the config, which consolidate writes beside the weights, and the
+loaded model gives the trained weights and the same logits as the model that was saved. A model whose
+parameters differ from the Hub's files (Mixtral's fused experts, GPT-NeoX's renamed head, Sarvam-MoE's
+split qkv) is written in the Hub's layout, key for key and bitwise what transformers' own
+`save_pretrained` writes of the same weights (checkpoint/hub_folder.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ def test_consolidated_weights_load_with_from_pretrained(tmp_path, arch: str) -> 
     out = str(tmp_path / "hf")
     index = ck.consolidate(tmp_path / "ckpt", out, dtype="fp32", max_shard_bytes=20_000)  # several files
     assert len(set(index["weight_map"].values())) > 1
-    model.config.save_pretrained(out)
+    assert os.path.isfile(os.path.join(out, "config.json"))  # nothing copied by hand
 
     loaded = type(model).from_pretrained(out).eval()
     trained = {k: v.float() for k, v in model.state_dict().items()}  # gathered (a collective at stage 3)
@@ -40,3 +44,25 @@ def test_consolidated_weights_load_with_from_pretrained(tmp_path, arch: str) -> 
                                    rtol=1e-5, atol=1e-5)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     zeroinf.engine_of(model).close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_neox", "sarvam_moe"])
+def test_consolidated_weights_are_written_in_the_hub_layout(tmp_path, arch: str) -> None:
+    pytest.importorskip("transformers")
+    from tests.weights.test_hf_conversion import _build, _differences, _stored
+
+    model = zeroinf.shard(_build(arch), zeroinf.Config(stage=3, persist_threshold_bytes=0))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt.backward(model(input_ids=tokens, labels=tokens).loss)
+    opt.step()
+    ck.save(tmp_path / "ckpt", model, opt, step=1)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    zeroinf.engine_of(model).close()
+    ck.consolidate(tmp_path / "ckpt", tmp_path / "hf", dtype="fp32", max_shard_bytes=30_000)
+
+    reference = _build(arch)
+    reference.load_state_dict(trained)
+    reference.save_pretrained(tmp_path / "by-hf")
+    assert _differences(_stored(str(tmp_path / "hf")), _stored(str(tmp_path / "by-hf"))) == []
+    assert not any(k.endswith(".experts.gate_up_proj") for k in _stored(str(tmp_path / "hf")))  # one per expert

@@ -2,7 +2,8 @@
 
 `consolidate(ckpt, out_dir, dtype="bf16")` writes `model-0000k-of-0000n.safetensors` files of at
 most `max_shard_bytes` each (a tensor larger than that gets a file of its own) and an HF-style
-`model.safetensors.index.json`. The safetensors header is known from the manifest before any data
+`model.safetensors.index.json` (with `config.json` and the Hub's tensor layout for a checkpoint of a
+transformers model: hub_folder.py). The safetensors header is known from the manifest before any data
 is read, so each file is written header first and then tensor by tensor, each tensor streamed in
 checkpoint chunks (at most 8 MiB of fp32 at a time): the peak memory does not grow with the model
 or even with its largest tensor. Only the fp32 masters are read; their checksums are verified.
@@ -34,8 +35,10 @@ from zeroinf.checkpoint.format import (
     resolve,
     write_atomic,
 )
+from zeroinf.checkpoint.hub_folder import Revert, reverter, write_configs, written_by_group
 from zeroinf.checkpoint.reader import ChunkReader
 from zeroinf.memory import parse_bytes
+from zeroinf.weights.export import remove_stale_weights
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 ST_NAMES = {
@@ -53,22 +56,36 @@ def consolidate(
     max_shard_bytes: int = 5 * 10**9,
     include_module_state: bool = True,
 ) -> dict[str, Any]:
-    """Write the full weights of a checkpoint as sharded safetensors + index; returns the index dict."""
+    """Write the full weights of a checkpoint as sharded safetensors + index; returns the index dict.
+    A checkpoint of a transformers model also gets its config files and the Hub's tensor layout
+    (hub_folder.py)."""
     if dtype not in OUT_DTYPES:
         raise ValueError(f"consolidate: dtype {dtype!r}; use one of {sorted(OUT_DTYPES)}")
     out_dtype = OUT_DTYPES[dtype]
     ckpt = resolve(os.fspath(ckpt_dir))
     body = read_manifest(ckpt)
+    out = os.fspath(out_dir)
+    os.makedirs(out, exist_ok=True)
     data = DataFiles(ckpt, body["files"])
     reader = ChunkReader(body, data, kinds=1)
-    # (name, shape, dtype, source) in model order; source: ("param", name) or ("module", meta)
-    entries: list[tuple[str, list[int], torch.dtype, Any]] = [
-        (n, body["params"][n]["shape"], out_dtype, ("param", n)) for n in body["order"]
-    ]
+    # the tensors to write by group (a unit's parameters; then buffers and frozen parameters):
+    # name -> (shape, dtype written, source); source: ("param", name) or ("module", meta)
+    groups: list[dict[str, tuple[list[int], torch.dtype, Any]]] = []
+    unit = None
+    for n in body["order"]:
+        if body["params"][n].get("unit", "") != unit or not groups:
+            groups.append({})
+            unit = body["params"][n].get("unit", "")
+        groups[-1][n] = (body["params"][n]["shape"], out_dtype, ("param", n))
     if include_module_state:
+        groups.append({})
         for n, meta in body["module_state"].items():
             src = DTYPES[meta["dtype"]]
-            entries.append((n, meta["shape"], out_dtype if src.is_floating_point else src, ("module", meta)))
+            groups[-1][n] = (meta["shape"], out_dtype if src.is_floating_point else src, ("module", meta))
+    hf = body.get("hf")
+    if hf is not None:
+        write_configs(out, hf, out_dtype)
+    entries, revert = _entries(out, hf, groups)
     shards: list[list[tuple[str, list[int], torch.dtype, Any]]] = [[]]
     size = 0
     for e in entries:
@@ -78,14 +95,13 @@ def consolidate(
             size = 0
         shards[-1].append(e)
         size += nbytes
-    out = os.fspath(out_dir)
-    os.makedirs(out, exist_ok=True)
     weight_map: dict[str, str] = {}
     total = 0
+    values = _GroupValues(groups, reader, data, revert)
     try:
         for k, shard in enumerate(shards):
             fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            total += _write_shard(os.path.join(out, fname), shard, reader, data)
+            total += _write_shard(os.path.join(out, fname), shard, reader, data, values)
             weight_map.update({e[0]: fname for e in shard})
     finally:
         data.close()
@@ -97,7 +113,61 @@ def consolidate(
         "weight_map": weight_map,
     }
     write_atomic(os.path.join(out, INDEX), json.dumps(index, indent=2).encode())
+    remove_stale_weights(out, set(weight_map.values()) | {INDEX})
     return index
+
+
+Entry = tuple[str, list[int], torch.dtype, Any]  # (name written, shape, dtype, source)
+
+
+def _entries(
+    out: str, hf: dict[str, Any] | None, groups: list[dict[str, tuple[list[int], torch.dtype, Any]]]
+) -> tuple[list[Entry], Revert | None]:
+    """The tensors to write, in order, and how to revert a group's values (None: as they are). A
+    tensor a revert only renames keeps its source (streamed); one it reshapes comes from
+    ("value", group, name): the group read whole and reverted (hub_folder.py)."""
+    as_they_are = [(n, shape, dt, src) for g in groups for n, (shape, dt, src) in g.items()]
+    metas = [{n: torch.empty(shape, dtype=dt, device="meta") for n, (shape, dt, _) in g.items()} for g in groups]
+    revert = reverter(out, hf, metas) if hf is not None else None
+    if revert is None:
+        return as_they_are, None
+    entries: list[Entry] = []
+    for gi, (written, sources) in enumerate(written_by_group(revert, metas)):
+        for new, t in written.items():
+            if sources is not None:
+                shape, dt, src = groups[gi][sources[new]]
+                entries.append((new, shape, dt, src))
+            else:
+                entries.append((new, list(t.shape), t.dtype, ("value", gi, new)))
+    return entries, revert
+
+
+class _GroupValues:
+    """The reverted tensors of one group at a time, read whole in the output dtype."""
+
+    def __init__(self, groups: list[dict[str, tuple[list[int], torch.dtype, Any]]], reader: ChunkReader,
+                 data: DataFiles, revert: Revert | None) -> None:
+        self.groups, self.reader, self.data, self.revert = groups, reader, data, revert
+        self.index: int | None = None
+        self.values: dict[str, torch.Tensor] = {}
+
+    def get(self, gi: int, name: str) -> torch.Tensor:
+        if self.index != gi:
+            assert self.revert is not None
+            self.values = {}  # the last group's tensors go before this one's are read
+            tensors = {n: self._read(n, shape, dt, src) for n, (shape, dt, src) in self.groups[gi].items()}
+            self.values, self.index = self.revert(tensors), gi
+        return self.values[name].contiguous()
+
+    def _read(self, name: str, shape: list[int], dtype: torch.dtype, source: Any) -> torch.Tensor:
+        kind, src = source
+        if kind == "param":
+            t = torch.empty(_numel(shape), dtype=torch.float32)
+            self.reader.fill(src, 0, t.numel(), [t])
+        else:
+            t = torch.empty(src["shape"], dtype=DTYPES[src["dtype"]])
+            self.data.read_into(src["f"], src["b"], t, src["h"], f"module state {name}")
+        return t.to(dtype).view(shape)
 
 
 def _numel(shape: list[int]) -> int:
@@ -107,7 +177,7 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _write_shard(path: str, shard: list, reader: ChunkReader, data: DataFiles) -> int:
+def _write_shard(path: str, shard: list[Entry], reader: ChunkReader, data: DataFiles, values: _GroupValues) -> int:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dt, _ in shard:
@@ -124,8 +194,11 @@ def _write_shard(path: str, shard: list, reader: ChunkReader, data: DataFiles) -
         # would otherwise keep freed chunks around and the peak would grow with the tensor count.
         scratch = torch.empty(CHUNK_NUMEL, dtype=torch.float32)
         cast = torch.empty(CHUNK_NUMEL, dtype=torch.float32 if not shard else shard[0][2])
-        for name, shape, dt, (kind, src) in shard:
-            if kind == "param":
+        for name, shape, dt, source in shard:
+            kind, src = source[0], source[1]
+            if kind == "value":  # reverted with its group (hub_folder.py)
+                f.write(as_bytes(values.get(source[1], source[2])))
+            elif kind == "param":
                 numel = _numel(shape)
                 if cast.dtype != dt:
                     cast = torch.empty(CHUNK_NUMEL, dtype=dt)

@@ -55,6 +55,7 @@ from zeroinf.checkpoint.format import (
     step_dirname,
     write_atomic,
 )
+from zeroinf.checkpoint.hub_folder import record
 from zeroinf.checkpoint.stream import STAGING_BYTES, STAGING_COUNT, StreamWriter
 from zeroinf.engine import Engine, engine_of
 from zeroinf.optim.pipeline import StateViews
@@ -297,6 +298,7 @@ def _manifest_head(model: nn.Module, engine: Engine, optimizer: Any, step: int, 
         "format": FORMAT, "version": VERSION, "step": step, "extra": extra,
         "world_size": engine.topo.world_size, "stage": engine.cfg.stage, "param_dtype": engine.cfg.param_dtype,
         "order": order, "params": params,
+        "hf": record(model),  # a transformers model's class and config: consolidate writes a Hub folder
         "optimizer": {
             "step_count": int(optimizer.step_count),
             "param_groups": groups,

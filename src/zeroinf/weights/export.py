@@ -186,7 +186,7 @@ def write_safetensors_files(
             total = sum(int(torch.Size(s).numel()) * d.itemsize for _, s, d in entries)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             write_atomic(os.path.join(out, INDEX_FILE), json.dumps(index, indent=2).encode())
-        _remove_stale_weights(out, set(names) | ({INDEX_FILE} if len(files) > 1 else set()))
+        remove_stale_weights(out, set(names) | ({INDEX_FILE} if len(files) > 1 else set()))
         fsync_dir(out)
     return weight_map
 
@@ -194,7 +194,7 @@ def write_safetensors_files(
 STALE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 
 
-def _remove_stale_weights(out: str, written: set[str]) -> None:
+def remove_stale_weights(out: str, written: set[str]) -> None:
     """Weights files of an earlier save into `out` that this one did not write: a `model.safetensors`
     left beside new shards is what transformers (and zeroinf) would load, and shards of another
     count beside a new index would be taken for this model's."""
