@@ -347,7 +347,8 @@ class Engine:
                 self.scheduler.release(unit_index)
             # Finishing the oldest reduction as a new one starts bounds the unsharded gradient buffers
             # alive (stages 2-3) and starts the reduced shard on its way to its tier while backward
-            # goes on (a host shard: the owner's d2h copy; see unit.py [Note: where a reduced gradient lands]).
+            # goes on (a host shard: the owner's d2h copy; see partition/unit_grads.py [Note: where a
+            # reduced gradient lands]).
             self._reducing.append(unit_index)
             while len(self._reducing) > self._reductions_in_flight:
                 reduced = self._reducing.popleft()

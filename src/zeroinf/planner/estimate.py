@@ -242,7 +242,7 @@ def _grad_moments(
     plan: ModelPlan, order: list[Any], held: bool = False, accumulated: bool = False, settled: bool = False
 ) -> list[dict[str, int]]:
     """Stages 2-3: the gradient bytes on the device as each unit of `order` (backward order) starts its
-    reduction (unit.py [Note: where a reduced gradient lands]): the unsharded buffers filling or in
+    reduction (partition/unit_grads.py [Note: where a reduced gradient lands]): the unsharded buffers filling or in
     flight (at most `reductions_in_flight` + 1), those of units not yet reduced when an earlier
     micro-step kept them all (`held`), and the device shards reduced so far, or all of them when an
     earlier micro-step reduced into them (`accumulated`). At world 1 the first micro-step's device

@@ -231,7 +231,7 @@ def shadow_key(key: str) -> str:
 
 
 def gradient_buffer_dtype(cfg: Config, world_size: int, device_type: str) -> str:
-    """The dtype of a unit's unsharded gradient buffer (pure; unit.py [Note: gradient accumulation
+    """The dtype of a unit's unsharded gradient buffer (pure; unit_grads.py [Note: gradient accumulation
     buffer]): `reduce_dtype`, or the compute dtype where that is exact and moves half the bytes.
 
     A reduce-scatter over gloo between CPU ranks runs as messages (comm.py), which send the compute
