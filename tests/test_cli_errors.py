@@ -95,7 +95,7 @@ def test_max_shard_size_parses_through_the_one_byte_parser(size: str, monkeypatc
     """`consolidate --max-shard-size` had a parser of its own (1TB raised KeyError); now memory.parse_bytes."""
     seen: list[int] = []
 
-    def fake_consolidate(ckpt: str, out: str, dtype: str, max_shard_bytes: int, include_module_state: bool) -> dict:
+    def fake_consolidate(ckpt: str, out: str, dtype: str, max_shard_bytes: int, **_: object) -> dict:
         seen.append(max_shard_bytes)
         return {"weight_map": {}, "metadata": {"total_size": 0}}
 

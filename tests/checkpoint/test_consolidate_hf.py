@@ -66,3 +66,50 @@ def test_consolidated_weights_are_written_in_the_hub_layout(tmp_path, arch: str)
     reference.save_pretrained(tmp_path / "by-hf")
     assert _differences(_stored(str(tmp_path / "hf")), _stored(str(tmp_path / "by-hf"))) == []
     assert not any(k.endswith(".experts.gate_up_proj") for k in _stored(str(tmp_path / "hf")))  # one per expert
+
+
+def test_frozen_parameters_come_from_the_folder_they_were_loaded_from(tmp_path, caplog) -> None:
+    """Frozen parameters sharded at stage 3 (here Mixtral's experts) are not in checkpoints: consolidate
+    refuses such a checkpoint naming them, writes it without them when allowed (with a warning), and
+    with `frozen_from` (the CLI's --frozen-from) takes them from the Hub folder the model was loaded
+    from, through the model's conversions: the folder equals transformers' save_pretrained of the
+    trained model."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from tests.weights.test_hf_conversion import _build, _differences, _stored
+    from zeroinf.checkpoint import CheckpointError
+    from zeroinf.cli import main
+
+    _build("mixtral").save_pretrained(tmp_path / "pretrained", max_shard_size="20KB")
+
+    def freeze_experts(model: torch.nn.Module) -> torch.nn.Module:
+        for name, p in model.named_parameters():
+            p.requires_grad_(".experts." not in name)
+        return model
+
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
+    model = zeroinf.from_pretrained(tmp_path / "pretrained", cfg, prepare=freeze_experts)
+    model.train()
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt.backward(model(input_ids=tokens, labels=tokens).loss)
+    opt.step()
+    ck.save(tmp_path / "ckpt", model, opt, step=1)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    zeroinf.engine_of(model).close()
+
+    with pytest.raises(CheckpointError, match=r"4 frozen parameters \(model.layers.0.mlp.experts.gate_up_proj"):
+        ck.consolidate(tmp_path / "ckpt", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()  # refused before anything is written
+    with caplog.at_level("WARNING", logger="zeroinf.checkpoint"):
+        ck.consolidate(tmp_path / "ckpt", tmp_path / "without", dtype="fp32", allow_missing=True)
+    assert "without the 4 frozen parameters" in caplog.text
+    assert not any(".experts." in k for k in _stored(str(tmp_path / "without")))
+    assert main(["consolidate", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
+                 "--frozen-from", str(tmp_path / "pretrained"), "--max-shard-size", "30KB"]) == 0
+
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained", dtype=torch.float32)
+    reference.load_state_dict(trained)
+    reference.save_pretrained(tmp_path / "by-hf")
+    assert _differences(_stored(str(tmp_path / "hf")), _stored(str(tmp_path / "by-hf"))) == []

@@ -24,10 +24,12 @@ import sys
 from typing import Any
 
 import torch
+from torch import nn
 
 from zeroinf.checkpoint.format import (
     CHUNK_NUMEL,
     DTYPES,
+    CheckpointError,
     DataFiles,
     as_bytes,
     fsync_dir,
@@ -35,10 +37,13 @@ from zeroinf.checkpoint.format import (
     resolve,
     write_atomic,
 )
-from zeroinf.checkpoint.hub_folder import Revert, reverter, write_configs, written_by_group
+from zeroinf.checkpoint.hub_folder import Revert, meta_model, reverter, write_configs, written_by_group
 from zeroinf.checkpoint.reader import ChunkReader
 from zeroinf.memory import parse_bytes
+from zeroinf.telemetry import get_logger
 from zeroinf.weights.export import remove_stale_weights
+from zeroinf.weights.hf_conversion import key_by_model
+from zeroinf.weights.safetensors_folder import SafetensorsFolder, WeightsError
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 ST_NAMES = {
@@ -55,21 +60,39 @@ def consolidate(
     dtype: str = "bf16",
     max_shard_bytes: int = 5 * 10**9,
     include_module_state: bool = True,
+    frozen_from: str | os.PathLike[str] | None = None,
+    allow_missing: bool = False,
 ) -> dict[str, Any]:
     """Write the full weights of a checkpoint as sharded safetensors + index; returns the index dict.
     A checkpoint of a transformers model also gets its config files and the Hub's tensor layout
-    (hub_folder.py)."""
+    (hub_folder.py). Frozen parameters sharded at stage 3 are not in checkpoints (they never
+    change): `frozen_from` is the weights folder to take them from (the one the model was loaded
+    from); without it such a checkpoint is refused, naming them, unless `allow_missing` (then
+    written without them, with a warning)."""
     if dtype not in OUT_DTYPES:
         raise ValueError(f"consolidate: dtype {dtype!r}; use one of {sorted(OUT_DTYPES)}")
     out_dtype = OUT_DTYPES[dtype]
     ckpt = resolve(os.fspath(ckpt_dir))
     body = read_manifest(ckpt)
+    frozen = (body.get("frozen") or {}) if include_module_state else {}
+    named = ", ".join(list(frozen)[:3]) + (", ..." if len(frozen) > 3 else "")
+    if frozen and frozen_from is None and not allow_missing:
+        raise CheckpointError(
+            f"{ckpt}: the checkpoint holds no values for {len(frozen)} frozen parameters ({named}): zeroinf.save "
+            "leaves parameters without gradients sharded at stage 3 out (they never change; a resume rebuilds them "
+            "from where they came from). Consolidate with frozen_from=<the weights folder they were loaded from> "
+            "(--frozen-from DIR) to take them from there, or allow_missing=True (--allow-missing) to write the rest "
+            "without them"
+        )
     out = os.fspath(out_dir)
     os.makedirs(out, exist_ok=True)
-    data = DataFiles(ckpt, body["files"])
-    reader = ChunkReader(body, data, kinds=1)
-    # the tensors to write by group (a unit's parameters; then buffers and frozen parameters):
-    # name -> (shape, dtype written, source); source: ("param", name) or ("module", meta)
+    hf = body.get("hf")
+    if hf is not None:
+        write_configs(out, hf, out_dtype)
+    model = meta_model(out, hf) if hf is not None else None
+    # the tensors to write by group (each unit's parameters, each frozen unit's from `frozen_from`,
+    # then buffers and frozen parameters outside units): name -> (shape, dtype written, source);
+    # source: ("param", name), ("folder", stored) or ("module", meta)
     groups: list[dict[str, tuple[list[int], torch.dtype, Any]]] = []
     unit = None
     for n in body["order"]:
@@ -77,34 +100,41 @@ def consolidate(
             groups.append({})
             unit = body["params"][n].get("unit", "")
         groups[-1][n] = (body["params"][n]["shape"], out_dtype, ("param", n))
+    folder = _frozen_groups(frozen, frozen_from, model, out_dtype, groups) if frozen and frozen_from else None
+    if frozen and folder is None:
+        get_logger("checkpoint").warning(
+            f"consolidate: writing {out} without the {len(frozen)} frozen parameters the checkpoint does not hold "
+            f"({named})"
+        )
     if include_module_state:
         groups.append({})
         for n, meta in body["module_state"].items():
             src = DTYPES[meta["dtype"]]
             groups[-1][n] = (meta["shape"], out_dtype if src.is_floating_point else src, ("module", meta))
-    hf = body.get("hf")
-    if hf is not None:
-        write_configs(out, hf, out_dtype)
-    entries, revert = _entries(out, hf, groups)
-    shards: list[list[tuple[str, list[int], torch.dtype, Any]]] = [[]]
-    size = 0
-    for e in entries:
-        nbytes = _numel(e[1]) * e[2].itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += nbytes
-    weight_map: dict[str, str] = {}
-    total = 0
-    values = _GroupValues(groups, reader, data, revert)
+    data = DataFiles(ckpt, body["files"])
     try:
+        entries, revert = _entries(model, groups)
+        shards: list[list[Entry]] = [[]]
+        size = 0
+        for e in entries:
+            nbytes = _numel(e[1]) * e[2].itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(e)
+            size += nbytes
+        weight_map: dict[str, str] = {}
+        total = 0
+        reader = ChunkReader(body, data, kinds=1)
+        values = _GroupValues(groups, reader, data, revert, folder)
         for k, shard in enumerate(shards):
             fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             total += _write_shard(os.path.join(out, fname), shard, reader, data, values)
             weight_map.update({e[0]: fname for e in shard})
     finally:
         data.close()
+        if folder is not None:
+            folder.close()
     tied = {n: body["params"][n]["aliases"] for n in body["order"] if body["params"][n]["aliases"]}
     index = {
         # "dtype" as torch spells it: transformers' from_pretrained reads it as getattr(torch, dtype)
@@ -120,15 +150,44 @@ def consolidate(
 Entry = tuple[str, list[int], torch.dtype, Any]  # (name written, shape, dtype, source)
 
 
+def _frozen_groups(
+    frozen: dict[str, Any], path: str | os.PathLike[str], model: nn.Module | None, dtype: torch.dtype,
+    groups: list[dict[str, tuple[list[int], torch.dtype, Any]]],
+) -> SafetensorsFolder:
+    """Append a group per frozen unit whose tensors come from the weights folder at `path` (keyed
+    by the model's names through its conversions where it is a transformers model); the folder."""
+    folder = SafetensorsFolder(path)
+    try:
+        if model is not None:
+            key_by_model(folder, model)
+        unit = None
+        for name, meta in frozen.items():
+            stored = folder[name]  # a WeightsError naming the key and the folder where it is missing
+            if list(stored.shape) != list(meta["shape"]):
+                raise WeightsError(
+                    f"{folder.path}: {name!r} has shape {tuple(stored.shape)}, the checkpoint's "
+                    f"{tuple(meta['shape'])}: not the folder this model was loaded from"
+                )
+            if meta.get("unit") != unit or unit is None:
+                groups.append({})
+                unit = meta.get("unit")
+            written = dtype if stored.dtype.is_floating_point else stored.dtype
+            groups[-1][name] = (list(meta["shape"]), written, ("folder", stored))
+    except BaseException:
+        folder.close()
+        raise
+    return folder
+
+
 def _entries(
-    out: str, hf: dict[str, Any] | None, groups: list[dict[str, tuple[list[int], torch.dtype, Any]]]
+    model: nn.Module | None, groups: list[dict[str, tuple[list[int], torch.dtype, Any]]]
 ) -> tuple[list[Entry], Revert | None]:
     """The tensors to write, in order, and how to revert a group's values (None: as they are). A
     tensor a revert only renames keeps its source (streamed); one it reshapes comes from
     ("value", group, name): the group read whole and reverted (hub_folder.py)."""
     as_they_are = [(n, shape, dt, src) for g in groups for n, (shape, dt, src) in g.items()]
     metas = [{n: torch.empty(shape, dtype=dt, device="meta") for n, (shape, dt, _) in g.items()} for g in groups]
-    revert = reverter(out, hf, metas) if hf is not None else None
+    revert = reverter(model, metas)
     if revert is None:
         return as_they_are, None
     entries: list[Entry] = []
@@ -146,8 +205,8 @@ class _GroupValues:
     """The reverted tensors of one group at a time, read whole in the output dtype."""
 
     def __init__(self, groups: list[dict[str, tuple[list[int], torch.dtype, Any]]], reader: ChunkReader,
-                 data: DataFiles, revert: Revert | None) -> None:
-        self.groups, self.reader, self.data, self.revert = groups, reader, data, revert
+                 data: DataFiles, revert: Revert | None, folder: SafetensorsFolder | None) -> None:
+        self.groups, self.reader, self.data, self.revert, self.folder = groups, reader, data, revert, folder
         self.index: int | None = None
         self.values: dict[str, torch.Tensor] = {}
 
@@ -164,6 +223,9 @@ class _GroupValues:
         if kind == "param":
             t = torch.empty(_numel(shape), dtype=torch.float32)
             self.reader.fill(src, 0, t.numel(), [t])
+        elif kind == "folder":
+            assert self.folder is not None
+            t = self.folder.read(src)
         else:
             t = torch.empty(src["shape"], dtype=DTYPES[src["dtype"]])
             self.data.read_into(src["f"], src["b"], t, src["h"], f"module state {name}")
@@ -198,6 +260,9 @@ def _write_shard(path: str, shard: list[Entry], reader: ChunkReader, data: DataF
             kind, src = source[0], source[1]
             if kind == "value":  # reverted with its group (hub_folder.py)
                 f.write(as_bytes(values.get(source[1], source[2])))
+            elif kind == "folder":  # a frozen parameter from the weights folder it was loaded from
+                assert values.folder is not None
+                f.write(as_bytes(values.folder.read(src).to(dt).contiguous()))
             elif kind == "param":
                 numel = _numel(shape)
                 if cast.dtype != dt:
@@ -226,6 +291,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(OUT_DTYPES), default="bf16", help="weights dtype (default bf16)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB; e.g. 500MB)")
     parser.add_argument("--no-buffers", action="store_true", help="weights only: leave out buffers and frozen params")
+    parser.add_argument("--frozen-from", metavar="DIR", default=None,
+                        help="the weights folder the model was loaded from: its frozen parameters, which stage-3 "
+                             "checkpoints do not hold, are taken from there")
+    parser.add_argument("--allow-missing", action="store_true",
+                        help="write a checkpoint's weights without the frozen parameters it does not hold")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-shard-size {args.max_shard_size!r}: use a positive size, e.g. 5GB")
     index = consolidate(
         args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
-        include_module_state=not args.no_buffers,
+        include_module_state=not args.no_buffers, frozen_from=args.frozen_from, allow_missing=args.allow_missing,
     )
     files = sorted(set(index["weight_map"].values()))
     print(f"wrote {len(index['weight_map'])} tensors, {index['metadata']['total_size']} bytes, "

@@ -59,10 +59,9 @@ def write_configs(out_dir: str, hf: dict[str, Any], dtype: torch.dtype) -> None:
         write_atomic(os.path.join(out_dir, CONFIG_FILES[key]), text.encode())
 
 
-def reverter(out_dir: str, hf: dict[str, Any], groups: list[dict[str, torch.Tensor]]) -> Revert | None:
-    """How to revert the recorded model's conversions one group (unit) at a time (`groups`: the
-    tensors to write, on the meta device); None where there is nothing to revert or it cannot be
-    done here (a warning says why). Reads the config `write_configs` wrote into `out_dir`."""
+def meta_model(out_dir: str, hf: dict[str, Any]) -> nn.Module | None:
+    """The recorded transformers model rebuilt on the meta device from the config `write_configs`
+    wrote into `out_dir`; None (with a warning) where transformers or the class is missing."""
     try:
         import transformers
         from transformers.initialization import no_init_weights
@@ -77,8 +76,14 @@ def reverter(out_dir: str, hf: dict[str, Any], groups: list[dict[str, torch.Tens
         return None
     config = transformers.AutoConfig.from_pretrained(out_dir)  # decodes what to_json_string encoded
     with torch.device("meta"), no_init_weights():
-        model = cls(config)
-    return hub_layout(model, groups)
+        model: nn.Module = cls(config)
+    return model
+
+
+def reverter(model: nn.Module | None, groups: list[dict[str, torch.Tensor]]) -> Revert | None:
+    """How to revert `model`'s conversions one group (unit) at a time (`groups`: the tensors to
+    write, on the meta device); None where there is nothing to revert or it cannot be done."""
+    return hub_layout(model, groups) if model is not None else None
 
 
 def written_by_group(

@@ -299,6 +299,11 @@ def _manifest_head(model: nn.Module, engine: Engine, optimizer: Any, step: int, 
         "world_size": engine.topo.world_size, "stage": engine.cfg.stage, "param_dtype": engine.cfg.param_dtype,
         "order": order, "params": params,
         "hf": record(model),  # a transformers model's class and config: consolidate writes a Hub folder
+        # frozen parameters sharded at stage 3 are not saved (common.py): named for consolidate
+        "frozen": {
+            slot.name: {"shape": list(slot.shape), "unit": unit.name}
+            for unit in engine.frozen_units if not unit.resident for slot in unit.layout.slots
+        },
         "optimizer": {
             "step_count": int(optimizer.step_count),
             "param_groups": groups,

@@ -322,7 +322,8 @@ class Trainer(transformers.Trainer):
         if not self.args.should_save:
             return
         if self.checkpoint_weights:
-            zeroinf.consolidate(sharded, output_dir, dtype=self.zeroinf_config.param_dtype)
+            # frozen parameters sharded at stage 3 (a LoRA base) are not in the checkpoint: written without, warned
+            zeroinf.consolidate(sharded, output_dir, dtype=self.zeroinf_config.param_dtype, allow_missing=True)
             self._save_model_files(output_dir)
         if self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
