@@ -220,10 +220,15 @@ class _GroupValues:
 
     def _read(self, name: str, shape: list[int], dtype: torch.dtype, source: Any) -> torch.Tensor:
         kind, src = source
-        if kind == "param":
-            t = torch.empty(_numel(shape), dtype=torch.float32)
-            self.reader.fill(src, 0, t.numel(), [t])
-        elif kind == "folder":
+        if kind == "param":  # in checkpoint chunks through one fp32 buffer: no fp32 copy of the tensor
+            t = torch.empty(_numel(shape), dtype=dtype)
+            scratch = torch.empty(min(CHUNK_NUMEL, t.numel()), dtype=torch.float32)
+            for a in range(0, t.numel(), CHUNK_NUMEL):
+                b = min(t.numel(), a + CHUNK_NUMEL)
+                self.reader.fill(src, a, b, [scratch[: b - a]])
+                t[a:b].copy_(scratch[: b - a])
+            return t.view(shape)
+        if kind == "folder":
             assert self.folder is not None
             t = self.folder.read(src)
         else:
