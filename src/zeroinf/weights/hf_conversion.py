@@ -24,10 +24,11 @@ converter's last operation.
 Which stored key feeds which parameter, and in which order, is transformers' own answer
 (`get_model_conversion_mapping`, `rename_source_key`, keys in `dot_natural_key` order as its loader
 collects them), so the mapping follows the installed version. Stacking along dim 0, concatenation,
-splitting and a final transpose are the operations of most conversions transformers defines (of
-the 86 tables with tensor operations in 5.24, 76 use nothing else); any other (RoPE permutations,
-interleaving, model-specific ones) is refused naming the parameter and the operation, before
-anything is read. Saving reverts them with transformers' own code, the model asked for its
+splitting, RoPE row permutations (`PermuteForRope`: rows moved within each head, each row a range;
+Mistral Large 4's and Kimi-K2.5's vision towers) and a final transpose are the operations of most
+conversions transformers defines (of the 86 tables with tensor operations in 5.24, 80 use nothing
+else); any other (interleaving, model-specific ones) is refused naming the parameter and the
+operation, before anything is read. Saving reverts them with transformers' own code, the model asked for its
 parameters' full shapes (a transpose with `check_dims` compares them), not a shard's placeholders.
 """
 
@@ -49,6 +50,7 @@ from zeroinf.weights.safetensors_folder import (
     WeightsError,
     chunk_sizes,
     concatenate,
+    permute_rows,
     split,
     stack,
     transpose,
@@ -112,7 +114,7 @@ def _model_keyed(
             converter, pieces = converted.setdefault(name, (converter_of[pattern], {}))
             pieces.setdefault(pattern, []).append(folder[key])
     for name, (converter, pieces) in converted.items():
-        for target, stored in _convert(folder, name, converter, pieces, shapes).items():
+        for target, stored in _convert(folder, name, converter, pieces, shapes, model.config).items():
             if target in out:
                 raise WeightsError(f"{folder.path}: {target!r} is stored whole ({out[target].key!r}) and in pieces")
             out[target] = stored
@@ -123,14 +125,14 @@ def _model_keyed(
 
 def _convert(
     folder: SafetensorsFolder, name: str, converter: Any, pieces: dict[str, list[Stored]],
-    shapes: dict[str, tuple[int, ...]],
+    shapes: dict[str, tuple[int, ...]], config: Any = None,
 ) -> dict[str, Stored]:
     """The parameters transformers' `converter` builds from `pieces` (per source pattern, in loading
     order), by name: its operations replayed on ranges instead of values. `name` is the first
     target's (what transformers' rename gives); a split's other targets are named as its loader
     names them, the first target pattern in `name` replaced by each. A transpose is read by blocks
     (safetensors_folder.TransposedTensor), so it must be the last operation."""
-    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, Split, Transpose
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, PermuteForRope, Split, Transpose
 
     targets = converter.target_patterns
     state: dict[str, list[Stored]] = {p: list(ts) for p, ts in pieces.items()}
@@ -140,8 +142,8 @@ def _convert(
         return WeightsError(
             f"{folder.path}: the model's {name!r} is built from {keys[:3]} by transformers' "
             f"{type(op).__name__}{vars(op)}, which zeroinf cannot read by ranges (it reads stacking, "
-            "concatenation, splitting and a final transpose); build the model with transformers' from_pretrained "
-            "and zeroinf.shard it"
+            "concatenation, splitting, RoPE permutations and a final transpose); build the model with "
+            "transformers' from_pretrained and zeroinf.shard it"
         )
 
     for op in converter.operations:
@@ -166,6 +168,16 @@ def _convert(
             else:
                 sizes = chunk_sizes(whole.shape[op.dim], len(targets))
             state = {target: [piece] for target, piece in zip(targets, split(names, whole, op.dim, sizes), strict=True)}
+        elif type(op) is PermuteForRope and config is not None and all(len(ts) == 1 for ts in ranged.values()):
+            # rows moved within each head (interleaved RoPE pairs to rotate-half): each row one range;
+            # the order is transformers' own permutation applied to the row indices
+            permuted: dict[str, list[Stored]] = {}
+            for key, (t,) in ranged.items():
+                if op.permute_layer_names is None or any(n in key for n in op.permute_layer_names):
+                    order = op._permute_for_rope(torch.arange(t.shape[0]), config).tolist()
+                    t = permute_rows(t.key if isinstance(t, ComposedTensor) else name, t, order)
+                permuted[key if len(ranged) > 1 else targets[0]] = [t]
+            state = permuted
         elif type(op) is Transpose and single is not None and len(targets) == 1:
             (whole,) = next(iter(ranged.values()))
             if op.check_dims and tuple(whole.shape) == shapes.get(name):  # stored as the model holds it

@@ -206,6 +206,15 @@ def split(keys: Sequence[str], part: Ranged, dim: int, sizes: Sequence[int]) -> 
     return out
 
 
+def permute_rows(key: str, part: Ranged, order: Sequence[int]) -> ComposedTensor:
+    """`part[order]`: its rows (along dim 0) in the order given, each a range of `part`."""
+    row = math.prod(part.shape[1:])
+    if sorted(order) != list(range(part.shape[0])):
+        raise WeightsError(f"{part.path}: {part.key!r} {tuple(part.shape)}: {len(order)} rows do not permute its rows")
+    segments = tuple(seg for r in order for seg in part.ranges(r * row, row))
+    return ComposedTensor(key, tuple(part.shape), part.dtype, _merged(segments))
+
+
 def chunk_sizes(length: int, chunks: int) -> list[int]:
     """The sizes `torch.chunk` cuts `length` into for `chunks` (fewer pieces where it does not divide)."""
     size = -(-length // chunks) if length else 0
