@@ -62,10 +62,11 @@ def from_pretrained(
 
     `hf_kwargs` go to `from_config` (e.g. `attn_implementation`); the compute dtype is
     `cfg.param_dtype` (a `dtype`/`torch_dtype` argument must agree with it). `auto_class` defaults
-    to `transformers.AutoModelForCausalLM`.
+    to `transformers.AutoModelForCausalLM` where the config has a causal LM, else
+    `AutoModelForImageTextToText` (a VLM), else `AutoModel`.
     """
     transformers = require("transformers", "zeroinf.from_pretrained")
-    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
+    AutoConfig = transformers.AutoConfig
     GenerationConfig = transformers.GenerationConfig
 
     path = os.fspath(path)
@@ -83,14 +84,19 @@ def from_pretrained(
         from zeroinf.planner.api import resolve_for_ranks
         from zeroinf.planner.model_facts import from_hf
 
-        cfg, _ = resolve_for_ranks(cfg, from_hf(path), topology or default_topology(cfg.collective_timeout_s))
+        facts = from_hf(path, auto_class=auto_class)
+        cfg, _ = resolve_for_ranks(cfg, facts, topology or default_topology(cfg.collective_timeout_s))
     folder = SafetensorsFolder(path)
     try:
         config = AutoConfig.from_pretrained(path)
+        if auto_class is None:  # a causal LM where there is one, else a VLM's or the bare model (planner's rule)
+            from zeroinf.planner.model_facts import auto_class_for
+
+            auto_class = auto_class_for(config)
         with init(cfg, topology=topology, defer_values=True) as park:
             # in the compute dtype, as transformers' from_pretrained(dtype=...) builds: what `prepare` adds
             # (LoRA adapters, made in their base layer's dtype) is then built as it would be there
-            model = (auto_class or AutoModelForCausalLM).from_config(config, dtype=cfg.param_torch_dtype, **hf_kwargs)
+            model = auto_class.from_config(config, dtype=cfg.param_torch_dtype, **hf_kwargs)
             names: dict[int, list[str]] = {}
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)

@@ -122,3 +122,25 @@ def test_configs_that_stopped_the_plan(tmp_path: Any, model_type: str) -> None:
         assert any("activations not measured: the forward does not run on meta tensors" in n for n in notes), notes
     else:
         assert measured is not None and measured.saved_bytes > 0
+
+
+def test_a_vlm_is_planned_as_its_image_text_to_text_model(tmp_path: Any) -> None:
+    """LLaVA has no causal-LM class in transformers (nor Qwen-VL, Gemma 3): the plan built it with
+    AutoModelForCausalLM and stopped. It is built as transformers' image-text-to-text model now: all
+    its parameters (vision tower and projector included) counted, a text pass measured."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    from zeroinf.planner.model_facts import from_hf
+
+    text = transformers.LlamaConfig(vocab_size=160, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=48, max_position_embeddings=128)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=48, image_size=32, patch_size=8)
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=150)
+    config.save_pretrained(tmp_path)
+    facts = from_hf(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    assert facts.param_count == sum(p.numel() for p in model.parameters())
+    assert facts.pass_facts(1, 32, "bf16", torch.device("cpu")) is not None

@@ -540,3 +540,27 @@ def test_a_conversion_that_is_not_a_range_is_refused(folders: tuple[str, list[st
     monkeypatch.setattr(mapping, "get_model_conversion_mapping", adding([Transpose(0, 1), Chunk(0)]))
     with pytest.raises(WeightsError, match=r"q_proj.weight.*Chunk"):  # a transposed tensor feeds another operation
         zeroinf.from_pretrained(paths[0], zeroinf.Config(stage=3))
+
+
+def test_a_vlm_loads_without_naming_its_class(tmp_path: Any) -> None:
+    """`zeroinf.from_pretrained` of a LLaVA folder (its Hub keys renamed into the model's), with no
+    `auto_class` and the placement left to the planner (`offload="auto"`), as transformers'
+    AutoModelForImageTextToText loads it: it built an AutoModelForCausalLM and stopped."""
+    import transformers as tf
+
+    text = tf.LlamaConfig(vocab_size=160, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=48, max_position_embeddings=128)
+    vision = tf.CLIPVisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                                 image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    tf.LlavaForConditionalGeneration(tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=150)
+                                     ).save_pretrained(tmp_path / "hub")
+    cfg = zeroinf.Config(stage=3, offload=zeroinf.OffloadConfig(params="auto", optimizer="auto",
+                                                                nvme_dir=str(tmp_path / "swap")))
+    model = zeroinf.from_pretrained(tmp_path / "hub", cfg)
+    try:
+        reference = tf.AutoModelForImageTextToText.from_pretrained(tmp_path / "hub", dtype=torch.float32)
+        assert type(model) is type(reference)
+        assert _differences(model.state_dict(), reference.state_dict()) == []
+    finally:
+        zeroinf.engine_of(model).close()

@@ -218,8 +218,10 @@ def from_gpt_config(gpt: Any, unit_classes: tuple[str, ...] = (), name: str = "G
     return facts
 
 
-def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
-    """A Hugging Face causal LM from its folder or config.json, built on the meta device (no weight read)."""
+def from_hf(path: str | Path, unit_classes: tuple[str, ...] = (), auto_class: Any = None) -> ModelFacts:
+    """A Hugging Face model from its folder or config.json, built on the meta device (no weight
+    read): a causal LM where transformers has one for the config, else an image-text-to-text model
+    (a VLM: LLaVA, Qwen-VL, Gemma 3), else the bare model; `auto_class` chooses instead."""
     path = Path(path)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
@@ -239,11 +241,11 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
     if decoder.supports(data) and not unit_classes:  # Llama-family: built here, no transformers import
         return _from_decoder(data, name)
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError:
         raise ImportError("reading a Hugging Face config needs transformers: pip install 'zeroinf[hf]'") from None
     config = AutoConfig.for_model(**data)
-    _import_model_class(config)
+    auto = auto_class or auto_class_for(config)
     seq_len = getattr(config, "max_position_embeddings", None)
     layers = getattr(config, "num_hidden_layers", None)
     uniform = not any(key in data for key in ("layer_types", "block_types", "hybrid_override_pattern"))
@@ -252,7 +254,7 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
         # shapes (an 80-block 70B model is then planned in about a second, its pass measured short).
         short_config = AutoConfig.for_model(**{**data, "num_hidden_layers": SHORT_BLOCKS})
         with _on_meta():
-            short = AutoModelForCausalLM.from_config(short_config)
+            short = auto.from_config(short_config)
         facts = from_module(short, hf_inputs, unit_classes, name=name, seq_len=seq_len)
         expanded = expand_blocks(facts.units, SHORT_BLOCKS, layers)
         if expanded is not None:
@@ -262,14 +264,14 @@ def from_hf(path: str | Path, unit_classes: tuple[str, ...] = ()) -> ModelFacts:
             facts.outer_count = layers
             return facts
     with _on_meta():
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     facts = from_module(model, hf_inputs, unit_classes, name=name, seq_len=seq_len)
     if isinstance(layers, int) and layers > SHORT_BLOCKS and uniform and not unit_classes:
 
         def short_module() -> nn.Module:
             with _on_meta():
                 short_config = AutoConfig.for_model(**{**data, "num_hidden_layers": SHORT_BLOCKS})
-                return AutoModelForCausalLM.from_config(short_config)
+                return auto.from_config(short_config)
 
         facts.short_module = short_module
     return facts
@@ -287,15 +289,28 @@ def _special_floats(data: Any) -> Any:
     return data
 
 
-def _import_model_class(config: Any) -> None:
-    """Import the config's causal-LM class (transformers imports model modules lazily) before the meta
-    build: a model module imports what the dynamo stand-in of `_dynamo_import_deferred` cannot serve
-    (torch._dynamo's submodules, through transformers' generation utilities; torch.distributed.tensor,
-    whose custom ops re-enter a half-done import). `zeroinf plan --hf` of a Mixtral stopped there."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+def auto_class_for(config: Any) -> Any:
+    """The auto class that builds `config`'s model for training (see `from_hf`; `zeroinf.from_pretrained`
+    builds with it too), its model class
+    imported (transformers imports model modules lazily) before the meta build: a model module imports
+    what the dynamo stand-in of `_dynamo_import_deferred` cannot serve (torch._dynamo's submodules,
+    through transformers' generation utilities; torch.distributed.tensor, whose custom ops re-enter
+    a half-done import). `zeroinf plan --hf` of a Mixtral stopped there; of any VLM (Qwen3-VL-MoE,
+    LLaVA) it stopped in AutoModelForCausalLM, which has no class for their configs."""
+    import transformers
+    from transformers.models.auto import modeling_auto
 
-    with contextlib.suppress(KeyError):  # not a causal LM: from_config names the problem
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    for auto, mapping in (
+        (transformers.AutoModelForCausalLM, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING),
+        (transformers.AutoModelForImageTextToText, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING),
+        (transformers.AutoModel, modeling_auto.MODEL_MAPPING),
+    ):
+        try:
+            mapping[type(config)]
+        except KeyError:
+            continue
+        return auto
+    return transformers.AutoModelForCausalLM  # from_config names the problem
 
 
 def _from_decoder(data: dict[str, Any], name: str) -> ModelFacts:
