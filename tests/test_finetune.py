@@ -5,6 +5,7 @@ on the embedded corpus, and a .jsonl file of documents is written. LoRA, stage 3
 NVMe: the loss goes down; `--out` loads with `AutoModelForCausalLM.from_pretrained` and generates,
 with the adapters merged (its weights differ from the base exactly where adapters were); a run
 resumed from the step-6 checkpoint continues with losses bitwise equal to the uninterrupted run.
+A LLaVA folder fine-tunes on the same text, its `--out` loading as transformers' VLM.
 """
 
 from __future__ import annotations
@@ -172,3 +173,31 @@ def test_bad_documents_are_refused_naming_file_and_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"no tokenizer files and a vocabulary of 100 < 256 bytes"):
         tokenize(["abc"], str(tmp_path), vocab_size=100)
 
+
+
+def test_a_vlm_is_fine_tuned_on_text(workspace: Path) -> None:
+    """A LLaVA folder (its vocabulary in the text config; no causal-LM class in transformers) fine-tunes
+    on the same text with LoRA: it stopped reading `config.vocab_size`, then in AutoModelForCausalLM.
+    `--out` loads as transformers' image-text-to-text model, the language model's weights changed."""
+    from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig
+    from transformers import LlavaForConditionalGeneration as Llava
+
+    from tests.weights.test_hf_conversion import _differences
+
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=0)
+    vision = CLIPVisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
+                              image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    base = workspace / "llava"
+    Llava(LlavaConfig(text_config=text, vision_config=vision, image_token_index=VOCAB - 1)).save_pretrained(base)
+    report = workspace / "llava.json"
+    cmd = [sys.executable, "-m", "zeroinf", "finetune", "--model", str(base), "--data", str(workspace / "data.jsonl"),
+           "--lora-rank", "4", "--steps", "2", "--seq-len", "32", "--batch", "2", "--lr", "1e-2", "--dtype", "fp32",
+           "--out", str(workspace / "llava-tuned"), "--report", str(report), "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tuned = AutoModelForImageTextToText.from_pretrained(workspace / "llava-tuned").state_dict()
+    changed = _differences(tuned, AutoModelForImageTextToText.from_pretrained(base).state_dict())
+    assert changed and all(k.startswith("model.language_model.") for k in changed), changed

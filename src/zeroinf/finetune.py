@@ -202,7 +202,7 @@ def build_run(args: FinetuneArgs) -> FinetuneRun:
     topo = zeroinf.init_distributed()
     set_cpu_threads(topo)
     cfg = args.engine_config()
-    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    vocab = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size  # a VLM's is its text model's
     tokens, tokenizer = tokenize(read_documents(args.data, args.format, args.text_field), args.model, vocab)
     sampler = BatchSampler(
         tokens, args.seq_len, args.global_batch, seed=args.seed, rank=topo.rank, world_size=topo.world_size,
