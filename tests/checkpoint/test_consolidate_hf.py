@@ -46,19 +46,25 @@ def test_consolidated_weights_load_with_from_pretrained(tmp_path, arch: str) -> 
     zeroinf.engine_of(model).close()
 
 
+def _step_and_save(model: torch.nn.Module, ckpt) -> dict[str, torch.Tensor]:
+    """One AdamW step of sharded `model`, a checkpoint of it at `ckpt`; its trained state (gathered)."""
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt.backward(model(input_ids=tokens, labels=tokens).loss)
+    opt.step()
+    ck.save(ckpt, model, opt, step=1)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    zeroinf.engine_of(model).close()
+    return trained
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_neox", "sarvam_moe"])
 def test_consolidated_weights_are_written_in_the_hub_layout(tmp_path, arch: str) -> None:
     pytest.importorskip("transformers")
     from tests.weights.test_hf_conversion import _build, _differences, _stored
 
     model = zeroinf.shard(_build(arch), zeroinf.Config(stage=3, persist_threshold_bytes=0))
-    opt = zeroinf.AdamW(model, lr=1e-2)
-    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    opt.backward(model(input_ids=tokens, labels=tokens).loss)
-    opt.step()
-    ck.save(tmp_path / "ckpt", model, opt, step=1)
-    trained = {k: v.clone() for k, v in model.state_dict().items()}
-    zeroinf.engine_of(model).close()
+    trained = _step_and_save(model, tmp_path / "ckpt")
     ck.consolidate(tmp_path / "ckpt", tmp_path / "hf", dtype="fp32", max_shard_bytes=30_000)
 
     reference = _build(arch)
@@ -91,13 +97,7 @@ def test_frozen_parameters_come_from_the_folder_they_were_loaded_from(tmp_path, 
     cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
     model = zeroinf.from_pretrained(tmp_path / "pretrained", cfg, prepare=freeze_experts)
     model.train()
-    opt = zeroinf.AdamW(model, lr=1e-2)
-    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    opt.backward(model(input_ids=tokens, labels=tokens).loss)
-    opt.step()
-    ck.save(tmp_path / "ckpt", model, opt, step=1)
-    trained = {k: v.clone() for k, v in model.state_dict().items()}
-    zeroinf.engine_of(model).close()
+    trained = _step_and_save(model, tmp_path / "ckpt")
 
     with pytest.raises(CheckpointError, match=r"4 frozen parameters \(model.layers.0.mlp.experts.gate_up_proj"):
         ck.consolidate(tmp_path / "ckpt", tmp_path / "refused")
