@@ -37,12 +37,12 @@ from zeroinf.checkpoint.format import (
     resolve,
     write_atomic,
 )
-from zeroinf.checkpoint.hub_folder import Revert, meta_model, reverter, write_configs, written_by_group
+from zeroinf.checkpoint.hub_folder import Revert, meta_model, write_configs, written_by_group
 from zeroinf.checkpoint.reader import ChunkReader
 from zeroinf.memory import parse_bytes
 from zeroinf.telemetry import get_logger
 from zeroinf.weights.export import remove_stale_weights
-from zeroinf.weights.hf_conversion import key_by_model
+from zeroinf.weights.hf_conversion import hub_layout, key_by_model
 from zeroinf.weights.safetensors_folder import SafetensorsFolder, WeightsError
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -129,7 +129,7 @@ def consolidate(
         values = _GroupValues(groups, reader, data, revert, folder)
         for k, shard in enumerate(shards):
             fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            total += _write_shard(os.path.join(out, fname), shard, reader, data, values)
+            total += _write_shard(os.path.join(out, fname), shard, reader, values)
             weight_map.update({e[0]: fname for e in shard})
     finally:
         data.close()
@@ -187,7 +187,7 @@ def _entries(
     ("value", group, name): the group read whole and reverted (hub_folder.py)."""
     as_they_are = [(n, shape, dt, src) for g in groups for n, (shape, dt, src) in g.items()]
     metas = [{n: torch.empty(shape, dtype=dt, device="meta") for n, (shape, dt, _) in g.items()} for g in groups]
-    revert = reverter(model, metas)
+    revert = hub_layout(model, metas) if model is not None else None
     if revert is None:
         return as_they_are, None
     entries: list[Entry] = []
@@ -202,7 +202,8 @@ def _entries(
 
 
 class _GroupValues:
-    """The reverted tensors of one group at a time, read whole in the output dtype."""
+    """The reverted tensors of one group at a time, read whole in the output dtype; and single
+    tensors read whole (module state, frozen parameters from a weights folder)."""
 
     def __init__(self, groups: list[dict[str, tuple[list[int], torch.dtype, Any]]], reader: ChunkReader,
                  data: DataFiles, revert: Revert | None, folder: SafetensorsFolder | None) -> None:
@@ -214,11 +215,12 @@ class _GroupValues:
         if self.index != gi:
             assert self.revert is not None
             self.values = {}  # the last group's tensors go before this one's are read
-            tensors = {n: self._read(n, shape, dt, src) for n, (shape, dt, src) in self.groups[gi].items()}
+            tensors = {n: self.whole(n, shape, dt, src) for n, (shape, dt, src) in self.groups[gi].items()}
             self.values, self.index = self.revert(tensors), gi
         return self.values[name].contiguous()
 
-    def _read(self, name: str, shape: list[int], dtype: torch.dtype, source: Any) -> torch.Tensor:
+    def whole(self, name: str, shape: list[int], dtype: torch.dtype, source: Any) -> torch.Tensor:
+        """One tensor to write, whole, in `dtype` (contiguous)."""
         kind, src = source
         if kind == "param":  # in checkpoint chunks through one fp32 buffer: no fp32 copy of the tensor
             t = torch.empty(_numel(shape), dtype=dtype)
@@ -244,7 +246,7 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _write_shard(path: str, shard: list[Entry], reader: ChunkReader, data: DataFiles, values: _GroupValues) -> int:
+def _write_shard(path: str, shard: list[Entry], reader: ChunkReader, values: _GroupValues) -> int:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dt, _ in shard:
@@ -265,9 +267,6 @@ def _write_shard(path: str, shard: list[Entry], reader: ChunkReader, data: DataF
             kind, src = source[0], source[1]
             if kind == "value":  # reverted with its group (hub_folder.py)
                 f.write(as_bytes(values.get(source[1], source[2])))
-            elif kind == "folder":  # a frozen parameter from the weights folder it was loaded from
-                assert values.folder is not None
-                f.write(as_bytes(values.folder.read(src).to(dt).contiguous()))
             elif kind == "param":
                 numel = _numel(shape)
                 if cast.dtype != dt:
@@ -279,10 +278,8 @@ def _write_shard(path: str, shard: list[Entry], reader: ChunkReader, data: DataF
                     if dt != torch.float32:
                         buf = cast[: b - a].copy_(buf)
                     f.write(as_bytes(buf))
-            else:
-                t = torch.empty(src["shape"], dtype=DTYPES[src["dtype"]])
-                data.read_into(src["f"], src["b"], t, src["h"], f"module state {name}")
-                f.write(as_bytes(t.to(dt)))
+            else:  # module state, or a frozen parameter from the weights folder it was loaded from
+                f.write(as_bytes(values.whole(name, shape, dt, source)))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,9 +26,8 @@ from torch import nn
 
 from zeroinf.checkpoint.format import write_atomic
 from zeroinf.telemetry import get_logger
-from zeroinf.weights.hf_conversion import hub_layout, transformers_model
+from zeroinf.weights.hf_conversion import Revert, transformers_model
 
-Revert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 CONFIG_FILES = {"config": "config.json", "generation_config": "generation_config.json"}
 
 
@@ -78,12 +76,6 @@ def meta_model(out_dir: str, hf: dict[str, Any]) -> nn.Module | None:
     with torch.device("meta"), no_init_weights():
         model: nn.Module = cls(config)
     return model
-
-
-def reverter(model: nn.Module | None, groups: list[dict[str, torch.Tensor]]) -> Revert | None:
-    """How to revert `model`'s conversions one group (unit) at a time (`groups`: the tensors to
-    write, on the meta device); None where there is nothing to revert or it cannot be done."""
-    return hub_layout(model, groups) if model is not None else None
 
 
 def written_by_group(

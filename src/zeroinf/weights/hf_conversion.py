@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from torch import nn
 from zeroinf.telemetry import get_logger
 from zeroinf.weights.safetensors_folder import (
     ComposedTensor,
+    Ranged,
     SafetensorsFolder,
     Stored,
     TransposedTensor,
@@ -125,7 +126,7 @@ def _model_keyed(
 
 def _convert(
     folder: SafetensorsFolder, name: str, converter: Any, pieces: dict[str, list[Stored]],
-    shapes: dict[str, tuple[int, ...]], config: Any = None,
+    shapes: dict[str, tuple[int, ...]], config: Any,
 ) -> dict[str, Stored]:
     """The parameters transformers' `converter` builds from `pieces` (per source pattern, in loading
     order), by name: its operations replayed on ranges instead of values. `name` is the first
@@ -147,9 +148,9 @@ def _convert(
         )
 
     for op in converter.operations:
-        ranged = {p: [t for t in ts if not isinstance(t, TransposedTensor)] for p, ts in state.items()}
-        if ranged != state:  # a transposed tensor feeds another operation
-            raise refuse(op)
+        if any(isinstance(t, TransposedTensor) for ts in state.values() for t in ts):
+            raise refuse(op)  # a transposed tensor is no ranges: it feeds no other operation
+        ranged = cast(dict[str, list[Ranged]], state)
         single = next(iter(state.values())) if [len(ts) for ts in state.values()] == [1] else None
         if type(op) is MergeModulelist and op.dim == 0:
             state = {p: [stack(name, ts)] for p, ts in ranged.items()}
@@ -168,7 +169,7 @@ def _convert(
             else:
                 sizes = chunk_sizes(whole.shape[op.dim], len(targets))
             state = {target: [piece] for target, piece in zip(targets, split(names, whole, op.dim, sizes), strict=True)}
-        elif type(op) is PermuteForRope and config is not None and all(len(ts) == 1 for ts in ranged.values()):
+        elif type(op) is PermuteForRope and all(len(ts) == 1 for ts in ranged.values()):
             # rows moved within each head (interleaved RoPE pairs to rotate-half): each row one range;
             # the order is transformers' own permutation applied to the row indices
             permuted: dict[str, list[Stored]] = {}
