@@ -669,6 +669,9 @@ def shard(
     if hasattr(module, _ATTR):
         raise RuntimeError("zeroinf.shard: this module is already sharded")
     cfg = Config.of(cfg, "zeroinf.shard")
+    from zeroinf.integrations.peft_layers import install_gathered_merges, refuse_adalora
+
+    refuse_adalora(module)
     topo = topology or default_topology(cfg.collective_timeout_s)
     if cfg.is_auto:
         cfg = resolve_auto(module, cfg, topo)
@@ -677,6 +680,7 @@ def shard(
     from zeroinf.partition.load_state import install_load_hooks  # it builds on this module: imported here
 
     engine._hook_handles += install_load_hooks(engine)  # model.load_state_dict loads into the units
+    engine._hook_handles += install_gathered_merges(module)  # type: ignore[arg-type]  # peft's merges run gathered
     if engine.policy.shard_params:
         # What Hugging Face reads (its FSDP2 integration sets it too) to keep every rank running the
         # same modules while parameters are sharded: `generate` defaults to `synced_gpus=True` at
@@ -752,6 +756,14 @@ def holding_engine_outside_units(param: torch.Tensor) -> Engine | None:
 def sharded_engine(module: nn.Module) -> Engine | None:
     """The engine behind `module` if it is sharded, else None."""
     return getattr(module, _ATTR, None)
+
+
+def engine_containing(module: nn.Module) -> Engine | None:
+    """The engine of the sharded model `module` is part of (itself, or a submodule), or None."""
+    engine = sharded_engine(module)
+    if engine is not None:
+        return engine
+    return next((e for e in list(_engines) if any(m is module for m in e.module.modules())), None)
 
 
 def engine_of(module: nn.Module) -> Engine:

@@ -324,29 +324,26 @@ def write_timeline(args: FinetuneArgs, run: FinetuneRun, timeline: dict[str, Any
 
 
 def write_merged(model: torch.nn.Module, out: str) -> PreTrainedModel:
-    """Merge a peft model's LoRA adapters into its base weights (each adapter layer inside
-    `zeroinf.gathered(modify=True)`) and write the base's weights to `out` as transformers would
-    save the merged model (`merge_and_unload()` then `save_pretrained`); returns the base model.
-    A model without adapters is written as it is. A collective."""
+    """Merge a peft model's adapters into its base weights (each tuner layer's `merge` runs
+    gathered: integrations/peft_layers.py) and write the base's weights to `out` as transformers
+    would save the merged model (`merge_and_unload()` then `save_pretrained`); returns the base
+    model. A model without adapters is written as it is. A collective."""
+    from zeroinf.integrations.peft_layers import tuner_layers
     from zeroinf.weights.export import save_pretrained_weights
 
     get_base_model = getattr(model, "get_base_model", None)  # a peft model's
     # A transformers model (`from_pretrained` loads one): the caller writes its config files.
     base = cast("PreTrainedModel", get_base_model() if get_base_model is not None else model)
     prefix = ""
+    adapter_parts: set[str] = set()  # the attributes of tuner layers that hold adapters, not base weights
     if base is not model:
-        from peft.tuners.lora import LoraLayer
-
         prefix = next(n for n, m in model.named_modules() if m is base) + "."
-        for layer in base.modules():
-            if not isinstance(layer, LoraLayer):
-                continue
-            params = [p for p in layer.parameters()]
-            with zeroinf.gathered(params, modify=True):
-                layer.merge()
+        for layer in tuner_layers(base):
+            layer.merge()
+            adapter_parts.update(layer.adapter_layer_names, layer.other_param_names)
 
     def rename(name: str) -> str | None:
-        if not name.startswith(prefix) or ".lora_" in name:
+        if not name.startswith(prefix) or adapter_parts.intersection(name.split(".")):
             return None
         name = name[len(prefix) :]
         # a layer's base weight under its wrappers: nested ones where peft wraps one module twice

@@ -77,6 +77,13 @@ class UnitGather:
             unit.wait_refresh()  # a step inside a backward in the block refreshed it (unit.py)
             # a read nested in a block that writes this unit: the enclosing block's end commits its writes
             reads_only = not self.modify and not unit.user_writer
+            replaced = unit.retake_replaced(keep_values=not reads_only)
+            if replaced and reads_only and commit:
+                raise RuntimeError(
+                    f"parameter {replaced[0]} was given a new tensor (`p.data = ...`) inside "
+                    "zeroinf.gathered(..., modify=False): a block that reads does not commit, and its values are "
+                    "dropped; pass modify=True to keep them"
+                )
             written = written_in_place(unit) if commit and reads_only else None
             if written is not None:  # partition/intact.py [Note: in-place writes to a sharded model's parameters]
                 raise RuntimeError(

@@ -335,6 +335,29 @@ class ShardedUnit(UnitGradients):
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             p.data = self.param_flat[slot.offset : slot.end].view(slot.shape)
 
+    def retake_replaced(self, keep_values: bool) -> list[str]:
+        """Names of the gathered parameters that code gave storage of their own (`p.data = t`, as
+        peft's IA3 and DoRA merges write), each made a view of the unit's buffer again; with
+        `keep_values`, the buffer first takes its values (a `gathered(..., modify=True)` block's
+        writes: partition/gathered.py). A new shape is refused: the unit's layout is fixed."""
+        flat = self.param_flat.untyped_storage().data_ptr()
+        replaced = []
+        for name, slot, p in zip(self.param_names, self.layout.slots, self.params, strict=True):
+            if p.untyped_storage().data_ptr() == flat:
+                continue
+            if tuple(p.shape) != tuple(slot.shape):
+                raise RuntimeError(
+                    f"parameter {name} was given a tensor of shape {tuple(p.shape)} inside zeroinf.gathered, but the "
+                    f"engine holds it as {tuple(slot.shape)}: a sharded parameter keeps its shape (write its values, "
+                    "or build the model at the new size)"
+                )
+            view = self.param_flat[slot.offset : slot.end].view(slot.shape)
+            if keep_values:
+                view.copy_(p.data)
+            p.data = view
+            replaced.append(name)
+        return replaced
+
     @property
     def loads_from_storage(self) -> bool:
         """True when bringing the shard in is I/O worth starting an event before the all-gather."""

@@ -3,7 +3,18 @@
 By default every child of an `nn.ModuleList` / `nn.Sequential` whose children are two or more
 instances of one class (the repeated blocks of a transformer) is a unit; the parameters left over
 form the root unit. Users may instead name the classes whose instances are units. A parameter
-shared by several modules (tied weights) belongs to the first unit that reaches it in module order.
+shared by several modules (tied weights) belongs to the first unit that reaches it in module order,
+except one that a second unit holds through a module that is never called ([Note: a parameter held
+in several units through a container]).
+
+[Note: a parameter held in several units through a container]
+A module of another unit that holds a unit's parameter directly and runs gets it gathered on demand
+(runtime/stage3_hooks.py, external use). A parameter container has no forward: PEFT's VB-LoRA gives
+every adapted layer the one `vblora_vector_bank` (an `nn.ParameterDict`), which each layer's forward
+indexes. Owned by the first layer's unit, the bank was the empty placeholder in every other layer at
+stage 3 ("index is out of bounds for dimension with size 0"), and no hook could fetch it. Such a
+parameter, held in two or more units with a container among its holders, goes to the root unit,
+whole on every rank at stage 3 (the bank: num_vectors x vector_length, small).
 
 [Note: large layers outside the blocks are units of their own]
 At stage 3 the root unit stays unsharded for the whole run, so what is left outside the blocks
@@ -91,6 +102,25 @@ def _shared_objects(model: nn.Module) -> set[int]:
     return shared
 
 
+def _read_by_several_units(model: nn.Module, unit_paths: set[str]) -> set[int]:
+    """Parameters held in two or more units, at least once by a module without a forward ([Note: a
+    parameter held in several units through a container])."""
+    holders: dict[int, set[str]] = {}
+    via_container: set[int] = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        parts = path.split(".") if path else []
+        unit = next((p for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if p in unit_paths), "")
+        never_called = type(module).forward is nn.Module.forward
+        for p in module._parameters.values():
+            if p is None:
+                continue
+            if unit:
+                holders.setdefault(id(p), set()).add(unit)
+                if never_called:
+                    via_container.add(id(p))
+    return {pid for pid in via_container if len(holders[pid]) > 1}
+
+
 def _unit_modules(
     model: nn.Module, unit_classes: tuple[str, ...], split_min_numel: int | None = None, split_any_size: bool = False
 ) -> tuple[list[tuple[str, nn.Module, int]], set[str]]:
@@ -168,17 +198,21 @@ def discover_units(
             )
     owner: dict[int, str] = {}
     specs: list[UnitSpec] = []
+    found, split = _unit_modules(model, unit_classes, split_min_numel, split_any_size)
+    # parameters no unit takes ([Note: a parameter held in several units through a container])
+    for_root = _read_by_several_units(model, {path for path, _, _ in found})
 
     def take(prefix: str, module: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
         params = []
         for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
             if id(p) in owner or (trainable_only and not p.requires_grad) or (frozen and p.requires_grad):
                 continue
+            if prefix and id(p) in for_root:
+                continue
             owner[id(p)] = name
             params.append((name, p))
         return tuple(params)
 
-    found, split = _unit_modules(model, unit_classes, split_min_numel, split_any_size)
     position = {id(m): i for i, m in enumerate(model.modules())}
     # Nested units take their parameters before the unit around them; specs keep module order.
     taken = {path: take(f"{path}.", module) for path, module, _ in sorted(found, key=lambda f: -f[2])}

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from zeroinf.checkpoint.format import as_bytes, fsync_dir, write_atomic
-from zeroinf.engine import engine_of
+from zeroinf.engine import Engine, engine_of
 from zeroinf.partition.unit import ParamState
 from zeroinf.weights.hf_conversion import hub_layout
 from zeroinf.weights.safetensors_folder import DTYPES, INDEX_FILE, SINGLE_FILE
@@ -53,13 +53,17 @@ def save_pretrained_weights(
     rename: Rename | None = None,
     max_shard_bytes: int = 5 * 10**9,
     hub_layout_of: nn.Module | None = None,
+    engine: Engine | None = None,
 ) -> dict[str, str]:
     """Write the weights (parameters and persistent buffers) of sharded `model`; returns the
-    weight map (name -> file). `dtype`: of floating tensors (default: as they are).
+    weight map (name -> file). `dtype`: of floating tensors (default: as they are). `engine`: where
+    `model` is a part of a sharded model (a peft model's merged base), that model's engine; the
+    part's own tensors are written, under its own names.
     `hub_layout_of`: the transformers model inside `model`, whose checkpoint conversions are
     reverted as its `save_pretrained` reverts them (fused experts written one tensor each:
     weights/hf_conversion.py `hub_layout`), unit by unit, after `rename`."""
-    engine = engine_of(model)
+    engine = engine or engine_of(model)
+    part = engine.module is not model
     rename = rename or (lambda name: name)
     rank0 = engine.topo.rank == 0
     first_name: dict[int, str] = {}
@@ -74,6 +78,8 @@ def save_pretrained_weights(
         group: dict[str, int | torch.Tensor] = {}
         for si, (p, slot) in enumerate(zip(unit.params, unit.layout.slots, strict=True)):
             in_units.add(id(p))
+            if part and id(p) not in first_name:
+                continue  # outside the part
             new = rename(first_name.get(id(p), slot.name))
             if new is not None:
                 group[new] = si

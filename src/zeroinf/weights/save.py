@@ -12,7 +12,9 @@ unit all-gathered and copied), and every rank writes the same files. Here:
   written in the layout its own `save_pretrained` writes (fused MoE experts one tensor each, as on
   the Hub: weights/hf_conversion.py `hub_layout`);
 - a peft model: what `PeftModel.save_pretrained` writes (the adapters and their config), gathered
-  from the trainable units only: the frozen base is never gathered.
+  from the trainable units only: the frozen base is never gathered;
+- a part of a sharded model, such as the base `merged = model.merge_and_unload()` returns (the
+  merges ran gathered: integrations.peft_layers.py): its own weights under its own names.
 A collective: every rank calls it, and it returns once the folder is complete.
 """
 
@@ -24,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroinf.engine import engine_of
+from zeroinf.engine import engine_containing, engine_of
+from zeroinf.integrations.peft_layers import tuner_layers
 from zeroinf.partition.gathered import gathered
 from zeroinf.weights.export import save_pretrained_weights
 from zeroinf.weights.hf_conversion import transformers_model
@@ -37,13 +40,23 @@ def save_pretrained(
     """Write sharded `model` as a Hugging Face folder (module docstring). `dtype`: of the floating
     weights written (default: the compute dtype); `max_shard_bytes`: split the weights into files of
     at most this size, with an index, as `save_pretrained` does."""
-    engine = engine_of(model)
+    engine = engine_containing(model)
+    if engine is None:
+        engine_of(model)  # raises: not sharded
+    assert engine is not None
     out = os.fspath(out_dir)
-    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+    if engine.module is model and hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
         _save_adapters(model, out, dtype)
     else:
+        if engine.module is not model and tuner_layers(model):
+            raise ValueError(
+                "zeroinf.save_pretrained: this part of a sharded peft model still holds adapter layers; merge them "
+                "first (`merged = model.merge_and_unload()`, then save `merged`), or save the peft model itself "
+                "for its adapters"
+            )
         save_pretrained_weights(
-            model, out, dtype=dtype, max_shard_bytes=max_shard_bytes, hub_layout_of=transformers_model(model)
+            model, out, dtype=dtype, max_shard_bytes=max_shard_bytes, hub_layout_of=transformers_model(model),
+            engine=engine,
         )
         if engine.topo.rank == 0:
             write_configs(model, out)
@@ -60,10 +73,19 @@ def write_configs(model: nn.Module, out: str) -> None:
 
 
 def _save_adapters(model: Any, out: str, dtype: torch.dtype | None) -> None:
-    """`PeftModel.save_pretrained(out)` from the trainable parameters alone: peft takes what it saves
-    (adapters, `modules_to_save`) from the state dict it is given."""
-    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    with gathered([p for _, p in trainable]):
-        state = {name: p.detach().to("cpu", dtype=dtype, copy=True) for name, p in trainable}
+    """`PeftModel.save_pretrained(out)` from the trainable parameters and the persistent buffers
+    alone: peft takes what it saves (adapters, `modules_to_save`, VeRA's projections) from the state
+    dict it is given, under the names `state_dict()` gives: every path to a tensor that several
+    layers share (VB-LoRA's vector bank, VeRA's projections; peft saves the model-level one)."""
+    trainable = [(name, p) for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    unique = list({id(p): p for _, p in trainable}.values())
+    with gathered(unique):
+        values = {id(p): p.detach().to("cpu", dtype=dtype, copy=True) for p in unique}
+    state = {name: values[id(p)] for name, p in trainable}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                as_dtype = dtype if dtype is not None and b.is_floating_point() else b.dtype
+                state[f"{path}.{name}" if path else name] = b.detach().to("cpu", dtype=as_dtype, copy=True)
     if engine_of(model).topo.rank == 0:
         model.save_pretrained(out, state_dict=state)
