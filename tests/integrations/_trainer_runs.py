@@ -116,3 +116,52 @@ def train_rank(rank: int, world: int, arch: str, stage: int, root: str) -> dict[
     )
     trainer.save_model(os.path.join(root, "final"))  # every rank: a gather at stage 3
     return summary(trainer, rank)
+
+
+def lora_llama() -> torch.nn.Module:
+    """The tiny Llama with peft LoRA adapters on q and v (the same adapters after the same seed)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build("llama")
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def adapters_of(trainer: Any) -> dict[str, torch.Tensor]:
+    """The trainable (adapter) weights, gathered (a collective at stage 3)."""
+    state = trainer.model.state_dict()
+    return {n: state[n].clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def run_plain_lora(output_dir: str) -> dict[str, Any]:
+    """transformers.Trainer on the LoRA model with activation checkpointing on."""
+    import transformers
+
+    args = training_arguments(output_dir, gradient_checkpointing=True)
+    trainer = transformers.Trainer(model=lora_llama(), args=args, train_dataset=ArithmeticSequences())
+    trainer.train()
+    return {"loss": logged(trainer), "grad_norm": logged(trainer, "grad_norm"), "adapters": adapters_of(trainer)}
+
+
+def lora_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """One rank of a zeroinf Trainer run of the LoRA model at stage 3 (base and adapters sharded), with
+    the Trainer's activation checkpointing, a checkpoint every 2 steps, then `save_model`."""
+    import zeroinf
+    from zeroinf.integrations import Trainer
+
+    args = training_arguments(
+        os.path.join(root, "run"), gradient_checkpointing=True, per_device_train_batch_size=4 // world,
+        save_strategy="steps", save_steps=2,
+    )
+    trainer = Trainer(
+        model=lora_llama(), args=args, train_dataset=ArithmeticSequences(),
+        zeroinf_config=zeroinf.Config(stage=3, persist_threshold_bytes=0),
+    )
+    trainer.train()
+    trainer.save_model(os.path.join(root, "final"))
+    engine = zeroinf.engine_of(trainer.model)
+    return {
+        "loss": logged(trainer), "grad_norm": logged(trainer, "grad_norm"), "adapters": adapters_of(trainer),
+        "engine_checkpoints": engine.cfg.activation_checkpointing,
+        "model_checkpoints": trainer.model.get_base_model().is_gradient_checkpointing,
+    }

@@ -10,6 +10,10 @@
   with dropout on (RNG) and a shuffled sampler (data position), also into another stage.
 - Saved folders load with `from_pretrained`: `save_model` (gathered) and every checkpoint (consolidated).
 - fp16: gradients carry the loss scale; overflowing steps are skipped and the LR schedule waits.
+- A peft LoRA model with `gradient_checkpointing=True`, world 2, stage 3: the plain Trainer's losses
+  and adapters; the engine checkpoints (not the model too); checkpoints and `save_model` hold what the
+  plain Trainer writes for it, the adapters (they used to be the whole model under peft's names,
+  which neither peft nor transformers loads), and a checkpoint resumes.
 
 Every single-process run uses one CPU thread: on two shared cores, thread contention makes a
 4-step run of this tiny model take seconds instead of a fraction of one.
@@ -31,8 +35,11 @@ from tests.integrations._trainer_runs import (  # noqa: E402
     EVAL_DATA,
     ArithmeticSequences,
     build_dropout_gpt2,
+    lora_llama,
+    lora_rank,
     logged,
     run_plain,
+    run_plain_lora,
     run_zeroinf,
     summary,
     train_rank,
@@ -277,3 +284,35 @@ def test_resume_needs_a_zeroinf_checkpoint(tmp_path) -> None:
     trainer = Trainer(model=build("llama"), args=training_arguments(str(tmp_path)), train_dataset=ArithmeticSequences())
     with pytest.raises(ValueError, match="has no zeroinf/ folder"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+def test_lora_with_checkpointing_matches_plain_trainer_and_saves_adapters(tmp_path) -> None:
+    from peft import PeftModel
+
+    plain = run_plain_lora(str(tmp_path / "plain"))
+    ranks = run_ranks(lora_rank, 2, str(tmp_path), timeout_s=240)
+    ours = ranks[0]
+    assert ours["engine_checkpoints"] is True and ours["model_checkpoints"] is False, ours
+    for key in ("loss", "grad_norm"):
+        for step, ref in plain[key].items():
+            assert ours[key][step] == pytest.approx(ref, rel=RTOL), f"step {step} {key}"
+    assert sorted(ours["adapters"]) == sorted(plain["adapters"])
+    for name, ref in plain["adapters"].items():
+        torch.testing.assert_close(ours["adapters"][name], ref, rtol=RTOL, atol=ATOL, msg=name)
+    for folder in (tmp_path / "final", tmp_path / "run" / "checkpoint-4"):
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(folder)), folder
+        assert not any(f.startswith("model") for f in os.listdir(folder)), folder
+        loaded = PeftModel.from_pretrained(lora_llama().get_base_model(), folder)
+        state = loaded.state_dict()
+        for name, ref in plain["adapters"].items():
+            torch.testing.assert_close(state[name], ref, rtol=RTOL, atol=ATOL, msg=f"{folder}: {name}")
+    # the world-2 checkpoint of step 2 resumes in one process to the uninterrupted run's adapters
+    args = training_arguments(str(tmp_path / "resumed"), gradient_checkpointing=True)
+    resumed = Trainer(model=lora_llama(), args=args, train_dataset=ArithmeticSequences(),
+                      zeroinf_config=zeroinf.Config(stage=2))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    for step in (3, 4):
+        assert logged(resumed)[step] == pytest.approx(ours["loss"][step], rel=RTOL), f"step {step}"
+    state = resumed.model.state_dict()
+    for name, ref in ours["adapters"].items():
+        torch.testing.assert_close(state[name], ref, rtol=RTOL, atol=ATOL, msg=name)

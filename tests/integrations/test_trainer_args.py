@@ -28,6 +28,34 @@ def test_accumulation_and_clipping_come_from_the_trainer(tmp_path) -> None:
     assert config_for_trainer(same, _args(tmp_path, gradient_accumulation_steps=4)) == same
 
 
+NEW_CHECKPOINTING_NAME = pytest.mark.skipif(  # transformers 5.23 has it, 5.17 does not
+    "activation_checkpointing" not in {f.name for f in dataclasses.fields(TrainingArguments)},
+    reason="this transformers' TrainingArguments has no activation_checkpointing field",
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"gradient_checkpointing": True},
+        {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False, "every_n_layers": 2}},
+        pytest.param({"activation_checkpointing": True, "activation_checkpointing_kwargs": {"every_n_layers": 2}},
+                     marks=NEW_CHECKPOINTING_NAME),
+    ],
+)
+def test_activation_checkpointing_comes_from_the_trainer(tmp_path, kwargs) -> None:
+    """The engine checkpoints its units (the Trainer then leaves the model's own off: test_trainer.py)."""
+    cfg = config_for_trainer(zeroinf.Config(), _args(tmp_path, **kwargs))
+    every = (kwargs.get("gradient_checkpointing_kwargs") or kwargs.get("activation_checkpointing_kwargs") or {})
+    assert (cfg.activation_checkpointing, cfg.checkpoint_every) == (True, every.get("every_n_layers", 1))
+    assert config_for_trainer(zeroinf.Config(), _args(tmp_path)).activation_checkpointing is False
+    with pytest.raises(TrainerArgumentsError, match="checkpoint_every=3 but every_n_layers=2"):
+        config_for_trainer(
+            zeroinf.Config(checkpoint_every=3, activation_checkpointing=True),
+            _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"every_n_layers": 2}),
+        )
+
+
 @pytest.mark.parametrize(
     ("cfg", "kwargs", "message"),
     [
@@ -50,14 +78,8 @@ def test_conflicts_are_refused_by_name(tmp_path, cfg, kwargs, message) -> None:
         ({"bf16_full_eval": True}, "bf16_full_eval"),
         ({"optim": "adafactor"}, "optim='adafactor'.*use optim='adamw_torch'"),
         ({"optim_args": "amsgrad=True"}, "optim_args"),
-        ({"gradient_checkpointing": True}, r"Config\(activation_checkpointing=True\)"),
-        pytest.param(  # the field's newer name (transformers 5.23 has it, 5.17 does not)
-            {"activation_checkpointing": True}, r"Config\(activation_checkpointing=True\)",
-            marks=pytest.mark.skipif(
-                "activation_checkpointing" not in {f.name for f in dataclasses.fields(TrainingArguments)},
-                reason="this transformers' TrainingArguments has no activation_checkpointing field",
-            ),
-        ),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"preserve_rng_state": False}},
+         r"kwargs \['preserve_rng_state'\]: zeroinf's checkpointing takes every_n_layers"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
         ({"fsdp": "full_shard"}, "fsdp"),
         ({"load_best_model_at_end": True, "eval_strategy": "steps"}, "load_best_model_at_end"),

@@ -36,6 +36,11 @@ from torch import nn
 from zeroinf.engine import owning_engine
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """A peft model (`PeftModel`): saved as its adapters, as peft and the Trainer save it."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
 def tuner_layers(model: nn.Module) -> list[Any]:
     """The modules of `model` that are peft tuner layers (`BaseTunerLayer`s; none where peft was
     never imported)."""

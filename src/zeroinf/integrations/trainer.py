@@ -46,6 +46,7 @@ transformers, so an incompatible version fails at import, by name, not mid-train
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping
@@ -60,7 +61,8 @@ from transformers.trainer_callback import TrainerCallback
 import zeroinf
 from zeroinf.config import Config
 from zeroinf.engine import engine_of, sharded_engine
-from zeroinf.integrations.trainer_args import TrainerArgumentsError, config_for_trainer
+from zeroinf.integrations.peft_layers import is_peft_model
+from zeroinf.integrations.trainer_args import TrainerArgumentsError, asks_checkpointing, config_for_trainer
 from zeroinf.optim.adamw import AdamW
 
 ZEROINF_DIR = "zeroinf"
@@ -159,6 +161,9 @@ class Trainer(transformers.Trainer):
                 )
             zeroinf_config = engine_of(model).cfg
         self.zeroinf_config = config_for_trainer(Config.of(zeroinf_config, "zeroinf.integrations.Trainer"), args)
+        if asks_checkpointing(args):  # the engine checkpoints (trainer_args.py), not the model too
+            args = copy.copy(args)
+            args.activation_checkpointing = args.gradient_checkpointing = False
         args.device  # noqa: B018 - accelerate joins the process group (torchrun) before we shard across it
         self.checkpoint_weights = checkpoint_weights
         self._saving_checkpoint = False
@@ -184,8 +189,9 @@ class Trainer(transformers.Trainer):
                 got = ", ".join(f"{n}={getattr(cfg, n)!r}" for n in differ)
                 want = ", ".join(f"{n}={getattr(wanted, n)!r}" for n in differ)
                 raise TrainerArgumentsError(
-                    f"the model was sharded with {got}, but this Trainer needs {want} (accumulation and clipping "
-                    "come from TrainingArguments): make them agree, or pass the unsharded model"
+                    f"the model was sharded with {got}, but this Trainer needs {want} (accumulation, clipping and "
+                    "activation checkpointing come from TrainingArguments): make them agree, or pass the unsharded "
+                    "model"
                 )
         else:
             model = zeroinf.shard(model, self.zeroinf_config)
@@ -300,12 +306,15 @@ class Trainer(transformers.Trainer):
 
     # -- saving ----------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A Hugging Face folder (weights, config, tokenizer); every rank must call it (stage 3 gathers)."""
+        """A Hugging Face folder (weights, config, tokenizer), or a peft model's adapter folder; every
+        rank must call it (`zeroinf.save_pretrained`: one unit gathered at a time, rank 0 writes)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self._saving_checkpoint and not self.args.save_only_model and self.optimizer is not None:
-            return  # a checkpoint's weights are consolidated from its sharded states (_save_optimizer_and_scheduler)
-        state_dict = self._sharded_model().state_dict()  # gathered, unit by unit, on every rank
-        self._save(output_dir, state_dict=state_dict)  # rank 0 writes; the others return
+            return  # a checkpoint's weights are written with its sharded states (_save_optimizer_and_scheduler)
+        assert output_dir is not None, "TrainingArguments always has an output_dir"
+        zeroinf.save_pretrained(self._sharded_model(), output_dir)
+        if self.args.should_save:
+            self._save_model_files(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -318,12 +327,17 @@ class Trainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         sharded = os.path.join(output_dir, ZEROINF_DIR)
-        zeroinf.save(sharded, self._sharded_model(), self.optimizer, step=self.state.global_step)  # a collective
+        model = self._sharded_model()
+        zeroinf.save(sharded, model, self.optimizer, step=self.state.global_step)  # a collective
+        adapters = is_peft_model(model)  # the plain Trainer's checkpoints: adapters
+        if self.checkpoint_weights and adapters:  # a collective
+            zeroinf.save_pretrained(model, output_dir)
         if not self.args.should_save:
             return
         if self.checkpoint_weights:
-            # frozen parameters sharded at stage 3 (a LoRA base) are not in the checkpoint: written without, warned
-            zeroinf.consolidate(sharded, output_dir, dtype=self.zeroinf_config.param_dtype, allow_missing=True)
+            if not adapters:  # streamed from the sharded states on rank 0, nothing gathered
+                # frozen parameters sharded at stage 3 are not in the checkpoint: written without, warned
+                zeroinf.consolidate(sharded, output_dir, dtype=self.zeroinf_config.param_dtype, allow_missing=True)
             self._save_model_files(output_dir)
         if self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))

@@ -4,6 +4,10 @@ The Trainer's arguments are the source of truth for what the Trainer schedules: 
 `gradient_accumulation_steps` and `max_grad_norm` become `Config.grad_accum_steps` and
 `Config.grad_clip_norm` (the engine clips, exactly across shards; the Trainer itself does not clip).
 A Config that sets either to another value is refused by name, never silently overridden.
+`activation_checkpointing=True` (or its older alias `gradient_checkpointing`) becomes
+`Config.activation_checkpointing=True` and its `every_n_layers` `Config.checkpoint_every`: the engine
+recomputes each unit (a decoder layer: the granularity of transformers' own checkpointing), and the
+Trainer does not also turn on the model's, which would recompute every layer twice.
 
 Trainer features that would wrap, cast, compile or rebuild the sharded model, or replace its
 optimizer, are refused with the zeroinf setting that does the job. Pure functions of plain values:
@@ -57,11 +61,6 @@ def refused_arguments(args: Any) -> list[str]:
         problems.append("deepspeed is set: zeroinf replaces DeepSpeed here; leave it unset")
     if getattr(args, "fsdp", None):
         problems.append(f"fsdp={args.fsdp!r}: zeroinf shards the model itself; leave fsdp unset")
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-        problems.append(
-            "activation (gradient) checkpointing by the Trainer: use Config(activation_checkpointing=True) instead, "
-            "which recomputes zeroinf's units (and can offload their inputs)"
-        )
     if getattr(args, "auto_find_batch_size", False):
         problems.append("auto_find_batch_size=True rebuilds the optimizer after an OOM: set the batch size yourself")
     if getattr(args, "load_best_model_at_end", False):
@@ -73,7 +72,8 @@ def refused_arguments(args: Any) -> list[str]:
 
 
 def config_for_trainer(cfg: Config, args: Any) -> Config:
-    """`cfg` with the Trainer's accumulation and clipping; raises TrainerArgumentsError on any conflict."""
+    """`cfg` with the Trainer's accumulation, clipping and activation checkpointing; raises
+    TrainerArgumentsError on any conflict."""
     problems = refused_arguments(args)
     accum = int(args.gradient_accumulation_steps)
     if cfg.grad_accum_steps not in (1, accum):
@@ -90,8 +90,33 @@ def config_for_trainer(cfg: Config, args: Any) -> Config:
             f"set max_grad_norm={cfg.grad_clip_norm} in TrainingArguments (0 disables clipping) and leave "
             "grad_clip_norm unset in the Config"
         )
+    checkpointing, every = cfg.activation_checkpointing, cfg.checkpoint_every
+    if asks_checkpointing(args):
+        checkpointing = True
+        kwargs = getattr(args, "activation_checkpointing_kwargs", None)
+        options = dict(kwargs or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+        options.pop("use_reentrant", None)  # how torch's checkpoint recomputes; the engine recomputes its own way
+        asked = int(options.pop("every_n_layers", every))
+        if every not in (1, asked):
+            problems.append(
+                f"Config.checkpoint_every={every} but every_n_layers={asked} in the checkpointing kwargs: set one "
+                "of them"
+            )
+        every = asked
+        if options:
+            problems.append(
+                f"activation_checkpointing_kwargs {sorted(options)}: zeroinf's checkpointing takes every_n_layers "
+                "(Config.checkpoint_every) only"
+            )
     if problems:
         raise TrainerArgumentsError(
             "zeroinf.integrations.Trainer cannot use these TrainingArguments:\n- " + "\n- ".join(problems)
         )
-    return dataclasses.replace(cfg, grad_accum_steps=accum, grad_clip_norm=clip)
+    return dataclasses.replace(
+        cfg, grad_accum_steps=accum, grad_clip_norm=clip, activation_checkpointing=checkpointing, checkpoint_every=every
+    )
+
+
+def asks_checkpointing(args: Any) -> bool:
+    """Activation checkpointing asked of the Trainer (`activation_checkpointing`, or its older alias)."""
+    return bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from zeroinf.engine import engine_containing, engine_of
-from zeroinf.integrations.peft_layers import tuner_layers
+from zeroinf.integrations.peft_layers import is_peft_model, tuner_layers
 from zeroinf.partition.gathered import gathered
 from zeroinf.weights.export import save_pretrained_weights
 from zeroinf.weights.hf_conversion import transformers_model
@@ -45,7 +45,7 @@ def save_pretrained(
         engine_of(model)  # raises: not sharded
     assert engine is not None
     out = os.fspath(out_dir)
-    if engine.module is model and hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+    if engine.module is model and is_peft_model(model):
         _save_adapters(model, out, dtype)
     else:
         if engine.module is not model and tuner_layers(model):
