@@ -47,6 +47,28 @@ def test_a_conversion_after_shard_is_refused_before_the_forward(stage: int) -> N
         model(*global_batch(0))
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_parameter_given_a_tensor_of_its_own_after_shard_is_refused(stage: int) -> None:
+    """`p.data = t` on any parameter of a unit (not only its first, which the conversion check reads):
+    the parameter kept the assigned values forever while the optimizer stepped the buffer it had been
+    a view of, silently."""
+    torch.manual_seed(0)
+    model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    opt.backward(model(*global_batch(0)))
+    opt.step()
+    unit = zeroinf.engine_of(model).units[0]
+    name, p = unit.param_names[1], unit.params[1]  # not the first of its unit
+    p.data = torch.full_like(p, 0.5)
+    with pytest.raises(RuntimeError, match=rf"parameter {name} was given a tensor of its own .* zeroinf\.gathered"):
+        model(*global_batch(1))
+    with zeroinf.gathered([p], modify=True):  # the fix the message names: written in place, kept
+        p.copy_(torch.full_like(p, 0.5))
+    opt.backward(model(*global_batch(1)))
+    opt.step()
+    assert not bool((p == 0.5).all()), "the parameter trains again"
+
+
 def test_a_conversion_to_what_the_engine_holds_changes_nothing() -> None:
     torch.manual_seed(0)
     model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=2))

@@ -59,21 +59,31 @@ def resized_param(unit: ShardedUnit) -> str | None:
 
 
 def replaced_param(unit: ShardedUnit) -> str | None:
-    """A parameter of `unit` whose storage something outside the engine replaced, described; else
-    None. Gathered, each parameter must be a view of the flat buffer; sharded, a placeholder of its
-    dtype on its device."""
+    """A parameter of `unit` converted to another dtype or device by something outside the engine,
+    described; else None. Each parameter of a unit is converted alike (`model.to`), so the first tells."""
     if not unit.params or unit.state not in (ParamState.SHARDED, ParamState.UNSHARDED):
         return None
     p, flat = unit.params[0], unit.param_flat
-    moved = p.dtype != flat.dtype or p.device != flat.device
-    if unit.state is ParamState.UNSHARDED:
-        moved = moved or p.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-    if not moved:
+    if p.dtype == flat.dtype and p.device == flat.device:
         return None
     return (
         f"parameter {unit.param_names[0]} is a {p.dtype} tensor on {p.device} of its own, no longer the "
         f"engine's {flat.dtype} storage on {flat.device}"
     )
+
+
+def reassigned_param(unit: ShardedUnit) -> str | None:
+    """The name of a gathered parameter of `unit` that was given a tensor of its own (`p.data = t`,
+    `module.weight.data = ...`), no longer a view of the unit's buffer; else None. Every parameter is
+    checked, as `resized_param` checks every shape: one such parameter kept its value forever while
+    the optimizer stepped the buffer (stages 0-2: a Linear of a layer frozen at what was assigned)."""
+    if unit.state is not ParamState.UNSHARDED:
+        return None
+    flat = unit.param_flat.untyped_storage().data_ptr()
+    for name, p in zip(unit.param_names, unit.params, strict=True):
+        if p.untyped_storage().data_ptr() != flat:
+            return name
+    return None
 
 
 def writes_reach_values(unit: ShardedUnit) -> bool:
@@ -161,6 +171,14 @@ def check_params_intact(units: list[ShardedUnit]) -> None:
                 "zeroinf.from_pretrained, in prepare=)"
             )
         problem = replaced_param(unit)
+        reassigned = reassigned_param(unit) if problem is None else None
+        if reassigned is not None:
+            raise RuntimeError(
+                f"parameter {reassigned} was given a tensor of its own after zeroinf.shard (`p.data = t`): the engine "
+                "trains the buffer it was a view of, so it would keep the assigned values forever while the optimizer "
+                "steps the buffer. Write the values in place inside `with zeroinf.gathered([p], modify=True):` "
+                "(p.copy_(t)), or assign before zeroinf.shard"
+            )
         if problem is not None:
             raise RuntimeError(
                 f"{problem}: the model was converted after zeroinf.shard (model.to(dtype or device), "
