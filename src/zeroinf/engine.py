@@ -669,12 +669,13 @@ def shard(
     if hasattr(module, _ATTR):
         raise RuntimeError("zeroinf.shard: this module is already sharded")
     cfg = Config.of(cfg, "zeroinf.shard")
-    from zeroinf.integrations.peft_layers import install_gathered_merges, refuse_adalora
+    from zeroinf.integrations.peft_layers import install_gathered_merges, refuse_unsupported_adapters
 
-    refuse_adalora(module)
+    refuse_unsupported_adapters(module, checkpointing=cfg.activation_checkpointing is True)
     topo = topology or default_topology(cfg.collective_timeout_s)
     if cfg.is_auto:
         cfg = resolve_auto(module, cfg, topo)
+        refuse_unsupported_adapters(module, checkpointing=cfg.activation_checkpointing is True)
     engine = Engine(module, cfg, topo, init_fn=init_fn, weights=weights)
     setattr(module, _ATTR, engine)
     from zeroinf.partition.load_state import install_load_hooks  # it builds on this module: imported here

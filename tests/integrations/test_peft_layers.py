@@ -11,7 +11,8 @@
   both wrote empty placeholders); now the merged model's logits equal the unmerged one's, and
   `zeroinf.save_pretrained(merged)` equals peft's merge of the reference, key for key
   (integrations/peft_layers.py [Note: merge_and_unload at stage 3]).
-- AdaLoRA is refused at `shard`, naming why and what to use ([Note: AdaLoRA]).
+- AdaLoRA, and prefix tuning with activation checkpointing (which peft refuses too), are refused at
+  `shard`, naming why and what to use ([Note: AdaLoRA]).
 - `p.data = t` inside `zeroinf.gathered`: kept with `modify=True`, refused with `modify=False`.
 """
 
@@ -43,6 +44,7 @@ def _config(method: str) -> Any:
         "vera": lambda: peft.VeraConfig(r=4, target_modules=TARGETS),
         "vblora": lambda: peft.VBLoRAConfig(r=4, num_vectors=16, vector_length=8, target_modules=TARGETS),
         "adalora": lambda: peft.AdaLoraConfig(init_r=6, target_r=3, total_step=10, target_modules=TARGETS),
+        "prefix": lambda: peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"),
     }[method]()
 
 
@@ -131,9 +133,9 @@ def _data_assignment_in_gathered(path: str, root: str) -> dict[str, Any]:
     return {"kept": kept, "refused": refused, "unchanged_after_refusal": unchanged}
 
 
-def _adalora_refusal(path: str) -> str:
+def _refusal(path: str, method: str, cfg: zeroinf.Config) -> str:
     try:
-        zeroinf.from_pretrained(path, zeroinf.Config(stage=2), prepare=_prepare("adalora"))
+        zeroinf.from_pretrained(path, cfg, prepare=_prepare(method))
     except NotImplementedError as e:
         return str(e)
     return ""
@@ -151,7 +153,8 @@ def _ranks(rank: int, world: int, path: str, root: str) -> dict[str, Any]:
         "lora": _train(rank, world, path, "lora", stage3_nvme, root),
         "ia3": _train(rank, world, path, "ia3", zeroinf.Config(stage=3, persist_threshold_bytes=0), root),
         "data_assignment": _data_assignment_in_gathered(path, root),
-        "adalora": _adalora_refusal(path),
+        "adalora": _refusal(path, "adalora", zeroinf.Config(stage=2)),
+        "prefix_checkpointed": _refusal(path, "prefix", zeroinf.Config(stage=3, activation_checkpointing=True)),
     }
 
 
@@ -201,6 +204,8 @@ def test_data_assignment_inside_gathered(results: tuple) -> None:
     assert got["unchanged_after_refusal"]
 
 
-def test_adalora_is_refused_with_the_alternatives(results: tuple) -> None:
+def test_adalora_and_checkpointed_prefix_tuning_are_refused_with_the_alternatives(results: tuple) -> None:
     message = results[1]["adalora"]
     assert "AdaLoRA" in message and "p.grad" in message and "LoRA" in message, message
+    message = results[1]["prefix_checkpointed"]
+    assert "prefix tuning" in message and "activation_checkpointing=False" in message, message

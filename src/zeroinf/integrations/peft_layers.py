@@ -22,6 +22,7 @@ ZeRO does too; peft reads them there through `deepspeed.utils.safe_get_full_grad
 allocation failed in peft's code (`Parameter * NoneType`) at stages 0-2 and, at stage 3, the
 orthogonality penalty it adds to the loss reads the adapters outside their units' forward. Refused
 at `shard` with the alternatives named; every other peft method trains at parity (docs/finetune.md).
+Prefix tuning with activation checkpointing is refused there too, as peft refuses it.
 """
 
 from __future__ import annotations
@@ -62,18 +63,31 @@ class MergeHandle:
             self.layer.__dict__.pop(name, None)
 
 
-def refuse_adalora(model: nn.Module) -> None:
-    """Raise if `model` is a peft model training an AdaLoRA adapter ([Note: AdaLoRA])."""
+def refuse_unsupported_adapters(model: nn.Module, checkpointing: bool) -> None:
+    """Raise if `model` is a peft model training an adapter the engine cannot train: AdaLoRA ([Note:
+    AdaLoRA]); prefix tuning with activation checkpointing, which peft refuses with transformers'
+    checkpointing too (the recompute appends the prefix's key/value cache a second time: "The size of
+    tensor a (28) must match the size of tensor b (16)")."""
     configs = getattr(model, "peft_config", None)
-    if not isinstance(configs, dict) or not tuner_layers(model):
+    if not is_peft_model(model) or not isinstance(configs, dict):
         return
     for name, config in configs.items():
-        if str(getattr(config, "peft_type", "")).endswith("ADALORA") and not getattr(config, "inference_mode", False):
+        kind = str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1]
+        if getattr(config, "inference_mode", False):
+            continue
+        if kind == "ADALORA":
             raise NotImplementedError(
                 f"zeroinf.shard: adapter {name!r} is AdaLoRA, whose rank allocation (update_and_allocate) reads "
                 "every adapter parameter's p.grad after backward and masks it in place; zeroinf keeps gradients "
                 "sharded in its own buffers, never in p.grad. Use LoRA (use_rslora=True or use_dora=True for "
                 "its variants) or another peft method (all others train as in plain PyTorch)"
+            )
+        if kind == "PREFIX_TUNING" and checkpointing:
+            raise NotImplementedError(
+                f"zeroinf.shard: adapter {name!r} is prefix tuning, which does not work with activation checkpointing "
+                "(the recompute appends the prefix's key/value cache a second time; peft refuses it with "
+                "transformers' checkpointing too): set Config(activation_checkpointing=False), or use prompt "
+                "tuning or LoRA"
             )
 
 
