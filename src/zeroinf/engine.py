@@ -39,6 +39,7 @@ from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.partition.init import InitFn, materialize_and_build, needs_materializing
 from zeroinf.partition.intact import PassWrites, check_not_wrapped_in_ddp, check_params_intact
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
+from zeroinf.partition.state_entries import own_storages
 from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
@@ -681,6 +682,7 @@ def shard(
     from zeroinf.partition.load_state import install_load_hooks  # it builds on this module: imported here
 
     engine._hook_handles += install_load_hooks(engine)  # model.load_state_dict loads into the units
+    engine._hook_handles.append(hooks.register_state_dict_hook(module, own_storages(engine.all_units)))
     engine._hook_handles += install_gathered_merges(module)  # type: ignore[arg-type]  # peft's merges run gathered
     if engine.policy.shard_params:
         # What Hugging Face reads (its FSDP2 integration sets it too) to keep every rank running the

@@ -255,6 +255,13 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         the Trainer's LR scheduler does not advance on a skipped step."""
         return self.last_step_skipped
 
+    @property
+    def optimizer(self) -> AdamW:
+        """Itself: what accelerate's `AcceleratedOptimizer` calls the optimizer it wraps. `prepare`
+        returns this one unwrapped, and `prepare_scheduler` matches a scheduler to its optimizer by
+        this name (`accelerator.prepare(model, opt, loader, scheduler)` stopped there before)."""
+        return self
+
     @phase("zeroinf::backward")
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the fp16 loss scale applied (identical to loss.backward() otherwise)."""
@@ -607,8 +614,8 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
                 raise ValueError(
                     f"optimizer states of ranks {owners} loaded on ranks 0-{topo.world_size - 1}: at stage "
                     f"{self.engine.cfg.stage} each rank's state holds only its own shard (saving rank 0's alone, "
-                    "as with DDP, loses the others'). Save and load `opt.state_dict()` on every rank, one file "
-                    "each, or use zeroinf.save / zeroinf.load"
+                    "as with DDP and accelerate's save_state, loses the others'). Save and load `opt.state_dict()` "
+                    "on every rank, one file each, or use zeroinf.save / zeroinf.load (resharding, any world size)"
                 )
         self.engine.transfers.wait_uploads()  # uploads of the last step may still read the masters replaced here
         units = self.engine.units

@@ -223,6 +223,11 @@ def register_output_hook(module: nn.Module, fn: Callable[[Any], None]) -> Remova
     return module.register_forward_hook(eager(lambda m, args, out: fn(out)))
 
 
+def register_state_dict_hook(module: nn.Module, fn: Callable[[nn.Module, Any, str, Any], None]) -> RemovableHandle:
+    """`fn(module, state_dict, prefix, local_metadata)` after `module` wrote its entries into a `state_dict()`."""
+    return module._register_state_dict_hook(fn)
+
+
 def register_load_hooks(
     module: nn.Module, before: Callable[..., None], after: Callable[[nn.Module, Any], None] | None
 ) -> list[RemovableHandle]:
