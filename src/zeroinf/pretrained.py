@@ -48,6 +48,26 @@ from zeroinf.weights.source import CheckpointWeights, persistent_buffers
 
 Prepare = Callable[[nn.Module], nn.Module]
 
+_LOCAL = "a local folder is read: download the model first (`hf download ORG/NAME --local-dir DIR`)"
+_PLACED = "zeroinf places every shard itself: choose tiers with Config(offload=OffloadConfig(...)) or offload='auto'"
+LOADING_ONLY_KWARGS = {
+    # transformers' from_pretrained arguments that from_config does not take (it stopped with "__init__() got an
+    # unexpected keyword argument"), and what does their job here
+    "quantization_config": (
+        "quantized bases (bitsandbytes QLoRA, GPTQ, AWQ) are not supported: zeroinf keeps the base in the compute "
+        "dtype and shards and offloads it instead (Config(param_dtype='bf16', offload=OffloadConfig(params='nvme', "
+        "nvme_dir=...))): LoRA on a base larger than memory, at 2 bytes per base parameter on the disk"
+    ),
+    "load_in_4bit": "see quantization_config", "load_in_8bit": "see quantization_config",
+    "device_map": _PLACED, "max_memory": _PLACED, "offload_folder": _PLACED, "offload_state_dict": _PLACED,
+    "offload_buffers": _PLACED,
+    "low_cpu_mem_usage": "always so here: each rank reads only its own shards' bytes",
+    "revision": _LOCAL, "cache_dir": _LOCAL, "token": _LOCAL, "subfolder": _LOCAL, "local_files_only": _LOCAL,
+    "force_download": _LOCAL, "proxies": _LOCAL,
+    "variant": "the folder's model.safetensors (or its index) is read; point at a folder holding the variant's files",
+    "use_safetensors": "safetensors files are always what is read",
+}
+
 
 def from_pretrained(
     path: str | os.PathLike[str],
@@ -60,7 +80,9 @@ def from_pretrained(
 ) -> nn.Module:
     """A sharded model of the Hugging Face folder `path`; see the module docstring.
 
-    `hf_kwargs` go to `from_config` (e.g. `attn_implementation`); the compute dtype is
+    `hf_kwargs` go to `from_config` (e.g. `attn_implementation`); arguments only transformers'
+    loader takes (`device_map`, `quantization_config`, `revision`, ...) are refused naming what does
+    their job here (`LOADING_ONLY_KWARGS`); the compute dtype is
     `cfg.param_dtype` (a `dtype`/`torch_dtype` argument must agree with it). `auto_class` defaults
     to `transformers.AutoModelForCausalLM` where the config has a causal LM, else
     `AutoModelForImageTextToText` (a VLM), else `AutoModel`.
@@ -73,6 +95,11 @@ def from_pretrained(
     cfg = Config.of(cfg, "zeroinf.from_pretrained")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise WeightsError(f"{path}: no config.json: not a Hugging Face model folder")
+    refused = {k: LOADING_ONLY_KWARGS[k] for k in hf_kwargs if k in LOADING_ONLY_KWARGS}
+    if refused:
+        raise TypeError(
+            "zeroinf.from_pretrained: " + "; ".join(f"{k}= is not taken: {why}" for k, why in refused.items())
+        )
     for name in ("dtype", "torch_dtype"):
         asked = hf_kwargs.pop(name, None)
         if asked is not None and asked != "auto" and asked != cfg.param_torch_dtype:
@@ -89,6 +116,15 @@ def from_pretrained(
     folder = SafetensorsFolder(path)
     try:
         config = AutoConfig.from_pretrained(path)
+        quantized = getattr(config, "quantization_config", None)
+        if quantized:
+            fields = quantized if isinstance(quantized, dict) else vars(quantized)
+            method = fields.get("quant_method", "")
+            raise WeightsError(
+                f"{path}: a quantized checkpoint (config.json's quantization_config, method {method!r}): its files "
+                "hold quantized tensors (packed weights and scales) that zeroinf cannot train or shard. Load the "
+                "model's unquantized release (bf16 or fp32 weights); zeroinf shards and offloads it instead"
+            )
         if auto_class is None:  # a causal LM where there is one, else a VLM's or the bare model (planner's rule)
             from zeroinf.planner.model_facts import auto_class_for
 

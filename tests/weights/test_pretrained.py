@@ -256,6 +256,33 @@ def test_a_folder_that_is_not_hugging_face_is_refused(tmp_path: Any, llama_folde
         zeroinf.from_pretrained(llama_folder)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"quantization_config": object()}, ["quantization_config= is not taken: quantized bases", "offload"]),
+        ({"load_in_4bit": True, "device_map": "auto"}, ["load_in_4bit=", "device_map= is not taken: zeroinf places"]),
+        ({"revision": "main"}, ["revision= is not taken: a local folder is read"]),
+    ],
+)
+def test_arguments_only_transformers_loader_takes_are_refused_naming_what_does_the_job(
+    llama_folder: str, kwargs: dict[str, Any], names: list[str]
+) -> None:
+    """They went to `from_config`, which stopped with "__init__() got an unexpected keyword argument"."""
+    with pytest.raises(TypeError) as refused:
+        zeroinf.from_pretrained(llama_folder, **kwargs)
+    assert all(name in str(refused.value) for name in names), str(refused.value)
+
+
+def test_a_quantized_checkpoint_is_refused(llama_folder: str) -> None:
+    with open(os.path.join(llama_folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    with open(os.path.join(llama_folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(WeightsError, match=r"a quantized checkpoint .*'gptq'.*unquantized release"):
+        zeroinf.from_pretrained(llama_folder)
+
+
 def test_resize_token_embeddings_in_prepare_equals_hugging_face(results: tuple[int, list[dict]]) -> None:
     world, per_rank = results
     for rank, r in enumerate(per_rank):
