@@ -684,12 +684,15 @@ def shard(
     engine._hook_handles += install_load_hooks(engine)  # model.load_state_dict loads into the units
     engine._hook_handles.append(hooks.register_state_dict_hook(module, own_storages(engine.all_units)))
     engine._hook_handles += install_gathered_merges(module)  # type: ignore[arg-type]  # peft's merges run gathered
-    if engine.policy.shard_params:
+    if engine.policy.shard_params and topo.is_distributed:
         # What Hugging Face reads (its FSDP2 integration sets it too) to keep every rank running the
         # same modules while parameters are sharded: `generate` defaults to `synced_gpus=True` at
         # world > 1 (a rank that has finished goes on running forward passes until every rank has),
         # and the encoders with LayerDrop (wav2vec2, HuBERT, WavLM, ...) run every layer. On every
         # submodule, since those encoders ask of themselves, as FSDP1 marks every module it manages.
+        # Only with other ranks to keep in step: a process alone has nothing to sync, and
+        # Seq2SeqTrainer passes `synced_gpus=True` to `generate` for a marked model whatever the
+        # world, whose first all-reduce then stopped a single process without a process group.
         # (The ignore: the stub of nn.Module.__setattr__ takes tensors and modules only, not this flag.)
         for sub in module.modules():
             sub._is_fsdp_managed_module = True  # type: ignore[assignment]

@@ -165,3 +165,44 @@ def lora_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         "engine_checkpoints": engine.cfg.activation_checkpointing,
         "model_checkpoints": trainer.model.get_base_model().is_gradient_checkpointing,
     }
+
+
+class Reversal(torch.utils.data.Dataset):
+    """A sequence-to-sequence task for T5: each row's target is the row reversed."""
+
+    def __init__(self, rows: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, VOCAB, (rows, 8), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(8, dtype=torch.long),
+                "labels": self.ids[i].flip(0)}
+
+
+def tiny_t5() -> torch.nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1, dropout_rate=0.0,
+    ))
+
+
+def seq2seq_run(trainer_class: Any, output_dir: str, **kwargs: Any) -> dict[str, Any]:
+    """4 steps, then `predict` with `predict_with_generate`: logged losses, generated tokens, test loss."""
+    from transformers import Seq2SeqTrainingArguments
+
+    args = Seq2SeqTrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=8, per_device_eval_batch_size=4, max_steps=4,
+        learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+        use_cpu=True, predict_with_generate=True, generation_max_length=10,
+    )
+    trainer = trainer_class(model=tiny_t5(), args=args, train_dataset=Reversal(32, 1), **kwargs)
+    trainer.train()
+    predicted = trainer.predict(Reversal(8, 9))
+    return {"loss": logged(trainer), "tokens": predicted.predictions.tolist(),
+            "test_loss": predicted.metrics["test_loss"]}

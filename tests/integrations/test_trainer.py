@@ -10,6 +10,9 @@
   with dropout on (RNG) and a shuffled sampler (data position), also into another stage.
 - Saved folders load with `from_pretrained`: `save_model` (gathered) and every checkpoint (consolidated).
 - fp16: gradients carry the loss scale; overflowing steps are skipped and the LR schedule waits.
+- `Seq2SeqTrainer` (T5, `predict_with_generate`), stage 3 in one process: the plain one's losses and
+  generated tokens (its `generate` was told `synced_gpus=True` for a stage-3 model and stopped on the
+  missing process group).
 - A peft LoRA model with `gradient_checkpointing=True`, world 2, stage 3: the plain Trainer's losses
   and adapters; the engine checkpoints (not the model too); checkpoints and `save_model` hold what the
   plain Trainer writes for it, the adapters (they used to be the whole model under peft's names,
@@ -41,11 +44,12 @@ from tests.integrations._trainer_runs import (  # noqa: E402
     run_plain,
     run_plain_lora,
     run_zeroinf,
+    seq2seq_run,
     summary,
     train_rank,
     training_arguments,
 )
-from zeroinf.integrations import Trainer, TrainerArgumentsError  # noqa: E402
+from zeroinf.integrations import Seq2SeqTrainer, Trainer, TrainerArgumentsError  # noqa: E402
 
 RTOL, ATOL = 1e-5, 5e-5
 
@@ -316,3 +320,14 @@ def test_lora_with_checkpointing_matches_plain_trainer_and_saves_adapters(tmp_pa
     state = resumed.model.state_dict()
     for name, ref in ours["adapters"].items():
         torch.testing.assert_close(state[name], ref, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_seq2seq_trainer_generates_as_the_plain_one(tmp_path) -> None:
+    import transformers
+
+    plain = seq2seq_run(transformers.Seq2SeqTrainer, str(tmp_path / "plain"))
+    ours = seq2seq_run(Seq2SeqTrainer, str(tmp_path / "ours"), zeroinf_config=zeroinf.Config(stage=3))
+    for step, ref in plain["loss"].items():
+        assert ours["loss"][step] == pytest.approx(ref, rel=RTOL), f"step {step}"
+    assert ours["tokens"] == plain["tokens"]
+    assert ours["test_loss"] == pytest.approx(plain["test_loss"], rel=RTOL)

@@ -265,15 +265,24 @@ def test_the_routes_cover_every_case_of_the_rule() -> None:
     assert any(LAYERS - 1 in (a | b) - (a & b) for a, b in skipped) and any(0 in a ^ b for a, b in skipped)
 
 
-def test_stage_3_marks_every_submodule_for_hugging_face() -> None:
-    """Hugging Face's LayerDrop encoders (wav2vec2, HuBERT, ...) and `generate` ask
-    `is_fsdp_managed_module(self)` whether every rank must run every layer and forward pass."""
+def _marked(rank: int, world: int) -> list[bool]:
     from transformers.distributed.fsdp import is_fsdp_managed_module
 
     torch.manual_seed(0)
     sharded = zeroinf.shard(Net(), zeroinf.Config(stage=3, unit_classes=[MoELayer]))
-    assert all(is_fsdp_managed_module(m) for m in sharded.modules())
     data_parallel = zeroinf.shard(Net(), zeroinf.Config(stage=2, unit_classes=[MoELayer]))
-    assert not any(is_fsdp_managed_module(m) for m in data_parallel.modules())  # LayerDrop works there
+    out = [all(is_fsdp_managed_module(m) for m in sharded.modules()),
+           any(is_fsdp_managed_module(m) for m in data_parallel.modules())]
     for m in (sharded, data_parallel):
         zeroinf.engine_of(m).close()
+    return out
+
+
+def test_stage_3_marks_every_submodule_for_hugging_face_where_ranks_must_keep_in_step() -> None:
+    """Hugging Face's LayerDrop encoders (wav2vec2, HuBERT, ...) and `generate` ask
+    `is_fsdp_managed_module(self)` whether every rank must run every layer and forward pass: so at
+    stage 3 with other ranks. Not at stages 0-2 (LayerDrop works there), nor in a process alone:
+    Seq2SeqTrainer passes `synced_gpus=True` for a marked model whatever the world, and generate's
+    first all-reduce stopped a single process without a process group."""
+    assert run_ranks(_marked, 2)[0] == [True, False]
+    assert _marked(0, 1) == [False, False]

@@ -1,6 +1,7 @@
 """Integrations with other libraries; each needs its library only when it is used.
 
     from zeroinf.integrations import Trainer     # transformers.Trainer on a zeroinf-sharded model (docs/trainer.md)
+    from zeroinf.integrations import Seq2SeqTrainer   # the same for transformers.Seq2SeqTrainer
 
 `import zeroinf.integrations` imports nothing else: transformers and accelerate are loaded on first
 use of `Trainer` (`pip install transformers accelerate`, or `pip install zeroinf[hf]`).
@@ -10,19 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Trainer", "TrainerArgumentsError", "config_for_trainer"]
+__all__ = ["Seq2SeqTrainer", "Trainer", "TrainerArgumentsError", "config_for_trainer"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Trainer":
+    if name in ("Trainer", "Seq2SeqTrainer"):
         try:
-            from zeroinf.integrations.trainer import Trainer
+            from zeroinf.integrations import trainer
         except ModuleNotFoundError as e:
             raise ModuleNotFoundError(
-                f"zeroinf.integrations.Trainer needs transformers and accelerate ({e}): "
+                f"zeroinf.integrations.{name} needs transformers and accelerate ({e}): "
                 "pip install 'zeroinf[hf]' (or: pip install transformers accelerate)"
             ) from e
-        return Trainer
+        return getattr(trainer, name)
     if name in ("TrainerArgumentsError", "config_for_trainer"):
         from zeroinf.integrations import trainer_args
 

@@ -372,3 +372,8 @@ class Trainer(transformers.Trainer):
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
+    """`transformers.Seq2SeqTrainer` on a sharded model: `predict_with_generate` and its generation
+    arguments, with everything `Trainer` (above) changes. Takes `Seq2SeqTrainingArguments`."""
