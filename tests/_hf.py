@@ -18,7 +18,7 @@ import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,32 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, synced: bool | None = None
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
             pad_token_id=0, **kwargs,
         )
+
+
+def train_causal_lm(
+    model: torch.nn.Module, opt: Any, rows: Callable[[int], torch.Tensor], steps: int, world: int
+) -> list[float]:
+    """`steps` steps of a causal LM under `opt` (zeroinf.AdamW) on this rank's `rows(step)` (inputs
+    and labels); returns each step's loss averaged over the ranks."""
+    import torch.distributed as dist
+
+    losses = []
+    for step in range(steps):
+        x = rows(step)
+        loss = model(input_ids=x, labels=x).loss
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def rank_rows(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of a global batch."""
+    return batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
 
 
 def _checkpointing(model: torch.nn.Module, case: Case) -> None:

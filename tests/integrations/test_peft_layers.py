@@ -27,6 +27,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
+from tests._hf import rank_rows, train_causal_lm
 from tests.partition._construction import VOCAB, build
 
 STEPS, GLOBAL_BATCH, LR = 3, 4, 1e-2
@@ -40,7 +41,9 @@ def _config(method: str) -> Any:
 
     return {
         "lora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS),
-        "ia3": lambda: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "ia3": lambda: peft.IA3Config(
+            target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+        ),
         "vera": lambda: peft.VeraConfig(r=4, target_modules=TARGETS),
         "vblora": lambda: peft.VBLoRAConfig(r=4, num_vectors=16, vector_length=8, target_modules=TARGETS),
         "adalora": lambda: peft.AdaLoraConfig(init_r=6, target_r=3, total_step=10, target_modules=TARGETS),
@@ -84,17 +87,7 @@ def _reference(path: str, method: str) -> dict[str, Any]:
 def _train(rank: int, world: int, path: str, method: str, cfg: zeroinf.Config, root: str) -> dict[str, Any]:
     model = zeroinf.from_pretrained(path, cfg, prepare=_prepare(method))
     opt = zeroinf.AdamW(model, lr=LR)
-    per_rank = GLOBAL_BATCH // world
-    losses = []
-    for step in range(STEPS):
-        x = _batch(step)[rank * per_rank : (rank + 1) * per_rank]
-        loss = model(input_ids=x, labels=x).loss
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_causal_lm(model, opt, lambda step: rank_rows(_batch(step), rank, world), STEPS, world)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=_batch(99)).logits
@@ -144,9 +137,8 @@ def _refusal(path: str, method: str, cfg: zeroinf.Config) -> str:
 def _ranks(rank: int, world: int, path: str, root: str) -> dict[str, Any]:
     nvme = os.path.join(root, f"swap{rank}")
     os.makedirs(nvme, exist_ok=True)
-    stage3_nvme = zeroinf.Config(
-        stage=3, persist_threshold_bytes=0, offload=zeroinf.OffloadConfig(params="nvme", optimizer="nvme", nvme_dir=nvme)
-    )
+    on_nvme = zeroinf.OffloadConfig(params="nvme", optimizer="nvme", nvme_dir=nvme)
+    stage3_nvme = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=on_nvme)
     return {
         "vblora": _train(rank, world, path, "vblora", stage3_nvme, root),
         "vera": _train(rank, world, path, "vera", zeroinf.Config(stage=2), root),
@@ -176,7 +168,8 @@ def test_trains_like_plain_pytorch_and_its_saved_adapters_reload(results: tuple,
     ref, got = references[method], ours[method]
     assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL)
     torch.testing.assert_close(got["logits"], ref["logits"], rtol=RTOL, atol=ATOL)
-    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), got["adapters"])
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, got["adapters"])
     with torch.no_grad():
         torch.testing.assert_close(reloaded.eval()(input_ids=_batch(99)).logits, ref["logits"], rtol=RTOL, atol=ATOL)
 

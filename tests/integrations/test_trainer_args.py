@@ -38,7 +38,8 @@ NEW_CHECKPOINTING_NAME = pytest.mark.skipif(  # transformers 5.23 has it, 5.17 d
     "kwargs",
     [
         {"gradient_checkpointing": True},
-        {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False, "every_n_layers": 2}},
+        {"gradient_checkpointing": True,
+         "gradient_checkpointing_kwargs": {"use_reentrant": False, "every_n_layers": 2}},
         pytest.param({"activation_checkpointing": True, "activation_checkpointing_kwargs": {"every_n_layers": 2}},
                      marks=NEW_CHECKPOINTING_NAME),
     ],

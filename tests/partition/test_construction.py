@@ -30,6 +30,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
+from tests._hf import train_causal_lm
 from tests.partition._construction import VOCAB, build
 
 MODELS = ["gpt", "llama", "gpt2", "qwen2", "custom"]
@@ -98,16 +99,7 @@ def _batch(step: int, rank: int, world: int) -> torch.Tensor:
 
 def _train(model: torch.nn.Module, batches: list[torch.Tensor], world: int) -> list[float]:
     opt = zeroinf.AdamW(model, lr=1e-2, weight_decay=0.0)
-    losses = []
-    for x in batches:
-        loss = model(input_ids=x, labels=x).loss
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_causal_lm(model, opt, batches.__getitem__, len(batches), world)
     opt.close()
     zeroinf.engine_of(model).close()
     return losses

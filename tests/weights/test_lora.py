@@ -20,6 +20,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
+from tests._hf import rank_rows, train_causal_lm
 from tests.partition._construction import VOCAB, build
 
 STEPS, GLOBAL_BATCH, LR = 4, 4, 1e-2
@@ -67,17 +68,7 @@ def _zeroinf(rank: int, world: int, path: str, swap_root: str) -> dict[str, Any]
     model.train()
     engine = zeroinf.engine_of(model)
     opt = zeroinf.AdamW(model, lr=LR)
-    per_rank = GLOBAL_BATCH // world
-    losses = []
-    for step in range(STEPS):
-        x = _batch(step)[rank * per_rank : (rank + 1) * per_rank]
-        loss = model(input_ids=x, labels=x).loss
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_causal_lm(model, opt, lambda step: rank_rows(_batch(step), rank, world), STEPS, world)
     report = zeroinf.memory_report(model)
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     out = {
