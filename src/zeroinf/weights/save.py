@@ -14,7 +14,7 @@ unit all-gathered and copied), and every rank writes the same files. Here:
 - a peft model: what `PeftModel.save_pretrained` writes (the adapters and their config), gathered
   from the trainable units only: the frozen base is never gathered;
 - a part of a sharded model, such as the base `merged = model.merge_and_unload()` returns (the
-  merges ran gathered: integrations.peft_layers.py): its own weights under its own names.
+  merges ran gathered: integrations/peft_layers.py): its own weights under its own names.
 A collective: every rank calls it, and it returns once the folder is complete.
 """
 
@@ -42,8 +42,7 @@ def save_pretrained(
     at most this size, with an index, as `save_pretrained` does."""
     engine = engine_containing(model)
     if engine is None:
-        engine_of(model)  # raises: not sharded
-    assert engine is not None
+        raise TypeError("zeroinf.save_pretrained: this module is not part of a sharded model: call zeroinf.shard first")
     out = os.fspath(out_dir)
     if engine.module is model and is_peft_model(model):
         _save_adapters(model, out, dtype)
