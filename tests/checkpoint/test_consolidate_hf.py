@@ -113,3 +113,37 @@ def test_frozen_parameters_come_from_the_folder_they_were_loaded_from(tmp_path, 
     reference.load_state_dict(trained)
     reference.save_pretrained(tmp_path / "by-hf")
     assert _differences(_stored(str(tmp_path / "hf")), _stored(str(tmp_path / "by-hf"))) == []
+
+
+def test_a_peft_checkpoint_is_refused_naming_how_to_write_its_adapters(tmp_path) -> None:
+    """A checkpoint of a peft model holds its adapters under peft's internal names and not its base
+    (frozen, sharded at stage 3): consolidated with --allow-missing it became a file that neither peft
+    nor transformers loads. Refused, naming the adapters and the way to their folder; the recipe the
+    message gives writes a folder PeftModel.from_pretrained loads with the trained adapters."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from zeroinf.checkpoint import CheckpointError
+
+    build("llama").save_pretrained(tmp_path / "base")
+
+    def lora(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
+    model = zeroinf.from_pretrained(tmp_path / "base", cfg, prepare=lora)
+    model.train()
+    trained = {n: t for n, t in _step_and_save(model, tmp_path / "ckpt").items() if "lora_" in n}
+    for allow_missing in (False, True):
+        with pytest.raises(CheckpointError, match=r"peft model \(adapters \{'default': 'LORA'\}\).*save_pretrained"):
+            ck.consolidate(tmp_path / "ckpt", tmp_path / "refused", allow_missing=allow_missing)
+    # the recipe: the model built as trained, the checkpoint loaded, its adapters saved
+    again = zeroinf.from_pretrained(tmp_path / "base", cfg, prepare=lora)
+    zeroinf.load(tmp_path / "ckpt", again, zeroinf.AdamW(again, lr=1e-3))
+    zeroinf.save_pretrained(again, tmp_path / "adapters")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapters")
+    state = reloaded.state_dict()
+    assert trained and all(torch.equal(state[n], t) for n, t in trained.items())

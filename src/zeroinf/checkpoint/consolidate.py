@@ -74,6 +74,17 @@ def consolidate(
     out_dtype = OUT_DTYPES[dtype]
     ckpt = resolve(os.fspath(ckpt_dir))
     body = read_manifest(ckpt)
+    adapters = body.get("peft")
+    if adapters:
+        raise CheckpointError(
+            f"{ckpt}: a checkpoint of a peft model (adapters {adapters}): consolidate writes whole models, and here "
+            "the base is not in the checkpoint and the adapters are under peft's internal names, which neither peft "
+            "nor transformers loads. For the adapter folder PeftModel.from_pretrained reads, or the merged model, "
+            "build the model as it was trained (zeroinf.from_pretrained(base, cfg, prepare=...)), zeroinf.load this "
+            "checkpoint into it, then zeroinf.save_pretrained(model, out) (adapters), or merged = "
+            "model.merge_and_unload() and zeroinf.save_pretrained(merged, out). zeroinf.integrations.Trainer's "
+            "checkpoint-N folders hold the adapters already"
+        )
     frozen = (body.get("frozen") or {}) if include_module_state else {}
     named = ", ".join(list(frozen)[:3]) + (", ..." if len(frozen) > 3 else "")
     if frozen and frozen_from is None and not allow_missing:

@@ -42,6 +42,14 @@ def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
 
+def adapter_types(model: nn.Module) -> dict[str, str]:
+    """A peft model's adapters, name -> peft type ("LORA", ...); empty for any other model."""
+    configs = getattr(model, "peft_config", None) if is_peft_model(model) else None
+    if not isinstance(configs, dict):
+        return {}
+    return {name: str(getattr(c, "peft_type", "")).rsplit(".", 1)[-1] for name, c in configs.items()}
+
+
 def tuner_layers(model: nn.Module) -> list[Any]:
     """The modules of `model` that are peft tuner layers (`BaseTunerLayer`s; none where peft was
     never imported)."""
