@@ -10,6 +10,7 @@ World 2 (one spawned group), stage 3, parameters on NVMe, a tiny Llama trained o
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import Any
@@ -58,6 +59,8 @@ def run(rank: int, world: int, root: str) -> dict[str, Any]:
     back = AutoModelForCausalLM.from_pretrained(os.path.join(root, "model"), dtype=torch.float32).state_dict()
     out["model_equal"] = back.keys() == state.keys() and all(torch.equal(back[k], v) for k, v in state.items())
     out["model_files"] = sorted(os.listdir(os.path.join(root, "model")))
+    with open(os.path.join(root, "model", "config.json")) as f:
+        out["architectures"] = json.load(f).get("architectures")
     engine.close()
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
@@ -88,6 +91,7 @@ def test_the_folder_loads_in_hugging_face_to_the_same_weights(results: list[dict
         assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(files), files
         assert sum(f.endswith(".safetensors") for f in files) > 1, files
         assert r["model_gathers"] == r["model_sharded_units"], (rank, r)  # each unit once
+        assert r["architectures"] == ["LlamaForCausalLM"], r["architectures"]  # as save_pretrained sets it
 
 
 def test_a_peft_model_saves_its_adapters_without_gathering_the_base(results: list[dict[str, Any]]) -> None:

@@ -343,13 +343,8 @@ class Trainer(transformers.Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _save_model_files(self, output_dir: str) -> None:
-        """What `save_pretrained` writes beside the weights, and what `Trainer._save` adds."""
-        model = self.model
-        if isinstance(model, transformers.PreTrainedModel):
-            model.config.architectures = [type(model).__name__]
-            model.config.save_pretrained(output_dir)
-            if model.can_generate() and model.generation_config is not None:
-                model.generation_config.save_pretrained(output_dir)
+        """What `Trainer._save` adds beside a model's folder (its config files come with the weights:
+        `zeroinf.save_pretrained`, `zeroinf.consolidate`)."""
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

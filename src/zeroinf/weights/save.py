@@ -64,7 +64,12 @@ def save_pretrained(
 
 
 def write_configs(model: nn.Module, out: str) -> None:
-    """A transformers model's `config` and `generation_config` beside its weights (if it has them)."""
+    """A transformers model's `config` and `generation_config` beside its weights (if it has them);
+    the config names the model's class in `architectures`, as transformers' `save_pretrained` sets
+    it (vLLM picks its model class by it; a model built from a config had none)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "architectures") and hasattr(model, "can_generate"):
+        config.architectures = [type(model).__name__]
     for attr in ("config", "generation_config"):
         config = getattr(model, attr, None)
         if config is not None and callable(getattr(config, "save_pretrained", None)):
