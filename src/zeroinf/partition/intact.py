@@ -79,11 +79,8 @@ def reassigned_param(unit: ShardedUnit) -> str | None:
     the optimizer stepped the buffer (stages 0-2: a Linear of a layer frozen at what was assigned)."""
     if unit.state is not ParamState.UNSHARDED:
         return None
-    flat = unit.param_flat.untyped_storage().data_ptr()
-    for name, p in zip(unit.param_names, unit.params, strict=True):
-        if p.untyped_storage().data_ptr() != flat:
-            return name
-    return None
+    off = unit.off_buffer()
+    return unit.param_names[off[0]] if off else None
 
 
 def writes_reach_values(unit: ShardedUnit) -> bool:

@@ -335,16 +335,20 @@ class ShardedUnit(UnitGradients):
         for slot, p in zip(self.layout.slots, self.params, strict=True):
             p.data = self.param_flat[slot.offset : slot.end].view(slot.shape)
 
+    def off_buffer(self) -> list[int]:
+        """Indices of the parameters that are not views of the unit's buffer (gathered, each must
+        be): code gave them a tensor of their own (`p.data = t`)."""
+        flat = self.param_flat.untyped_storage().data_ptr()
+        return [i for i, p in enumerate(self.params) if p.untyped_storage().data_ptr() != flat]
+
     def retake_replaced(self, keep_values: bool) -> list[str]:
         """Names of the gathered parameters that code gave storage of their own (`p.data = t`, as
         peft's IA3 and DoRA merges write), each made a view of the unit's buffer again; with
         `keep_values`, the buffer first takes its values (a `gathered(..., modify=True)` block's
         writes: partition/gathered.py). A new shape is refused: the unit's layout is fixed."""
-        flat = self.param_flat.untyped_storage().data_ptr()
         replaced = []
-        for name, slot, p in zip(self.param_names, self.layout.slots, self.params, strict=True):
-            if p.untyped_storage().data_ptr() == flat:
-                continue
+        for i in self.off_buffer():
+            name, slot, p = self.param_names[i], self.layout.slots[i], self.params[i]
             if tuple(p.shape) != tuple(slot.shape):
                 raise RuntimeError(
                     f"parameter {name} was given a tensor of shape {tuple(p.shape)} inside zeroinf.gathered, but the "
