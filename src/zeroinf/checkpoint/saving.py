@@ -58,7 +58,7 @@ from zeroinf.checkpoint.format import (
 from zeroinf.checkpoint.hub_folder import record
 from zeroinf.checkpoint.stream import STAGING_BYTES, STAGING_COUNT, StreamWriter
 from zeroinf.engine import Engine, engine_of
-from zeroinf.integrations.peft_layers import adapter_types
+from zeroinf.integrations.peft_layers import adapter_configs, adapter_type
 from zeroinf.optim.pipeline import StateViews
 from zeroinf.partition.intact import check_params_intact
 
@@ -301,7 +301,7 @@ def _manifest_head(model: nn.Module, engine: Engine, optimizer: Any, step: int, 
         "order": order, "params": params,
         "hf": record(model),  # a transformers model's class and config: consolidate writes a Hub folder
         # a peft model's adapters (name -> peft type): consolidate refuses it, naming zeroinf.save_pretrained
-        "peft": adapter_types(model) or None,
+        "peft": {name: adapter_type(c) for name, c in adapter_configs(model).items()} or None,
         # frozen parameters sharded at stage 3 are not saved (common.py): named for consolidate
         "frozen": {
             slot.name: {"shape": list(slot.shape), "unit": unit.name}

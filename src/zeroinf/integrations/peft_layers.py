@@ -42,12 +42,15 @@ def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
 
-def adapter_types(model: nn.Module) -> dict[str, str]:
-    """A peft model's adapters, name -> peft type ("LORA", ...); empty for any other model."""
+def adapter_configs(model: nn.Module) -> dict[str, Any]:
+    """A peft model's adapter configs by adapter name; empty for any other model."""
     configs = getattr(model, "peft_config", None) if is_peft_model(model) else None
-    if not isinstance(configs, dict):
-        return {}
-    return {name: str(getattr(c, "peft_type", "")).rsplit(".", 1)[-1] for name, c in configs.items()}
+    return dict(configs) if isinstance(configs, dict) else {}
+
+
+def adapter_type(config: Any) -> str:
+    """An adapter config's peft type: "LORA", "ADALORA", ..."""
+    return str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1]
 
 
 def tuner_layers(model: nn.Module) -> list[Any]:
@@ -76,11 +79,8 @@ def refuse_unsupported_adapters(model: nn.Module, checkpointing: bool) -> None:
     AdaLoRA]); prefix tuning with activation checkpointing, which peft refuses with transformers'
     checkpointing too (the recompute appends the prefix's key/value cache a second time: "The size of
     tensor a (28) must match the size of tensor b (16)")."""
-    configs = getattr(model, "peft_config", None)
-    if not is_peft_model(model) or not isinstance(configs, dict):
-        return
-    for name, config in configs.items():
-        kind = str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1]
+    for name, config in adapter_configs(model).items():
+        kind = adapter_type(config)
         if getattr(config, "inference_mode", False):
             continue
         if kind == "ADALORA":

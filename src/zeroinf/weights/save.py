@@ -81,15 +81,17 @@ def _save_adapters(model: Any, out: str, dtype: torch.dtype | None) -> None:
     alone: peft takes what it saves (adapters, `modules_to_save`, VeRA's projections) from the state
     dict it is given, under the names `state_dict()` gives: every path to a tensor that several
     layers share (VB-LoRA's vector bank, VeRA's projections; peft saves the model-level one)."""
+    writer = engine_of(model).topo.rank == 0  # every rank gathers (a collective); rank 0 alone copies and writes
     trainable = [(name, p) for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
     unique = list({id(p): p for _, p in trainable}.values())
     with gathered(unique):
-        values = {id(p): p.detach().to("cpu", dtype=dtype, copy=True) for p in unique}
+        values = {id(p): p.detach().to("cpu", dtype=dtype, copy=True) for p in unique} if writer else {}
+    if not writer:
+        return
     state = {name: values[id(p)] for name, p in trainable}
     for path, module in model.named_modules(remove_duplicate=False):
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
                 as_dtype = dtype if dtype is not None and b.is_floating_point() else b.dtype
                 state[f"{path}.{name}" if path else name] = b.detach().to("cpu", dtype=as_dtype, copy=True)
-    if engine_of(model).topo.rank == 0:
-        model.save_pretrained(out, state_dict=state)
+    model.save_pretrained(out, state_dict=state)
