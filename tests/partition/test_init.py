@@ -214,3 +214,34 @@ def test_resize_after_shard_is_refused_with_the_fix(stage: int) -> None:
     with pytest.raises(RuntimeError, match=r"embed_tokens.weight has shape \(140, (32|0)\).*resized after zeroinf"):
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
     zeroinf.engine_of(model).close()
+
+
+def test_peft_adapters_added_after_the_init_block_are_refused_and_inside_it_are_exact() -> None:
+    """Between the `with zeroinf.init()` block and `shard`, parked parameters report the meta device,
+    and peft's get_peft_model moves each adapter to its base layer's device: the adapters' values went
+    to meta and `reset_parameters` stood in for them at `shard`, silently (LoRA's B no longer zero).
+    Refused, naming the adapter and the fix; inside the block the adapters are those of eager peft."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    from tests import _hf
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
+    with zeroinf.init(cfg):
+        late = _hf.build("llama")
+    late = get_peft_model(late, lora)
+    with pytest.raises(RuntimeError, match=r"q_proj.lora_A.default.weight and 7 more is on the meta device.*inside "):
+        zeroinf.shard(late, cfg)
+
+    with zeroinf.init(cfg):
+        inside = _hf.build("llama")
+        torch.manual_seed(1)
+        inside = get_peft_model(inside, lora)
+    eager = _hf.build("llama")
+    torch.manual_seed(1)
+    eager = get_peft_model(eager, lora)
+    got, want = _full_state(zeroinf.shard(inside, cfg)), _full_state(zeroinf.shard(eager, cfg))
+    assert sorted(got) == sorted(want) and any("lora_B" in name for name in want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

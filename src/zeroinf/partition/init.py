@@ -302,6 +302,31 @@ def _materialize_meta(module: nn.Module, device: torch.device) -> bool:
     return fresh
 
 
+def _refuse_values_lost_after_the_block(model: nn.Module) -> None:
+    """Refuse meta parameters added to a model built under `zeroinf.init()` between its block and
+    `shard`: there the parked placeholders report the meta device, and code that places new modules
+    beside their neighbours (peft's `get_peft_model` moves each adapter to its base layer's device)
+    moved real values to meta. `reset_parameters` would then stand in for them, silently (measured:
+    LoRA's zero-initialised B drawn as a Linear, the adapted model no longer the base model at step 0).
+    A model built wholly on meta by other means has no parked parameter and is materialized as before."""
+    lost, built_under_init = [], False
+    for name, p in model.named_parameters():
+        if park_of(p) is not None or deferring_park(p) is not None:
+            built_under_init = True
+        elif p.is_meta:
+            lost.append(name)
+    if lost and built_under_init:
+        more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
+        raise RuntimeError(
+            f"parameter {lost[0]}{more} is on the meta device, but was not built inside the `with zeroinf.init()` "
+            "block this model was built in: between the block and zeroinf.shard the parameters are parked meta "
+            "placeholders, so code that puts new modules on their neighbours' device (peft's get_peft_model) put "
+            "these on meta, and their values are lost. Add them inside the block (`with zeroinf.init(cfg): model = "
+            "...; model = get_peft_model(model, lora)`, the same values as without zeroinf; a Trainer's peft_config= "
+            "then stays unset), or with zeroinf.from_pretrained in prepare="
+        )
+
+
 def _check_buffers_real(model: nn.Module) -> None:
     meta = [name for name, b in model.named_buffers() if b.is_meta]
     if meta:
@@ -385,6 +410,7 @@ def materialize_and_build(
     ready_at: dict[int, list[int]] = {}
     for k, mi in last_module_of_spec.items():
         ready_at.setdefault(mi, []).append(k)
+    _refuse_values_lost_after_the_block(model)
     if init_fn is None:  # fail before building anything (init_fn may still set meta buffers)
         _check_buffers_real(model)
     built: list[object | None] = [None] * len(specs)
