@@ -74,8 +74,6 @@ def test_conflicts_are_refused_by_name(tmp_path, cfg, kwargs, message) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"bf16": True}, r"Config\(param_dtype="),
-        ({"fp16": True}, r"Config\(param_dtype="),
         ({"bf16_full_eval": True}, "bf16_full_eval"),
         ({"optim": "adafactor"}, "optim='adafactor'.*use optim='adamw_torch'"),
         ({"optim_args": "amsgrad=True"}, "optim_args"),
@@ -94,8 +92,28 @@ def test_refused_arguments_name_the_fix(tmp_path, kwargs, message) -> None:
 def test_all_problems_are_listed_at_once(tmp_path) -> None:
     args = _args(tmp_path, bf16=True, optim="sgd", gradient_accumulation_steps=2)
     with pytest.raises(TrainerArgumentsError) as info:
-        config_for_trainer(zeroinf.Config(grad_accum_steps=3), args)
+        config_for_trainer(zeroinf.Config(grad_accum_steps=3, param_dtype="fp16"), args)
     assert str(info.value).count("\n- ") == 3
+
+
+@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+def test_bf16_and_fp16_set_the_compute_dtype(tmp_path, flag: str) -> None:
+    """As DeepSpeed's "auto" takes them (TRL's configs default to bf16=True): the flag becomes
+    Config.param_dtype; a Config asking for the other half-precision dtype is refused by name."""
+    assert config_for_trainer(zeroinf.Config(stage=3), _args(tmp_path, **{flag: True})).param_dtype == flag
+    assert config_for_trainer(zeroinf.Config(param_dtype=flag), _args(tmp_path, **{flag: True})).param_dtype == flag
+    assert config_for_trainer(zeroinf.Config(), _args(tmp_path)).param_dtype == "fp32"
+    other = "fp16" if flag == "bf16" else "bf16"
+    with pytest.raises(TrainerArgumentsError, match=f"param_dtype='{other}' but TrainingArguments ask for {flag}"):
+        config_for_trainer(zeroinf.Config(param_dtype=other), _args(tmp_path, **{flag: True}))
+
+
+def test_accelerates_mixed_precision_sets_the_dtype_and_fp8_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert config_for_trainer(zeroinf.Config(), _args(tmp_path)).param_dtype == "bf16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(TrainerArgumentsError, match="mixed precision 'fp8'"):
+        config_for_trainer(zeroinf.Config(), _args(tmp_path))
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])

@@ -2,16 +2,19 @@
 
     from zeroinf.integrations import Trainer     # transformers.Trainer on a zeroinf-sharded model (docs/trainer.md)
     from zeroinf.integrations import Seq2SeqTrainer   # the same for transformers.Seq2SeqTrainer
+    from zeroinf.integrations import SFTTrainer       # the same for TRL's SFTTrainer (pip install trl)
+    from zeroinf.integrations import DPOTrainer       # and TRL's DPOTrainer
 
 `import zeroinf.integrations` imports nothing else: transformers and accelerate are loaded on first
-use of `Trainer` (`pip install transformers accelerate`, or `pip install zeroinf[hf]`).
+use of `Trainer` (`pip install transformers accelerate`, or `pip install zeroinf[hf]`), TRL on first use
+of `SFTTrainer` or `DPOTrainer`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Seq2SeqTrainer", "Trainer", "TrainerArgumentsError", "config_for_trainer"]
+__all__ = ["DPOTrainer", "SFTTrainer", "Seq2SeqTrainer", "Trainer", "TrainerArgumentsError", "config_for_trainer"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +27,14 @@ def __getattr__(name: str) -> Any:
                 "pip install 'zeroinf[hf]' (or: pip install transformers accelerate)"
             ) from e
         return getattr(trainer, name)
+    if name in ("SFTTrainer", "DPOTrainer"):
+        try:
+            from zeroinf.integrations import trl_trainers
+        except ModuleNotFoundError as e:
+            raise ModuleNotFoundError(
+                f"zeroinf.integrations.{name} needs TRL ({e}): pip install 'zeroinf[hf]' trl"
+            ) from e
+        return getattr(trl_trainers, name)
     if name in ("TrainerArgumentsError", "config_for_trainer"):
         from zeroinf.integrations import trainer_args
 

@@ -6,9 +6,11 @@
     trainer.save_model("out")            # a Hugging Face folder: AutoModelForCausalLM.from_pretrained("out")
 
 What differs from the plain Trainer, and where it happens:
-- Model: sharded by `zeroinf.shard` in the constructor (or in `call_model_init`) and marked as prepared
-  for accelerate, which then neither wraps it in DDP, nor moves it, nor adds autocast: zeroinf places
-  the parameters and reduces the gradients itself ([Note: accelerate and the sharded model]).
+- Model: sharded by `zeroinf.shard` at the end of the constructor (or in `call_model_init`) and marked
+  as prepared for accelerate, which then neither wraps it in DDP, nor moves it, nor adds autocast:
+  zeroinf places the parameters and reduces the gradients itself ([Note: accelerate and the sharded
+  model], [Note: sharding after the Trainer's constructor]).
+- Compute dtype: `bf16=True` / `fp16=True` become `Config.param_dtype` (trainer_args.py).
 - Optimizer: `zeroinf.AdamW` with the Trainer's param groups (weight decay except biases and norms)
   and its lr, betas, eps; the Trainer's LR scheduler runs on it unchanged.
 - Accumulation and clipping: `gradient_accumulation_steps` and `max_grad_norm` go into the Config
@@ -21,8 +23,8 @@ What differs from the plain Trainer, and where it happens:
   so `from_pretrained(checkpoint-N)` works; scheduler, RNG and trainer state are the Trainer's own
   files. `resume_from_checkpoint` loads the sharded states (`zeroinf.load`) at any world size, stage
   or placement; the Trainer restores RNG and data position as usual.
-- `save_model`: `model.state_dict()` on every rank (at stage 3 a collective that gathers unit by
-  unit), written by rank 0 with `save_pretrained`.
+- `save_model`: `zeroinf.save_pretrained` on every rank (one unit gathered at a time, rank 0 writes);
+  a peft model's adapters only, as the plain Trainer writes them.
 - Parameter counts (`floating_point_ops`, the "Number of trainable parameters" log): each parameter at
   its full size (`ds_numel`), where the plain Trainer reads that only under DeepSpeed and logged 0
   trainable parameters of a stage-3 model, whose parameters are empty placeholders between passes.
@@ -41,6 +43,16 @@ error), and `AcceleratedOptimizer` would round-trip the whole optimizer state th
 sets the compute dtype. The Trainer methods overridden below are the ones the Trainer runs
 for DeepSpeed and FSDP in the same places; `_REQUIRED_HOOKS` checks they exist in the installed
 transformers, so an incompatible version fails at import, by name, not mid-training.
+
+[Note: sharding after the Trainer's constructor]
+Trainers built on this one (`SFTTrainer(Trainer, trl.SFTTrainer)`, `Seq2SeqTrainer`) change the model
+in their constructors before handing it to `transformers.Trainer`'s: TRL's `peft_config=` wraps it in
+peft adapters, its fused LM head patches `forward`. Sharded first, the adapters would be parameters no
+unit holds (AdamW refused "21 trainable parameters are in no param group"). So the model is sharded
+when the whole constructor chain has run, in place (`shard` returns the module it was given, so every
+reference the Trainer and its callbacks hold stays valid); nothing in between moves it to the device
+(`_move_model_to_device`). A model the caller sharded already cannot take adapters: a constructor that
+wrapped it anyway is refused, naming the two ways that work.
 """
 
 from __future__ import annotations
@@ -62,7 +74,12 @@ import zeroinf
 from zeroinf.config import Config
 from zeroinf.engine import engine_of, sharded_engine
 from zeroinf.integrations.peft_layers import is_peft_model
-from zeroinf.integrations.trainer_args import TrainerArgumentsError, asks_checkpointing, config_for_trainer
+from zeroinf.integrations.trainer_args import (
+    TrainerArgumentsError,
+    asked_dtype,
+    asks_checkpointing,
+    config_for_trainer,
+)
 from zeroinf.optim.adamw import AdamW
 
 ZEROINF_DIR = "zeroinf"
@@ -113,6 +130,23 @@ def _is_sharded(model: nn.Module) -> bool:
     return sharded_engine(model) is not None
 
 
+def _args_for_the_sharded_model(args: transformers.TrainingArguments) -> transformers.TrainingArguments:
+    """`args` as the Trainer must see them once the engine has taken the compute dtype and activation
+    checkpointing (trainer_args.py): without accelerate's autocast and GradScaler (the parameters take
+    the dtype) and without the model's own checkpointing (the engine recomputes its units). A copy:
+    the caller's arguments are left as they were."""
+    dtype_flags = asked_dtype(args) is not None
+    if not (dtype_flags or asks_checkpointing(args)):
+        return args
+    args = copy.copy(args)
+    if asks_checkpointing(args):
+        args.activation_checkpointing = args.gradient_checkpointing = False
+    if dtype_flags:
+        args.fp16 = args.bf16 = False
+        args.mixed_precision = "no"
+    return args
+
+
 class _ScaleGradient(torch.autograd.Function):
     """Identity on the value; multiplies the gradient by `scale`: the backward of `loss * scale`."""
 
@@ -153,7 +187,8 @@ class Trainer(transformers.Trainer):
     ) -> None:
         if args is None:
             args = transformers.TrainingArguments(output_dir="tmp_trainer")
-        if model is not None and _is_sharded(model):
+        presharded = model is not None and _is_sharded(model)
+        if model is not None and presharded:
             if zeroinf_config is not None:
                 raise ValueError(
                     "zeroinf.integrations.Trainer: the model is already sharded and keeps its own Config; "
@@ -161,15 +196,27 @@ class Trainer(transformers.Trainer):
                 )
             zeroinf_config = engine_of(model).cfg
         self.zeroinf_config = config_for_trainer(Config.of(zeroinf_config, "zeroinf.integrations.Trainer"), args)
-        if asks_checkpointing(args):  # the engine checkpoints (trainer_args.py), not the model too
-            args = copy.copy(args)
-            args.activation_checkpointing = args.gradient_checkpointing = False
+        args = _args_for_the_sharded_model(args)
         args.device  # noqa: B018 - accelerate joins the process group (torchrun) before we shard across it
         self.checkpoint_weights = checkpoint_weights
         self._saving_checkpoint = False
-        if model is not None:
-            model = self._shard(model)
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if trainer_args:  # transformers.Trainer's positional order
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        else:  # by name: subclasses' constructors order theirs otherwise (TRL's DPOTrainer: model, ref_model, args)
+            super().__init__(model=model, args=args, **trainer_kwargs)
+        if self.model is not None:  # [Note: sharding after the Trainer's constructor]
+            if presharded and self.model is not model:  # (a PeftModel forwards attribute reads: identity tells)
+                raise TrainerArgumentsError(
+                    f"{type(self).__name__} wrapped the model after it was sharded (peft_config= applies peft "
+                    "adapters, which the sharded model cannot take): pass the model unsharded (built plainly or "
+                    "under `with zeroinf.init():`), and the Trainer shards it after the adapters are added; or add "
+                    "them yourself before sharding (zeroinf.from_pretrained(..., prepare=lambda m: "
+                    "get_peft_model(m, lora))) and leave peft_config unset"
+                )
+            wrapped_is_model = self.model_wrapped is self.model
+            self.model = self._shard(self.model)  # in place: every reference the Trainer holds stays valid
+            if wrapped_is_model:
+                self.model_wrapped = self.model
         if self.optimizer is not None:
             self._check_optimizer(self.optimizer)
         if self.optimizer_cls_and_kwargs is not None:
@@ -205,9 +252,8 @@ class Trainer(transformers.Trainer):
         return self._shard(super().call_model_init(trial))
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        if not _is_sharded(model):
-            super()._move_model_to_device(model, device)
-        # zeroinf placed the sharded model on its device when it sharded it
+        """Nothing: `zeroinf.shard` places each unit on its tier and device (the plain Trainer would move
+        the whole unsharded model to the device first, which is what offloading avoids)."""
 
     def _check_optimizer(self, optimizer: Any) -> None:
         if not isinstance(optimizer, AdamW) or optimizer.engine is not engine_of(self._sharded_model()):

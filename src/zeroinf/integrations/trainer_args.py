@@ -8,6 +8,9 @@ A Config that sets either to another value is refused by name, never silently ov
 `Config.activation_checkpointing=True` and its `every_n_layers` `Config.checkpoint_every`: the engine
 recomputes each unit (a decoder layer: the granularity of transformers' own checkpointing), and the
 Trainer does not also turn on the model's, which would recompute every layer twice.
+`bf16=True` / `fp16=True` (TRL's configs default to `bf16=True`) become `Config.param_dtype`, as
+DeepSpeed's "auto" takes them: the parameters compute in that dtype over fp32 masters, and
+accelerate's autocast and GradScaler stay off (the engine scales fp16 losses itself).
 
 Trainer features that would wrap, cast, compile or rebuild the sharded model, or replace its
 optimizer, are refused with the zeroinf setting that does the job. Pure functions of plain values:
@@ -36,16 +39,11 @@ def _name(value: Any) -> str:
 def refused_arguments(args: Any) -> list[str]:
     """One line per TrainingArguments setting zeroinf refuses (empty: all are fine)."""
     problems = []
-    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+    mixed = _name(getattr(args, "mixed_precision", "no"))
+    if asked_dtype(args) is None and mixed not in ("no", "None"):
         problems.append(
-            "fp16/bf16=True turn on accelerate's autocast (and a GradScaler for fp16): with zeroinf the parameters "
-            "themselves take the compute dtype; leave fp16/bf16 False and pass zeroinf_config=Config(param_dtype="
-            "'bf16') (or 'fp16', with dynamic loss scaling); master weights stay fp32"
-        )
-    elif _name(getattr(args, "mixed_precision", "no")) not in ("no", "None"):
-        problems.append(
-            f"mixed precision {_name(args.mixed_precision)!r} is set (ACCELERATE_MIXED_PRECISION?): unset it and "
-            "choose the compute dtype with Config(param_dtype=...)"
+            f"mixed precision {mixed!r} is set (ACCELERATE_MIXED_PRECISION?): zeroinf computes in fp32, bf16 or "
+            "fp16 (Config(param_dtype=...), or bf16=True / fp16=True); unset it"
         )
     if getattr(args, "fp16_full_eval", False) or getattr(args, "bf16_full_eval", False):
         problems.append("fp16_full_eval/bf16_full_eval cast the sharded model: leave them False")
@@ -71,10 +69,32 @@ def refused_arguments(args: Any) -> list[str]:
     return problems
 
 
+def asked_dtype(args: Any) -> str | None:
+    """The compute dtype `args` ask for: `bf16=True` / `fp16=True`, or accelerate's mixed precision
+    (`accelerate launch --mixed_precision bf16`, ACCELERATE_MIXED_PRECISION); None: fp32."""
+    if getattr(args, "fp16", False):
+        return "fp16"
+    if getattr(args, "bf16", False):
+        return "bf16"
+    mixed = _name(getattr(args, "mixed_precision", "no"))
+    return mixed if mixed in ("fp16", "bf16") else None
+
+
 def config_for_trainer(cfg: Config, args: Any) -> Config:
-    """`cfg` with the Trainer's accumulation, clipping and activation checkpointing; raises
-    TrainerArgumentsError on any conflict."""
+    """`cfg` with the Trainer's accumulation, clipping, compute dtype and activation checkpointing;
+    raises TrainerArgumentsError on any conflict."""
     problems = refused_arguments(args)
+    param_dtype = cfg.param_dtype
+    dtype = asked_dtype(args)
+    if dtype is not None:
+        # As DeepSpeed's "auto": the Trainer's flag sets the engine's dtype. The parameters themselves
+        # take it (masters stay fp32), where the plain Trainer autocasts fp32 parameters.
+        if param_dtype not in ("fp32", dtype):
+            problems.append(
+                f"Config.param_dtype={param_dtype!r} but TrainingArguments ask for {dtype} (bf16/fp16=True, or "
+                "accelerate's mixed precision): make them agree, or leave param_dtype unset in the Config"
+            )
+        param_dtype = dtype
     accum = int(args.gradient_accumulation_steps)
     if cfg.grad_accum_steps not in (1, accum):
         problems.append(
@@ -113,7 +133,8 @@ def config_for_trainer(cfg: Config, args: Any) -> Config:
             "zeroinf.integrations.Trainer cannot use these TrainingArguments:\n- " + "\n- ".join(problems)
         )
     return dataclasses.replace(
-        cfg, grad_accum_steps=accum, grad_clip_norm=clip, activation_checkpointing=checkpointing, checkpoint_every=every
+        cfg, grad_accum_steps=accum, grad_clip_norm=clip, activation_checkpointing=checkpointing,
+        checkpoint_every=every, param_dtype=param_dtype,
     )
 
 
