@@ -245,3 +245,30 @@ def test_peft_adapters_added_after_the_init_block_are_refused_and_inside_it_are_
     assert sorted(got) == sorted(want) and any("lora_B" in name for name in want)
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+
+
+def _normal_head(model: nn.Module) -> None:
+    with torch.no_grad():
+        nn.init.normal_(model.lm_head.weight)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_normal_head, "lm_head.weight was written in place"),
+        (lambda model: model.apply(model._init_weights), "embed_tokens.weight was written in place"),
+        (lambda model: model.half(), "embed_tokens.weight was converted from torch.float32 to torch.float16"),
+    ],
+)
+def test_changes_between_the_init_block_and_shard_are_refused(change, message) -> None:
+    """Between the block and `shard` the parameters are parked meta placeholders: an in-place write
+    (nn.init, Hugging Face's `_init_weights` through model.apply) did nothing and a conversion changed
+    only the placeholder's dtype, and `shard` went on with the values of the block, silently."""
+    from tests import _hf
+
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)
+    with zeroinf.init(cfg):
+        model = _hf.build("llama")
+    change(model)
+    with pytest.raises(RuntimeError, match=f"{message} after the `with zeroinf.init\\(\\)` block.*inside the block"):
+        zeroinf.shard(model, cfg)

@@ -302,16 +302,29 @@ def _materialize_meta(module: nn.Module, device: torch.device) -> bool:
     return fresh
 
 
-def _refuse_values_lost_after_the_block(model: nn.Module) -> None:
-    """Refuse meta parameters added to a model built under `zeroinf.init()` between its block and
-    `shard`: there the parked placeholders report the meta device, and code that places new modules
-    beside their neighbours (peft's `get_peft_model` moves each adapter to its base layer's device)
-    moved real values to meta. `reset_parameters` would then stand in for them, silently (measured:
-    LoRA's zero-initialised B drawn as a Linear, the adapted model no longer the base model at step 0).
+def _refuse_changes_after_the_block(model: nn.Module) -> None:
+    """Refuse what code did to a model built under `zeroinf.init()` between its block and `shard`,
+    where its parameters are parked meta placeholders and the change was lost, silently:
+    - an in-place write (`nn.init.normal_`, `model.apply(init_fn)`, `p.fill_` under no_grad) reached
+      the placeholder and did nothing; a conversion (`model.half()`) changed only its dtype;
+    - new parameters on meta: code that places new modules beside their neighbours (peft's
+      `get_peft_model` moves each adapter to its base layer's device) moved real values to meta, and
+      `reset_parameters` would stand in for them (measured: LoRA's zero-initialised B drawn as a
+      Linear, the adapted model no longer the base model at step 0).
     A model built wholly on meta by other means has no parked parameter and is materialized as before."""
     lost, built_under_init = [], False
     for name, p in model.named_parameters():
-        if park_of(p) is not None or deferring_park(p) is not None:
+        park = park_of(p)
+        change = park.change_since_parked(p) if park is not None else None
+        if change is not None:
+            raise RuntimeError(
+                f"parameter {name} was {change} after the `with zeroinf.init()` block and before zeroinf.shard: there "
+                "it is a parked meta placeholder, so the change did nothing to its values. Make it inside the block "
+                "(the values come back for it: the same result as without zeroinf), or after zeroinf.shard inside "
+                "`with zeroinf.gathered(list(model.parameters()), modify=True):`; the compute dtype is "
+                "Config.param_dtype"
+            )
+        if park is not None or deferring_park(p) is not None:
             built_under_init = True
         elif p.is_meta:
             lost.append(name)
@@ -410,7 +423,7 @@ def materialize_and_build(
     ready_at: dict[int, list[int]] = {}
     for k, mi in last_module_of_spec.items():
         ready_at.setdefault(mi, []).append(k)
-    _refuse_values_lost_after_the_block(model)
+    _refuse_changes_after_the_block(model)
     if init_fn is None:  # fail before building anything (init_fn may still set meta buffers)
         _check_buffers_real(model)
     built: list[object | None] = [None] * len(specs)

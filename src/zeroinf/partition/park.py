@@ -150,6 +150,10 @@ class _Parked:
     numel: int
     dtype: torch.dtype  # of the parked slice
     blank: bool = False  # parked before any value was written: no slot in the store yet (Note above)
+    # The placeholder as parked: an in-place write to it bumps its version counter (and does nothing
+    # to the values), a conversion (`model.half()`) changes its dtype; see `change_since_parked`.
+    version: int = 0
+    own_dtype: torch.dtype = torch.float32
 
 
 def _nbytes(p: torch.Tensor) -> int:
@@ -367,7 +371,7 @@ class ParamPark:
             self.parked_bytes += per_rank * dtype.itemsize
             device = p.device
             swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-        self.parked[id(p)] = _Parked(key, p, device, numel, dtype)
+        self.parked[id(p)] = _Parked(key, p, device, numel, dtype, version=p._version, own_dtype=p.dtype)
         self.parks += 1
 
     def _slice_dtype(self, p: torch.Tensor) -> torch.dtype:
@@ -420,7 +424,9 @@ class ParamPark:
         device = p.device
         with torch.no_grad(), torch._C.DisableTorchFunction():
             swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-        self.parked[id(p)] = _Parked(key, p, device, p.numel(), self._slice_dtype(p), blank=True)
+        self.parked[id(p)] = _Parked(
+            key, p, device, p.numel(), self._slice_dtype(p), blank=True, version=p._version, own_dtype=p.dtype
+        )
         self.parks += 1
         self.blanks += 1
 
@@ -486,6 +492,19 @@ class ParamPark:
                 dest.copy_(self._gathered(entry))
             swap_data(p, torch.empty((0,) * max(1, p.dim()), dtype=dest.dtype, device=dest.device))
         self.unparks += 1
+
+    def change_since_parked(self, p: nn.Parameter) -> str | None:
+        """What code outside the construction mode did to parked `p`'s meta placeholder, described
+        (an in-place write, a conversion: both lost on the placeholder), or None. Inside the block the
+        mode brings the values back before any such operation, so the placeholder itself is untouched."""
+        entry = self.parked.get(id(p))
+        if entry is None:
+            return None
+        if p.dtype != entry.own_dtype:
+            return f"converted from {entry.own_dtype} to {p.dtype}"
+        if p._version != entry.version:
+            return "written in place"
+        return None
 
     def _take_entry(self, p: nn.Parameter) -> _Parked:
         entry = self.parked.pop(id(p))
