@@ -80,7 +80,9 @@ def zeroinf_trainer(output_dir: str, peft: bool, stage: int, **overrides: Any) -
     torch.manual_seed(0)
     return SFTTrainer(model=build("llama"), args=sft_config(output_dir, **overrides), train_dataset=text_rows(),
                       processing_class=tokenizer(), peft_config=lora() if peft else None,
-                      zeroinf_config=zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+                      # the LM head a unit of its own, gathered only while used (split_root): TRL's fused
+                      # LM head reads lm_head.weight without calling the module
+                      zeroinf_config=zeroinf.Config(stage=stage, persist_threshold_bytes=0, split_root_min_bytes=0))
 
 
 def sft_rank(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:

@@ -108,7 +108,8 @@ def test_the_default_bf16_sets_the_compute_dtype_without_autocast(tmp_path) -> N
     torch.manual_seed(0)
     configured = SFTTrainer(model=build("llama"), args=sft_config(str(tmp_path / "cfg")), train_dataset=text_rows(),
                             processing_class=tokenizer(),
-                            zeroinf_config=zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=0))
+                            zeroinf_config=zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=0,
+                                                          split_root_min_bytes=0))
     assert trained(flagged)["loss"] == trained(configured)["loss"]
 
 
