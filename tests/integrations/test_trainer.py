@@ -258,6 +258,24 @@ def test_fp16_scales_gradients_and_skips_overflowing_steps(tmp_path) -> None:
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
+def test_load_best_model_at_end_loads_the_plain_trainers_best(tmp_path) -> None:
+    """With `greater_is_better=True` on the eval loss, which falls, the best checkpoint is the first:
+    at the end both Trainers hold its weights (ours loaded from its sharded zeroinf/ folder, as the
+    Trainer loads a DeepSpeed checkpoint), not those of the last step."""
+    best = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+                metric_for_best_model="eval_loss", greater_is_better=True)
+    plain_trainer = run_plain("llama", str(tmp_path / "plain"), **best)
+    ours_trainer = run_zeroinf("llama", str(tmp_path / "ours"), 3, **best)
+    for trainer in (plain_trainer, ours_trainer):
+        assert os.path.basename(trainer.state.best_model_checkpoint) == "checkpoint-1"
+    plain, ours = summary(plain_trainer), summary(ours_trainer)
+    last = summary(run_zeroinf("llama", str(tmp_path / "last"), 3))["weights"]
+    assert any(not torch.allclose(ours["weights"][name], last[name]) for name in last)  # the best was loaded
+    for name, ref in plain["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], ref, rtol=RTOL, atol=ATOL, msg=name)
+    assert ours["eval_loss"] == pytest.approx(plain["eval_loss"], rel=RTOL)
+
+
 def test_epoch_not_divisible_by_accumulation_is_refused_before_training(tmp_path) -> None:
     from tests._hf import build
 

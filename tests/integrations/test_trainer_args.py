@@ -81,7 +81,8 @@ def test_conflicts_are_refused_by_name(tmp_path, cfg, kwargs, message) -> None:
          r"kwargs \['preserve_rng_state'\]: zeroinf's checkpointing takes every_n_layers"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
         ({"fsdp": "full_shard"}, "fsdp"),
-        ({"load_best_model_at_end": True, "eval_strategy": "steps"}, "load_best_model_at_end"),
+        ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_only_model": True},
+         "load_best_model_at_end=True with save_only_model=True.*drop save_only_model"),
     ],
 )
 def test_refused_arguments_name_the_fix(tmp_path, kwargs, message) -> None:

@@ -89,6 +89,7 @@ _REQUIRED_HOOKS = (
     "_move_model_to_device", "_clip_grad_norm", "_get_grad_norm", "_save_checkpoint",
     "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
     "set_initial_training_values", "create_optimizer", "compute_loss", "call_model_init", "save_model", "_save",
+    "_load_best_model",
 )
 _missing = [h for h in _REQUIRED_HOOKS if not hasattr(transformers.Trainer, h)]
 if _missing:
@@ -404,6 +405,13 @@ class Trainer(transformers.Trainer):
                 "it writes (a checkpoint saved with save_only_model=True, or by another Trainer, cannot be resumed; "
                 "load such weights with from_pretrained before building this Trainer)"
             )
+
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: the best checkpoint's weights and optimizer states from its sharded
+        folder (`zeroinf.load`, a collective), as the Trainer loads a DeepSpeed checkpoint whole."""
+        best = self.state.best_model_checkpoint
+        assert best is not None, "the Trainer loads the best model only once it has one"
+        zeroinf.load(os.path.join(best, ZEROINF_DIR), self._sharded_model(), self.optimizer, load_rng=False)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

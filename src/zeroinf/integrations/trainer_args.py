@@ -61,10 +61,10 @@ def refused_arguments(args: Any) -> list[str]:
         problems.append(f"fsdp={args.fsdp!r}: zeroinf shards the model itself; leave fsdp unset")
     if getattr(args, "auto_find_batch_size", False):
         problems.append("auto_find_batch_size=True rebuilds the optimizer after an OOM: set the batch size yourself")
-    if getattr(args, "load_best_model_at_end", False):
+    if getattr(args, "load_best_model_at_end", False) and getattr(args, "save_only_model", False):
         problems.append(
-            "load_best_model_at_end=True is not supported yet: load the best checkpoint's zeroinf/ folder with "
-            "zeroinf.load after training"
+            "load_best_model_at_end=True with save_only_model=True: zeroinf loads the best checkpoint from its "
+            "sharded zeroinf/ folder, which save_only_model leaves out; drop save_only_model"
         )
     return problems
 
