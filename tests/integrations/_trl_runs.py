@@ -115,8 +115,11 @@ def preference_rows(rows: int = 32, seed: int = 1) -> Any:
                               "rejected": [" " + words(r[6:]) for r in bad]})
 
 
-def dpo_run(trainer_class: Any, output_dir: str, peft: bool, ref_model: Any = None, **kwargs: Any) -> dict[str, Any]:
-    """4 DPO steps: the full model against `ref_model`, or LoRA against its base (adapters disabled)."""
+def dpo_run(
+    trainer_class: Any, output_dir: str, peft: bool, ref_model: Any = None, model: Any = None, **kwargs: Any
+) -> dict[str, Any]:
+    """4 DPO steps: the full model against `ref_model`, or LoRA against its base (adapters disabled);
+    `model` (default: the tiny Llama) may be a folder, whose model is then the reference too."""
     from trl import DPOConfig
 
     args = DPOConfig(
@@ -125,6 +128,7 @@ def dpo_run(trainer_class: Any, output_dir: str, peft: bool, ref_model: Any = No
         disable_tqdm=True, seed=0, use_cpu=True, bf16=False,
     )
     torch.manual_seed(0)
-    trainer = trainer_class(model=build("llama"), ref_model=ref_model, args=args, train_dataset=preference_rows(),
-                            processing_class=tokenizer(), peft_config=lora() if peft else None, **kwargs)
-    return trained(trainer)
+    trainer = trainer_class(model=build("llama") if model is None else model, ref_model=ref_model, args=args,
+                            train_dataset=preference_rows(), processing_class=tokenizer(),
+                            peft_config=lora() if peft else None, **kwargs)
+    return trained(trainer) | {"trainer": trainer}

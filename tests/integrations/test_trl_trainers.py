@@ -131,3 +131,31 @@ def test_dpo_matches_plain_dpo_trainer(tmp_path, method: str) -> None:
     ref = None if peft else zeroinf.shard(build("llama").requires_grad_(False), stage3)
     ours = dpo_run(DPOTrainer, str(tmp_path / "ours"), peft, ref, zeroinf_config=stage3)
     _assert_parity(ours, plain, f"DPO {method}")
+
+
+def test_a_model_folder_is_loaded_sharded_with_its_adapters_and_reference(tmp_path, monkeypatch) -> None:
+    """`model="folder"`: TRL would load it whole with transformers (and DPO its reference too); here
+    zeroinf.from_pretrained loads both sharded (TRL's loader is made to fail), LoRA's adapters drawn
+    after TRL's set_seed: the plain trainers' losses and weights, loading the folder whole."""
+    import trl
+    import trl.trainer.dpo_trainer
+    import trl.trainer.sft_trainer
+
+    folder = str(tmp_path / "llama")
+    build("llama").save_pretrained(folder)
+    plain_sft = trained(trl.SFTTrainer(model=folder, args=sft_config(str(tmp_path / "ps")), train_dataset=text_rows(),
+                                       processing_class=tokenizer(), peft_config=lora()))
+    plain_dpo = dpo_run(trl.DPOTrainer, str(tmp_path / "pd"), False, model=folder)
+
+    def whole(*args, **kwargs):
+        raise AssertionError("TRL loaded the model whole")
+
+    for module in (trl.trainer.sft_trainer, trl.trainer.dpo_trainer):
+        monkeypatch.setattr(module, "create_model_from_path", whole)
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, split_root_min_bytes=0)
+    sft = SFTTrainer(model=folder, args=sft_config(str(tmp_path / "zs")), train_dataset=text_rows(),
+                     processing_class=tokenizer(), peft_config=lora(), zeroinf_config=cfg)
+    _assert_parity(trained(sft), plain_sft, "SFT LoRA from a folder")
+    ours_dpo = dpo_run(DPOTrainer, str(tmp_path / "zd"), False, model=folder, zeroinf_config=cfg)
+    assert zeroinf.engine_of(ours_dpo["trainer"].ref_model).cfg.stage == 3  # the reference, sharded and frozen
+    _assert_parity(ours_dpo, plain_dpo, "DPO from a folder")
