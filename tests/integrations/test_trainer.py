@@ -49,27 +49,19 @@ from tests.integrations._trainer_runs import (  # noqa: E402
     train_rank,
     training_arguments,
 )
+from tests.integrations.conftest import single_thread  # noqa: E402
 from zeroinf.integrations import Seq2SeqTrainer, Trainer, TrainerArgumentsError  # noqa: E402
 
 RTOL, ATOL = 1e-5, 5e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/integrations/conftest.py
 
 
 @pytest.fixture(scope="module")
 def plain_llama(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    threads = torch.get_num_threads()  # module-scoped: runs before the function-scoped `one_thread`
-    torch.set_num_threads(1)
-    try:
+    with single_thread():  # module-scoped: runs before the function-scoped `one_thread`
         return summary(run_plain("llama", str(tmp_path_factory.mktemp("plain"))))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _assert_parity(ours: dict, plain: dict, where: str) -> None:

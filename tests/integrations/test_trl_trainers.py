@@ -37,17 +37,13 @@ from tests.integrations._trl_runs import (  # noqa: E402
     trained,
     zeroinf_trainer,
 )
+from tests.integrations.conftest import single_thread  # noqa: E402
 from zeroinf.integrations import DPOTrainer, SFTTrainer, TrainerArgumentsError  # noqa: E402
 
 RTOL, ATOL = 1e-5, 5e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/integrations/conftest.py
 
 
 def _assert_parity(ours: dict, plain: dict, where: str) -> None:
@@ -64,13 +60,9 @@ def _assert_parity(ours: dict, plain: dict, where: str) -> None:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():  # module-scoped: runs before the function-scoped `one_thread`
         root = tmp_path_factory.mktemp("plain")
         runs = {name: run_plain(str(root / name), peft) for name, peft in (("full", False), ("lora", True))}
-    finally:
-        torch.set_num_threads(threads)
     assert runs["full"]["loss"][4] < runs["full"]["loss"][1] - 0.1, "the reference run must learn something"
     return runs
 

@@ -154,12 +154,12 @@ def test_kept_shards_cover_the_reductions_backward_leaves_running(tmp_path: Path
             self.released.append(buf)
 
     files = NvmeParamFiles.__new__(NvmeParamFiles)
-    files.pool, files.keep, files._kept = Pool(), 3, {}  # type: ignore[assignment]
+    files.pools, files.keep, files._kept = Pool(), 3, {}  # type: ignore[assignment]
     for name in ("b3", "b2", "b1"):  # backward's gathers
         files.keep_loaded(name, f"buf-{name}")  # type: ignore[arg-type]
-    assert files.kept("b3") == "buf-b3" and files.pool.released == []  # type: ignore[attr-defined]
+    assert files.kept("b3") == "buf-b3" and files.pools.released == []  # type: ignore[attr-defined]
     files.keep_loaded("b0", "buf-b0")  # type: ignore[arg-type]
-    assert files.kept("b3") is None and files.pool.released == ["buf-b3"]  # type: ignore[attr-defined]
+    assert files.kept("b3") is None and files.pools.released == ["buf-b3"]  # type: ignore[attr-defined]
     assert files.take_kept("b2") == "buf-b2" and files.kept("b2") is None
     files.drop_kept()
-    assert sorted(files.pool.released) == ["buf-b0", "buf-b1", "buf-b3"]  # type: ignore[attr-defined]
+    assert sorted(files.pools.released) == ["buf-b0", "buf-b1", "buf-b3"]  # type: ignore[attr-defined]

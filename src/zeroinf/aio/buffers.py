@@ -181,3 +181,57 @@ class BufferPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SizedPools:
+    """Buffer pools of a few sizes under one ledger tag: a reservation of `nbytes` takes a buffer from
+    the pool of the smallest size that holds it. Staging for shards of very different sizes (a LoRA
+    model's adapter units beside its frozen base layers) then holds each in a buffer near its size,
+    not every one in a buffer of the largest (planner/unit_plan.py `param_staging`)."""
+
+    def __init__(
+        self, classes: tuple[tuple[int, int], ...], *, alignment_bytes: int = 4096, ledger: Ledger | None = None,
+        tag: str = "aio_buffers", pin: bool | None = None,
+    ) -> None:
+        if not classes:
+            raise ValueError("SizedPools: no buffer sizes")
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.pools = [
+            BufferPool(count, size, alignment_bytes=alignment_bytes, ledger=self.ledger, tag=tag, pin=pin)
+            for size, count in sorted(classes)
+        ]
+
+    @property
+    def count(self) -> int:
+        return sum(p.count for p in self.pools)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.pool_bytes for p in self.pools)
+
+    def pool_for(self, nbytes: int) -> BufferPool:
+        """The pool of the smallest buffers that hold `nbytes`."""
+        for pool in self.pools:
+            if pool.buffer_bytes >= nbytes:
+                return pool
+        largest = format_bytes(self.pools[-1].buffer_bytes)
+        raise ValueError(f"SizedPools: {format_bytes(nbytes)} exceeds the largest buffer, {largest}")
+
+    def free_count(self, nbytes: int) -> int:
+        """Free buffers that could hold `nbytes` now (of the size it would take)."""
+        return self.pool_for(nbytes).free_count
+
+    def reserve(self, nbytes: int, timeout_s: float | None = 30.0) -> PoolBuffer:
+        return self.pool_for(nbytes).reserve(timeout_s=timeout_s)
+
+    @staticmethod
+    def release(buf: PoolBuffer) -> None:
+        buf.pool.release(buf)
+
+    @property
+    def all_free(self) -> bool:
+        return all(p.free_count == p.count for p in self.pools)
+
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.close()

@@ -52,8 +52,8 @@ from typing import Protocol
 
 import torch
 
-from zeroinf.aio import AioEngine, AioHandle, BufferPool
-from zeroinf.aio.buffers import PoolBuffer
+from zeroinf.aio import AioEngine, AioHandle
+from zeroinf.aio.buffers import PoolBuffer, SizedPools
 from zeroinf.memory import Ledger, Tier
 from zeroinf.runtime.streams import DeviceCopy, Landing, Transfers
 from zeroinf.telemetry import phase
@@ -151,10 +151,10 @@ class NvmeParamFiles:
     """What every unit's NVMe home shares: the swap file, the aio engine, the staging pool, telemetry."""
 
     def __init__(
-        self, swap: NvmeSwap, engine: AioEngine, pool: BufferPool, timeout_s: float, cache: ShardCache | None = None,
+        self, swap: NvmeSwap, engine: AioEngine, pools: SizedPools, timeout_s: float, cache: ShardCache | None = None,
         keep: int = 0,
     ) -> None:
-        self.swap, self.engine, self.pool, self.timeout_s = swap, engine, pool, timeout_s
+        self.swap, self.engine, self.pools, self.timeout_s = swap, engine, pools, timeout_s
         self.cache = cache  # host slots keeping shards between uses (offload.param_cache_bytes)
         # [Note: a shard kept for its masters]: up to `keep` units whose last gathered shard is kept
         # (oldest first), and their buffers.
@@ -170,25 +170,26 @@ class NvmeParamFiles:
         self.io_wait_s = 0.0  # time the training thread blocked on parameter I/O
         self.io_busy_s = 0.0  # time parameter requests were in flight (hidden or not)
 
-    def reserve(self) -> PoolBuffer:
+    def reserve(self, nbytes: int) -> PoolBuffer:
+        """A staging buffer for a shard of `nbytes` (of its size class: tiers/nvme_tier.py)."""
         # Writes return their buffer only when waited on: take back those already done first (the
         # pool lends its most recently used buffer, so a build that writes unit after unit touches
         # two buffers, not the whole pool), then wait the oldest before blocking on the pool.
         while self.pending_writes and self.pending_writes[0][0].done():
             self.retire_oldest_write()
         while self.pending_writes and (
-            self.pool.free_count == 0
+            self.pools.free_count(nbytes) == 0
             or (self.max_pending_writes is not None and len(self.pending_writes) >= self.max_pending_writes)
         ):
             self.retire_oldest_write()
-        return self.pool.reserve(timeout_s=self.timeout_s)
+        return self.pools.reserve(nbytes, timeout_s=self.timeout_s)
 
     def keep_loaded(self, unit_name: str, buf: PoolBuffer) -> None:
         """Keep `buf`, holding `unit_name`'s shard; beyond `keep` buffers the oldest goes back."""
         self.drop_kept(unit_name)
         self._kept[unit_name] = buf
         while len(self._kept) > self.keep:
-            self.pool.release(self._kept.pop(next(iter(self._kept))))
+            self.pools.release(self._kept.pop(next(iter(self._kept))))
 
     def kept(self, unit_name: str) -> PoolBuffer | None:
         """The kept buffer holding `unit_name`'s shard, if any."""
@@ -203,12 +204,12 @@ class NvmeParamFiles:
         for name in list(self._kept) if unit_name is None else [unit_name]:
             buf = self._kept.pop(name, None)
             if buf is not None:
-                self.pool.release(buf)
+                self.pools.release(buf)
 
     def retire_oldest_write(self) -> None:
         handle, buf = self.pending_writes.popleft()
         self.wait(handle)
-        self.pool.release(buf)
+        self.pools.release(buf)
 
     def drain(self) -> None:
         while self.pending_writes:
@@ -231,8 +232,8 @@ class NvmeParamFiles:
                 self.cache.close()
             self.swap.close()
             self.engine.close()
-            if self.pool.free_count == self.pool.count:  # a unit still holding its shard keeps the pool
-                self.pool.close()
+            if self.pools.all_free:  # a unit still holding its shard keeps the pools
+                self.pools.close()
 
 
 class NvmeHome:
@@ -245,8 +246,9 @@ class NvmeHome:
         transfers: Transfers | None = None,
     ) -> None:
         self.unit_name, self.files, self.device = unit_name, files, device
-        self.transfers = transfers or Transfers(device, files.pool.ledger)
+        self.transfers = transfers or Transfers(device, files.pools.ledger)
         self.numel, self.dtype = initial.numel(), initial.dtype
+        self.nbytes = self.numel * self.dtype.itemsize  # what its staging buffer must hold
         self._loading: tuple[AioHandle, PoolBuffer] | None = None
         self._loaded: PoolBuffer | None = None
         self._copy: DeviceCopy | None = None
@@ -290,7 +292,7 @@ class NvmeHome:
                 self._loading, self._from_cache = (handle, slot), True
                 return
         self._finish_own_write()
-        buf = self.files.reserve()
+        buf = self.files.reserve(self.nbytes)
         handle = self.files.swap.swap_in(self.unit_name, PARAM_KIND, self._view(buf))
         self._loading, self._from_cache = (handle, buf), False
 
@@ -314,7 +316,7 @@ class NvmeHome:
             elif self.files.keep:
                 self.files.keep_loaded(self.unit_name, self._loaded)
             else:
-                self.files.pool.release(self._loaded)
+                self.files.pools.release(self._loaded)
             self._loaded = None
 
     @phase("zeroinf::swap_out")
@@ -339,7 +341,7 @@ class NvmeHome:
             self.transfers.reads_source(lambda: handle.wait(self.files.timeout_s))
             self._write, self._write_from_slot, self._write_direct = handle, False, True
             return
-        buf = self.files.reserve()
+        buf = self.files.reserve(self.nbytes)
         self._fill(buf, values)
         handle = self.files.swap.swap_out(self.unit_name, PARAM_KIND, self._view(buf))
         self.files.pending_writes.append((handle, buf))

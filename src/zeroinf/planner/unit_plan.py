@@ -154,6 +154,49 @@ class StagingPlan:
         return self.count * self.buffer_bytes
 
 
+def _size_classes(units: tuple[UnitPlan, ...]) -> list[tuple[int, list[UnitPlan]]]:
+    """NVMe units grouped by shard size for staging, largest first: a unit joins the class of the
+    next larger size while its aligned shard is at least half that size (a buffer at most twice what
+    it holds), else starts a class of its own size.
+
+    [Note: staging by size class]
+    Every staging buffer was the size of the largest shard, and the count came from the smallest units
+    (those the prefetcher can read ahead together). A LoRA model has both: 19 adapter units of 630 KB
+    and frozen base layers of 103 MB (a 1.1B Llama in bf16, parameters on NVMe): 21 units fit the
+    prefetch budget, so 23 buffers of the 131 MB head, 3.0 GB of host memory for a 2.2 GB model,
+    all touched by the second step (TRL SFT measured 2.3 GB peak RSS above the start against 2.8 GB
+    for plain TRL holding the whole model). Pools by size class hold each shard in a buffer near its
+    size, each class counted as before."""
+    classes: list[tuple[int, list[UnitPlan]]] = []
+    for unit in sorted(units, key=lambda u: u.shard_bytes, reverse=True):
+        size = round_up(max(1, unit.shard_bytes), SWAP_ALIGN_BYTES)
+        if classes and 2 * size >= classes[-1][0]:
+            classes[-1][1].append(unit)
+        else:
+            classes.append((size, [unit]))
+    return classes
+
+
+@dataclass(frozen=True)
+class SizedStagingPlan:
+    """Pools of aligned host buffers of a few sizes: (buffer_bytes, count), smallest first."""
+
+    classes: tuple[tuple[int, int], ...]
+
+    @property
+    def count(self) -> int:
+        return sum(count for _, count in self.classes)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The largest buffer (a cache slot holds any shard)."""
+        return max(size for size, _ in self.classes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size * count for size, count in self.classes)
+
+
 @dataclass(frozen=True)
 class OptimizerStaging:
     """How NVMe optimizer states stream: sub-groups, staging buffers, and the master assembly buffer."""
@@ -445,9 +488,10 @@ class ModelPlan:
         """Slots of the parameter swap file: every non-resident unit's shard on NVMe."""
         return {(u.swap_key, PARAM_SWAP_KIND): u.shard_bytes for u in self.nvme_param_units}
 
-    def param_staging(self) -> StagingPlan:
-        """Host buffers for NVMe parameter shards in flight: the units the prefetcher may read ahead
-        and `PARAM_STAGING_EXTRA`. The prefetch plan keeps the units ahead within `prefetch_bytes`
+    def param_staging(self) -> SizedStagingPlan:
+        """Host buffers for NVMe parameter shards in flight, by size class ([Note: staging by size
+        class]): per class, the units of it the prefetcher may read ahead and `PARAM_STAGING_EXTRA`,
+        at most its number of units. The prefetch plan keeps the units ahead within `prefetch_bytes`
         (runtime/prefetch.py), so at most as many of them are read at once as the smallest units that
         fit it together (counting floor(prefetch_bytes / smallest unit) made a small unit, such as a
         position embedding split from the root, stand for every unit: 23 buffers of a 1.0B GPT's
@@ -455,13 +499,16 @@ class ModelPlan:
         sharded = self.nvme_param_units
         if not sharded:
             raise ValueError("offload.params = 'nvme' but every unit is resident; lower persist_threshold_bytes")
-        ahead, room = 0, self.cfg.prefetch_bytes
-        for size in sorted(u.unsharded_bytes for u in sharded):
-            if size > room:
-                break
-            ahead, room = ahead + 1, room - size
         extra = PARAM_STAGING_EXTRA - self.param_writes_from_master + self.param_buffers_kept_for_masters
-        return StagingPlan(ahead + extra, self._param_buffer_bytes)
+        classes = []
+        for size, units in _size_classes(sharded):
+            ahead, room = 0, self.cfg.prefetch_bytes
+            for unsharded in sorted(u.unsharded_bytes for u in units):
+                if unsharded > room:
+                    break
+                ahead, room = ahead + 1, room - unsharded
+            classes.append((size, min(len(units), ahead + extra)))
+        return SizedStagingPlan(tuple(sorted(classes)))
 
     @property
     def _param_buffer_bytes(self) -> int:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from zeroinf.aio import AioEngine, BufferPool
+from zeroinf.aio import AioEngine
+from zeroinf.aio.buffers import SizedPools
 from zeroinf.config import OffloadConfig
 from zeroinf.memory import Ledger, format_bytes
 from zeroinf.partition.shard_home import NvmeGradFiles, NvmeParamFiles
@@ -139,11 +140,9 @@ def open_param_files(plan: ModelPlan, tier: NvmeTier) -> NvmeParamFiles | None:
             "raise offload.max_host_bytes or lower offload.param_cache_bytes",
         )
     swap = tier.open_swap("params", plan.param_swap_bytes())
-    pool = BufferPool(
-        staging.count, staging.buffer_bytes, alignment_bytes=SWAP_ALIGN_BYTES, ledger=tier.ledger, tag="param_staging"
-    )
+    pools = SizedPools(staging.classes, alignment_bytes=SWAP_ALIGN_BYTES, ledger=tier.ledger, tag="param_staging")
     cache = ShardCache(slots, staging.buffer_bytes, SWAP_ALIGN_BYTES, tier.ledger) if slots else None
-    return NvmeParamFiles(swap, swap.engine, pool, tier.timeout_s, cache, keep=plan.param_buffers_kept_for_masters)
+    return NvmeParamFiles(swap, swap.engine, pools, tier.timeout_s, cache, keep=plan.param_buffers_kept_for_masters)
 
 
 def open_grad_files(plan: ModelPlan, tier: NvmeTier) -> NvmeGradFiles:
