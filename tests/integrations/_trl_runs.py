@@ -132,3 +132,30 @@ def dpo_run(
                             train_dataset=preference_rows(), processing_class=tokenizer(),
                             peft_config=lora() if peft else None, **kwargs)
     return trained(trainer) | {"trainer": trainer}
+
+
+def odd_words(completions: list[str], **_: Any) -> list[float]:
+    """A GRPO reward: the share of odd-numbered words in a completion (varies between samples)."""
+    return [sum(int(w[1:]) % 2 for w in c.split() if w[1:].isdigit()) / max(1, len(c.split())) for c in completions]
+
+
+def grpo_run(trainer_class: Any, output_dir: str, **kwargs: Any) -> dict[str, Any]:
+    """3 GRPO steps: 4 prompts x 4 sampled completions of 6 tokens, rewarded by `odd_words`."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    g = torch.Generator().manual_seed(1)
+    start = torch.randint(0, WORDS, (16, 1), generator=g)
+    prompts = [" ".join(f"t{i}" for i in row) for row in ((start + torch.arange(5)) % WORDS).tolist()]
+    args = GRPOConfig(
+        output_dir=output_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+        max_steps=3, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        seed=0, use_cpu=True, bf16=False,
+    )
+    torch.manual_seed(0)
+    trainer = trainer_class(model=build("llama"), reward_funcs=odd_words, args=args,
+                            train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer(),
+                            **kwargs)
+    out = trained(trainer)
+    out["reward"] = logged(trainer, "reward")
+    return out
