@@ -188,8 +188,9 @@ class Trainer(transformers.Trainer):
     ) -> None:
         if args is None:
             args = transformers.TrainingArguments(output_dir="tmp_trainer")
-        presharded = model is not None and _is_sharded(model)
-        if model is not None and presharded:
+        presharded = False
+        if model is not None and _is_sharded(model):
+            presharded = True
             if zeroinf_config is not None:
                 raise ValueError(
                     "zeroinf.integrations.Trainer: the model is already sharded and keeps its own Config; "
@@ -214,10 +215,7 @@ class Trainer(transformers.Trainer):
                     "them yourself before sharding (zeroinf.from_pretrained(..., prepare=lambda m: "
                     "get_peft_model(m, lora))) and leave peft_config unset"
                 )
-            wrapped_is_model = self.model_wrapped is self.model
-            self.model = self._shard(self.model)  # in place: every reference the Trainer holds stays valid
-            if wrapped_is_model:
-                self.model_wrapped = self.model
+            self._shard(self.model)  # in place: every reference the Trainer holds stays valid
         if self.optimizer is not None:
             self._check_optimizer(self.optimizer)
         if self.optimizer_cls_and_kwargs is not None:
