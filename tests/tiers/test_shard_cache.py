@@ -57,7 +57,7 @@ def _train(tmp_path: pathlib.Path, cache_bytes: int | str, optimizer: str, steps
         "losses": losses, "reads": reads, "state": state, "cache": engine.io_report()["param_cache"],
         "shard_bytes": engine.unit_plan.nvme_param_units[0].shard_bytes,
         "cache_ledger": engine.ledger.live_bytes("host", "param_cache"),
-        "slot_bytes": engine.unit_plan.param_staging().buffer_bytes,
+        "slot_bytes": engine.unit_plan.param_cache_slot_bytes,
     }
     engine.close()
     opt.states.close()

@@ -457,7 +457,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("host", "param_staging", plan.param_staging().total_bytes)
             add("host", "aio_buffers", engine_bytes)
             if slots := plan.param_cache_slots():
-                add("host", "param_cache", slots * plan.param_staging().buffer_bytes)
+                add("host", "param_cache", slots * plan.param_cache_slot_bytes)
         for u in plan.sharded_units:  # in memory (a split's host part included); fp32 where it is the master
             if u.param_tier is not Tier.NVME:
                 shard_bytes = u.layout.shard_numel * FP32_BYTES if u.key in shared_keys else u.shard_bytes

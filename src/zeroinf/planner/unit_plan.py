@@ -188,11 +188,6 @@ class SizedStagingPlan:
         return sum(count for _, count in self.classes)
 
     @property
-    def buffer_bytes(self) -> int:
-        """The largest buffer (a cache slot holds any shard)."""
-        return max(size for size, _ in self.classes)
-
-    @property
     def total_bytes(self) -> int:
         return sum(size * count for size, count in self.classes)
 
@@ -511,8 +506,9 @@ class ModelPlan:
         return SizedStagingPlan(tuple(sorted(classes)))
 
     @property
-    def _param_buffer_bytes(self) -> int:
-        """A staging buffer or cache slot: the largest NVMe shard, aligned."""
+    def param_cache_slot_bytes(self) -> int:
+        """A parameter cache slot (tiers/shard_cache.py): the largest NVMe shard, aligned. Staging buffers
+        come by size class (`param_staging`)."""
         return round_up(max(u.shard_bytes for u in self.nvme_param_units), SWAP_ALIGN_BYTES)
 
     @property
@@ -584,7 +580,7 @@ class ModelPlan:
         budget, units = self.cfg.offload.param_cache_bytes, self.nvme_param_units
         if not budget or not units:
             return 0
-        slot = self._param_buffer_bytes
+        slot = self.param_cache_slot_bytes
         if budget < slot:
             raise ValueError(
                 f"offload.param_cache_bytes = {budget} holds no parameter shard of {slot} bytes: "
@@ -616,7 +612,7 @@ class ModelPlan:
         nbytes = sum(u.shard_bytes for u in self.sharded_units if u.param_tier is Tier.HOST)
         if self.nvme_param_units:
             nbytes += self.param_staging().total_bytes + engine_bytes
-            nbytes += self.param_cache_slots() * self.param_staging().buffer_bytes
+            nbytes += self.param_cache_slots() * self.param_cache_slot_bytes
         if cfg.resolved_stage >= 2 and o.gradients == "host":
             nbytes += sum(u.grad_shard_bytes for u in self.trainable_units)
         if cfg.resolved_stage >= 2 and o.gradients == "nvme":

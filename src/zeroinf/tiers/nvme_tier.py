@@ -135,13 +135,13 @@ def open_param_files(plan: ModelPlan, tier: NvmeTier) -> NvmeParamFiles | None:
     slots = plan.param_cache_slots()
     if slots:
         check_host_cap(
-            staging.total_bytes + slots * staging.buffer_bytes, tier.offload.max_host_bytes,
+            staging.total_bytes + slots * plan.param_cache_slot_bytes, tier.offload.max_host_bytes,
             f"parameter staging and cache ({staging.count} + {slots} buffers)",
             "raise offload.max_host_bytes or lower offload.param_cache_bytes",
         )
     swap = tier.open_swap("params", plan.param_swap_bytes())
     pools = SizedPools(staging.classes, alignment_bytes=SWAP_ALIGN_BYTES, ledger=tier.ledger, tag="param_staging")
-    cache = ShardCache(slots, staging.buffer_bytes, SWAP_ALIGN_BYTES, tier.ledger) if slots else None
+    cache = ShardCache(slots, plan.param_cache_slot_bytes, SWAP_ALIGN_BYTES, tier.ledger) if slots else None
     return NvmeParamFiles(swap, swap.engine, pools, tier.timeout_s, cache, keep=plan.param_buffers_kept_for_masters)
 
 
