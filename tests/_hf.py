@@ -27,6 +27,23 @@ import torch
 from tests._parity import LR
 
 VOCAB, SEQ, GLOBAL_BATCH = 128, 16, 8
+
+
+def has_model_type(model_type: str) -> bool:
+    """Whether the installed transformers knows this model type (gte and Sarvam-MoE came after 5.17,
+    the version on the lent H200's image)."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return False
+    return model_type in CONFIG_MAPPING
+
+
+def needs_model_type(model_type: str) -> Any:
+    """A mark skipping a case whose model type the installed transformers lacks, naming it."""
+    import pytest
+
+    return pytest.mark.skipif(not has_model_type(model_type), reason=f"this transformers has no {model_type!r}")
 BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
 PROMPT_LEN, NEW_TOKENS, PROMPTS_PER_RANK = 5, 8, 2
 

@@ -14,7 +14,7 @@ import torch
 
 import zeroinf
 import zeroinf.checkpoint as ck
-from tests._hf import GLOBAL_BATCH, SEQ, VOCAB, build
+from tests._hf import GLOBAL_BATCH, SEQ, VOCAB, build, needs_model_type
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -58,7 +58,9 @@ def _step_and_save(model: torch.nn.Module, ckpt) -> dict[str, torch.Tensor]:
     return trained
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt_neox", "sarvam_moe"])
+@pytest.mark.parametrize(
+    "arch", ["mixtral", "gpt_neox", pytest.param("sarvam_moe", marks=needs_model_type("sarvam_moe"))]
+)
 def test_consolidated_weights_are_written_in_the_hub_layout(tmp_path, arch: str) -> None:
     pytest.importorskip("transformers")
     from tests.weights.test_hf_conversion import _build, _differences, _stored

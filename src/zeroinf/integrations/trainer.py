@@ -141,7 +141,9 @@ def _args_for_the_sharded_model(args: transformers.TrainingArguments) -> transfo
         return args
     args = copy.copy(args)
     if asks_checkpointing(args):
-        args.activation_checkpointing = args.gradient_checkpointing = False
+        args.gradient_checkpointing = False
+        if hasattr(args, "activation_checkpointing"):  # the newer name (after transformers 5.17)
+            setattr(args, "activation_checkpointing", False)  # noqa: B010 (not in 5.17's stubs)
     if dtype_flags:
         args.fp16 = args.bf16 = False
         args.mixed_precision = "no"

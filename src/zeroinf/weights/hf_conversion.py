@@ -133,7 +133,11 @@ def _convert(
     target's (what transformers' rename gives); a split's other targets are named as its loader
     names them, the first target pattern in `name` replaced by each. A transpose is read by blocks
     (safetensors_folder.TransposedTensor), so it must be the last operation."""
-    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, PermuteForRope, Split, Transpose
+    import transformers.core_model_loading as loading
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, PermuteForRope, Transpose
+
+    # Split came after transformers 5.17
+    splits = tuple(op for op in (Chunk, getattr(loading, "Split", None)) if op is not None)
 
     targets = converter.target_patterns
     state: dict[str, list[Stored]] = {p: list(ts) for p, ts in pieces.items()}
@@ -158,13 +162,13 @@ def _convert(
             parts = [t for p in converter.source_patterns if p in ranged for t in ranged[p]]
             state = {targets[0]: [concatenate(name, parts, op.dim)]}
         elif (
-            type(op) in (Chunk, Split) and getattr(op, "num_shards_attribute", None) is None
+            type(op) in splits and getattr(op, "num_shards_attribute", None) is None
             and single is not None and targets[0] in name
         ):
             (whole,) = next(iter(ranged.values()))
             head, _, tail = name.partition(targets[0])
             names = [head + target + tail for target in targets]
-            if type(op) is Split:  # sized like each target's model parameter
+            if type(op) is not Chunk:  # Split: sized like each target's model parameter
                 sizes = [shapes[n][op.dim] if n in shapes else -1 for n in names]
             else:
                 sizes = chunk_sizes(whole.shape[op.dim], len(targets))
@@ -175,7 +179,7 @@ def _convert(
             permuted: dict[str, list[Stored]] = {}
             for key, (t,) in ranged.items():
                 if op.permute_layer_names is None or any(n in key for n in op.permute_layer_names):
-                    order = op._permute_for_rope(torch.arange(t.shape[0]), config).tolist()
+                    order = _rope_row_order(op, t.shape[0], config)
                     t = permute_rows(t.key if isinstance(t, ComposedTensor) else name, t, order)
                 permuted[key if len(ranged) > 1 else targets[0]] = [t]
             state = permuted
@@ -192,6 +196,17 @@ def _convert(
     if all(isinstance(t, ComposedTensor) for t in results) and len(results) == len(targets):
         return {t.key: t for t in results}
     raise WeightsError(f"{folder.path}: the conversion of {name!r} gives {len(results)} tensors, not one")
+
+
+def _rope_row_order(op: Any, rows: int, config: Any) -> list[int]:
+    """The stored row each model row comes from under transformers' PermuteForRope: its own permutation
+    applied to the row indices (named `_permute_for_rope(tensor, config)` after transformers 5.17,
+    `_apply(tensor)` reading `op.config` before)."""
+    index = torch.arange(rows)
+    if hasattr(op, "_permute_for_rope"):
+        return cast(list[int], op._permute_for_rope(index, config).tolist())
+    op.config = config
+    return cast(list[int], op._apply(index).tolist())
 
 
 Revert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
