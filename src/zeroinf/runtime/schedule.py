@@ -142,6 +142,11 @@ class UnshardScheduler:
         for i in self.resident:
             self.units[i].wait_unshard()
 
+    @property
+    def training_pass(self) -> bool:
+        """Whether the forward pass under way began with gradients enabled."""
+        return self._training_pass
+
     def pre_forward(self, index: int) -> None:
         trace, plan = self._pass()
         position = trace.observe(index)

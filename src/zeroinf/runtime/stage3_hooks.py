@@ -17,6 +17,7 @@ runtime/schedule.py decides what to gather and when; this file wires the module 
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,8 @@ class Stage3Hooks:
         self._external: dict[int, list[ShardedUnit]] = {}  # id(module) -> units fetched for it on demand
         self._fetch_external_eagerly = hooks.eager(self._fetch_external)  # called from traceable hooks
         self._release_external_eagerly = hooks.eager(self._release_external)
+        # unit -> its training forwards that registered no pre-backward hook (inside a reentrant checkpoint)
+        self._forwards_without_hook: collections.Counter[int] = collections.Counter()
 
     def install(self) -> list[RemovableHandle]:
         engine, module = self.engine, self.engine.module
@@ -123,6 +126,7 @@ class Stage3Hooks:
 
     def _root_pre_forward(self, _: nn.Module) -> None:
         self.engine.transfers.order_uploads()  # parameters updated by the last step, before any kernel reads them
+        self._forwards_without_hook.clear()
         self.scheduler.begin_forward(training=torch.is_grad_enabled())
 
     def _root_post_forward(self, _: nn.Module, output: Any) -> None:
@@ -130,7 +134,11 @@ class Stage3Hooks:
 
     def _unit_pre_forward(self, index: int) -> None:
         if self.engine.in_backward:  # activation-checkpoint recompute: the unit stays until its grads are in
-            self.engine.all_units[index].wait_unshard()
+            if self._forwards_without_hook[index] > 0:  # [Note: a reentrant checkpoint around a unit's hooks]
+                self._forwards_without_hook[index] -= 1
+                self.engine.pre_backward(index)
+            else:
+                self.engine.all_units[index].wait_unshard()
             return
         self.scheduler.pre_forward(index)
 
@@ -141,6 +149,19 @@ class Stage3Hooks:
         self.scheduler.post_forward(index)
         if torch.is_grad_enabled():
             hooks.register_pre_backward(output, lambda: engine.pre_backward(index))
+        elif self.scheduler.training_pass:
+            self._forwards_without_hook[index] += 1
+
+    # [Note: a reentrant checkpoint around a unit's hooks]
+    # A unit's forward inside `checkpoint(layer, x, use_reentrant=True)` (a user's own call, or transformers
+    # up to 5.17, whose layers checkpoint `__call__`) runs under no_grad: its output has no grad_fn for the
+    # pre-backward hook, and its hooks run again in the recompute, inside backward. That recompute is
+    # the unit's backward beginning, so it is taken as its pre-backward: the backward trace sees the
+    # unit, the backward plan prefetches, the forward keeps the tail for it (`kept_for_backward`), and
+    # a step inside backward prepares the unit's states. Before, the backward trace missed such units:
+    # every one but the last was gathered again (Llama, 3 units, transformers 5.17: 5 all-gathers a
+    # step instead of 3). A non-reentrant checkpoint's forward runs with grad and registers its hook:
+    # its recompute only waits for the unit.
 
     def _frozen_inputs(self, index: int, inputs: Any) -> None:
         """A frozen unit is released in backward once the gradients of its inputs are computed."""
