@@ -7,12 +7,15 @@
 #                                          # value, each with its own timeout: `pytest -m gpu` (the init issue's
 #                                          # CUDA half), 1.1B plain/zeroinf x device/opt-host/host, 3.4B
 #                                          # opt-host, 6.7B opt-host (RSS and s/step); phases: `profile`
+#   bash benchmarks/gpu_batch.sh verify    # ~9.5 min: `pytest -m gpu`, two suspect modules, the whole suite there
 #   bash benchmarks/gpu_batch.sh second    # ~8 min: the whole suite on the GPU machine, 3.4B with
 #                                          # checkpointing (GPU memory), 1.1B on NVMe
 #   bash benchmarks/gpu_batch.sh tests     # `pytest -m gpu`, then the whole suite (CPU ranks) with xdist
 #   bash benchmarks/gpu_batch.sh bench-1b  # 1.1B Llama, bf16, 4 x 2048 tokens: plain, zeroinf, FSDP2 x placements
 #   bash benchmarks/gpu_batch.sh bench-3b  # 3.4B: optimizer on host; on device with activation checkpointing
 #   bash benchmarks/gpu_batch.sh bench-7b  # 6.7B, optimizer on host (the largest-model issue's row)
+#   bash benchmarks/gpu_batch.sh largest-host  # the largest Llama with the optimizer on the host (>= 9B goal)
+#   bash benchmarks/gpu_batch.sh largest-disk  # ... with states over the host budget on NVMe (>= 12B goal)
 #   bash benchmarks/gpu_batch.sh nvme      # 1.1B with parameters and optimizer on NVMe
 #   bash benchmarks/gpu_batch.sh profile   # 1.1B and 3.4B offload: phases and operator profiles (step_phases.py)
 #   bash benchmarks/gpu_batch.sh compile   # 1.1B, torch.compile (inductor): plain, zeroinf, FSDP2 compiled vs eager
@@ -22,10 +25,12 @@
 # benchmarks when importable (carry its wheel, see ../shared/gpu/README.md; TORCH_CUDA_ARCH_LIST=9.0 on Hopper).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?usage: gpu_batch.sh first|second|tests|bench-1b|bench-3b|bench-7b|nvme|profile|compile|smoke}"
+part="${1:?usage: gpu_batch.sh first|verify|second|tests|largest-host|largest-disk|bench-1b|bench-3b|bench-7b|nvme|profile|compile|smoke}"
 out="${OUT:-$PWD/gpu_out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+# tracebacks as they happen: a run cut by its timeout prints none (stop 51: 33 errors seen as names)
+export ZEROINF_TEST_FAILURES="$out/test_failures.txt"
 { nvidia-smi -L; lscpu | grep "Model name"; nproc; free -g | head -2; df -h "${TMPDIR:-/tmp}" | tail -1
   python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"
 } > "$out/machine.txt" 2>&1
@@ -65,6 +70,18 @@ case "$part" in
         PEERS_TIMEOUT=170 peers 1b --preset 1b --engines plain,zeroinf --placements device,opt-host,host --repeats 1
         PEERS_TIMEOUT=125 peers 3b_opt_host --preset 3b --engines zeroinf --placements opt-host --steps 3 --repeats 1
         PEERS_TIMEOUT=195 peers 7b --preset 7b --steps 2 --warmup 1 --engines zeroinf --placements opt-host --repeats 1 ;;
+    verify)  # the whole suite there (stop 51: -n 14/15 reached 52%/65% in 240/320 s; 33 errors without
+        # tracebacks: hf_conversion's on transformers 5.17, fixed; test_gathered's and test_sync_switch's
+        # module fixtures, not reproduced on this CPU with torch 2.11 and transformers 5.17): those two
+        # modules first, alone, then everything with per-test durations; tracebacks in test_failures.txt
+        timeout 80 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests > "$out/gpu_tests.log" 2>&1
+        echo "gpu tests: rc=$?"; tail -3 "$out/gpu_tests.log"
+        OMP_NUM_THREADS=1 timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider --durations=5 \
+            tests/partition/test_gathered.py tests/runtime/test_sync_switch.py > "$out/suspects.log" 2>&1
+        echo "suspects: rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/suspects.log" | tail -8
+        OMP_NUM_THREADS=1 timeout 380 python3 -m pytest -q -rfE -p no:cacheprovider -n 12 --dist loadfile \
+            --durations=40 tests > "$out/suite.log" 2>&1
+        echo "suite: rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/suite.log" | tail -25 ;;
     second)
         OMP_NUM_THREADS=1 timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -n 12 --dist loadfile \
             tests > "$out/suite.log" 2>&1
@@ -91,6 +108,15 @@ case "$part" in
     compile)  # compiling takes the first steps: 3 warm-up steps
         peers 1b_compile --preset 1b --warmup 3 --placements device,host \
             --engines plain,plain:compiled,zeroinf,zeroinf:compiled,fsdp2:compiled ;;
+    largest-host|largest-disk)  # the largest-model issue's GPU goals: >= 9B with the optimizer on the host alone,
+        # >= 12B with the disk (states over the host budget on NVMe); planned, then confirmed by 2 steps
+        if [ "$part" = largest-host ]; then args=(--placements opt-host --shapes 4096x44,4096x46)
+        else args=(--placements opt-split --shapes 4096x58,4096x60 --host-share 0.75); fi
+        timeout 560 python3 benchmarks/largest.py --nvme-dir "${TMPDIR:-/tmp}/zi-largest" --dtype bf16 \
+            --seq-len 2048 --batch 4 "${args[@]}" > "$out/$part.json" 2> "$out/$part.log"
+        echo "$part: rc=$?"; tail -4 "$out/$part.log"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+c=d['confirmed']; print('confirmed:', c and {k: c[k] for k in ('params', 'placement', 'step_s', 'peak_rss_bytes', \
+'peak_device_bytes')}, 'failed:', d['failed'])" "$out/$part.json" ;;
     nvme) peers 1b_nvme --preset 1b --engines "${engines/plain,/}" --placements nvme ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
 esac

@@ -2,6 +2,9 @@
 
     python benchmarks/largest.py --nvme-dir /tmp/zi-largest [--dtype fp32] [--seq-len 32] [--plan-only]
         [--moment-dtype bf16]   # Adam's moments in bf16 (offload.moment_dtype): 8 bytes of states per parameter
+    # a GPU machine: parameters on the device, optimizer states on the host, or split host/NVMe
+    python benchmarks/largest.py --nvme-dir D --dtype bf16 --seq-len 2048 --batch 4 \
+        --placements opt-host,opt-split --shapes 4096x44,4096x58
 
 1. By plan: a ladder of Llama shapes (Llama-7B's width, 4096, with a growing number of layers, then
    Llama-13B's, 5120) is estimated by `zeroinf.plan` (built on the meta device from a config.json,
@@ -45,21 +48,34 @@ def llama_config(hidden: int, layers: int) -> dict:
     }
 
 
-def ladder() -> list[tuple[int, int]]:
+def ladder(shapes: str | None = None) -> list[tuple[int, int]]:
+    """Llama shapes (hidden, layers), smallest first: `--shapes 4096x44,4096x58` or the default ladder."""
+    if shapes:
+        return [(int(h), int(n)) for h, n in (s.split("x") for s in shapes.split(","))]
     return [(4096, layers) for layers in range(8, 61, 2)] + [(5120, layers) for layers in range(40, 61, 4)]
 
 
 def configs(args: argparse.Namespace, host_budget: int) -> dict:
+    """The placements tried, by name (`--placements`). On this CPU machine the parameters go to NVMe
+    too (device and host are one RAM); on a GPU machine they stay on the device, sharded:
+    `opt-host` keeps the optimizer states on the host alone, `opt-split` puts what exceeds the host
+    budget on NVMe (the largest-model issue's two GPU goals)."""
     import zeroinf
 
     common = dict(stage=3, param_dtype=args.dtype, persist_threshold_bytes=0)
     moments = args.moment_dtype
-    return {
+    every = {
         "split": zeroinf.Config(**common, offload=zeroinf.OffloadConfig(
             params="nvme", optimizer="host", nvme_dir=args.nvme_dir, max_host_bytes=host_budget, moment_dtype=moments)),
         "nvme": zeroinf.Config(**common, offload=zeroinf.OffloadConfig(
             params="nvme", optimizer="nvme", nvme_dir=args.nvme_dir, moment_dtype=moments)),
+        "opt-host": zeroinf.Config(**common, offload=zeroinf.OffloadConfig(
+            optimizer="host", gradients="host", moment_dtype=moments)),
+        "opt-split": zeroinf.Config(**common, offload=zeroinf.OffloadConfig(
+            optimizer="host", gradients="host", nvme_dir=args.nvme_dir, max_host_bytes=host_budget,
+            moment_dtype=moments)),
     }
+    return {name: every[name] for name in args.placements.split(",")}
 
 
 def plan_shapes(args: argparse.Namespace) -> tuple[list[dict], int]:
@@ -69,7 +85,7 @@ def plan_shapes(args: argparse.Namespace) -> tuple[list[dict], int]:
     host_budget = int(args.host_share * available_ram_bytes())
     rows = []
     folder = tempfile.mkdtemp(prefix="zeroinf-largest-config-")
-    for hidden, layers in ladder():
+    for hidden, layers in ladder(args.shapes):
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(llama_config(hidden, layers), f)
         row: dict = {"hidden": hidden, "layers": layers, "placements": {}}
@@ -169,6 +185,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--host-share", type=float, default=0.7, help="share of available RAM for optimizer states")
     parser.add_argument("--plan-only", action="store_true")
+    parser.add_argument("--placements", default="split,nvme",
+                        help="split,nvme (parameters on NVMe: a CPU machine); opt-host,opt-split on a GPU machine")
+    parser.add_argument("--shapes", default=None, help="hidden x layers, comma-separated (default: the ladder)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
