@@ -252,18 +252,26 @@ def _normal_head(model: nn.Module) -> None:
         nn.init.normal_(model.lm_head.weight)
 
 
+def _zeros_through_data(model: nn.Module) -> None:
+    model.lm_head.weight.data = torch.zeros_like(model.lm_head.weight)  # zeros_like of a placeholder: meta
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (_normal_head, "lm_head.weight was written in place"),
         (lambda model: model.apply(model._init_weights), "embed_tokens.weight was written in place"),
         (lambda model: model.half(), "embed_tokens.weight was converted from torch.float32 to torch.float16"),
+        (_zeros_through_data, r"lm_head.weight was given new data \(`p.data = ...`\)"),
+        (lambda model: model.to_empty(device="cpu"), r"embed_tokens.weight was replaced"),
     ],
 )
 def test_changes_between_the_init_block_and_shard_are_refused(change, message) -> None:
     """Between the block and `shard` the parameters are parked meta placeholders: an in-place write
-    (nn.init, Hugging Face's `_init_weights` through model.apply) did nothing and a conversion changed
-    only the placeholder's dtype, and `shard` went on with the values of the block, silently."""
+    (nn.init, Hugging Face's `_init_weights` through model.apply) did nothing, a conversion changed
+    only the placeholder's dtype, `p.data = torch.zeros_like(p)` gave it another placeholder and
+    `to_empty` (what PyTorch's error for `model.to(device)` there suggests) uninitialized memory, and
+    `shard` went on with the values of the block, silently."""
     from tests import _hf
 
     cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0)

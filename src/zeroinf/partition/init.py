@@ -222,6 +222,7 @@ def init(
             park.adopt(param)
         if module not in guarded:
             guarded.add(module)
+            park.built_modules.add(module)
             guards = runtime_hooks.register_load_hooks(module, _refuse_parked_load, None)
             _load_guards.setdefault(park, []).extend(guards)
 
@@ -300,6 +301,26 @@ def _materialize_meta(module: nn.Module, device: torch.device) -> bool:
             torch.utils.swap_tensors(p, real)
             fresh = True
     return fresh
+
+
+def refuse_parameters_replaced_after_init(model: nn.Module) -> None:
+    """Refuse a parameter that replaced one of a module built under `zeroinf.init()` between its block
+    and `shard`: `module.to_empty()` (what PyTorch's error for `model.to(device)` on the placeholders
+    suggests) gives every such module new parameters of uninitialized memory, and nothing parked is
+    left for shard to find, so it trained on that memory, silently."""
+    for module_name, module in model.named_modules():
+        for park in _active:
+            replaced = park.replaced_after_block(module)
+            if replaced is not None:
+                raise RuntimeError(
+                    f"parameter {module_name + '.' if module_name else ''}{replaced} was replaced after the "
+                    "`with zeroinf.init()` block and before zeroinf.shard (`module.to_empty()`, which PyTorch's "
+                    "error for `model.to(device)` there suggests, gives uninitialized memory; or a new "
+                    "nn.Parameter assigned): between the block and shard the parameters are parked, and shard "
+                    "places them on Config's tiers itself. Leave them as the block left them: set a parameter "
+                    "inside the block, or after zeroinf.shard inside `with zeroinf.gathered([param], "
+                    "modify=True):`"
+                )
 
 
 def _refuse_changes_after_the_block(model: nn.Module) -> None:

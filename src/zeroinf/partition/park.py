@@ -154,6 +154,8 @@ class _Parked:
     # to the values), a conversion (`model.half()`) changes its dtype; see `change_since_parked`.
     version: int = 0
     own_dtype: torch.dtype = torch.float32
+    # ... and `p.data = t` (or `module.to_empty()`) replaces its storage: held, so its address stays its own
+    storage: torch.UntypedStorage | None = None
 
 
 def _nbytes(p: torch.Tensor) -> int:
@@ -240,6 +242,11 @@ class ParamPark:
         self.data_views: WeakIdKeyDictionary = WeakIdKeyDictionary()  # view -> its parameter
         self.parks = self.unparks = self.draws = self.blanks = 0  # counters, for tests and the benchmark
         self.parked_bytes = 0  # bytes of slices written to the store
+        # Modules that registered a parameter in the block, and the parameters the block's end could not
+        # park (they stay whole): with those parked or deferred, every parameter such a module holds at
+        # the block's end; `replaced_after_block` finds one given later (`to_empty`, a new Parameter).
+        self.built_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.kept_whole: set[int] = set()
 
     # -- queries --------------------------------------------------------------------------------------
     def holds(self, p: torch.Tensor) -> bool:
@@ -264,6 +271,16 @@ class ParamPark:
 
     def defers(self, p: torch.Tensor) -> bool:
         return id(p) in self.deferred
+
+    def replaced_after_block(self, module: nn.Module) -> str | None:
+        """The name of a parameter of `module` (built in this park's block) that the block's end did not
+        leave there: one given after it, or None."""
+        if self.collecting or module not in self.built_modules:
+            return None
+        for name, p in module._parameters.items():
+            if p is not None and not (self.holds(p) or self.defers(p) or id(p) in self.kept_whole):
+                return name
+        return None
 
     def take_deferred(self, p: torch.Tensor) -> torch.device:
         """Forget a deferred parameter (its values are being loaded); its real device."""
@@ -350,6 +367,8 @@ class ParamPark:
         for p in list(self.live.values()):
             if _swappable(p):
                 self.park(p)
+            else:
+                self.kept_whole.add(id(p))
         self.live.clear()
         self.settled.clear()
         self.collecting = False
@@ -371,7 +390,9 @@ class ParamPark:
             self.parked_bytes += per_rank * dtype.itemsize
             device = p.device
             swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-        self.parked[id(p)] = _Parked(key, p, device, numel, dtype, version=p._version, own_dtype=p.dtype)
+        self.parked[id(p)] = _Parked(
+            key, p, device, numel, dtype, version=p._version, own_dtype=p.dtype, storage=p.untyped_storage()
+        )
         self.parks += 1
 
     def _slice_dtype(self, p: torch.Tensor) -> torch.dtype:
@@ -425,7 +446,8 @@ class ParamPark:
         with torch.no_grad(), torch._C.DisableTorchFunction():
             swap_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
         self.parked[id(p)] = _Parked(
-            key, p, device, p.numel(), self._slice_dtype(p), blank=True, version=p._version, own_dtype=p.dtype
+            key, p, device, p.numel(), self._slice_dtype(p), blank=True, version=p._version, own_dtype=p.dtype,
+            storage=p.untyped_storage(),
         )
         self.parks += 1
         self.blanks += 1
@@ -504,6 +526,8 @@ class ParamPark:
             return f"converted from {entry.own_dtype} to {p.dtype}"
         if p._version != entry.version:
             return "written in place"
+        if entry.storage is not None and p.untyped_storage()._cdata != entry.storage._cdata:
+            return "given new data (`p.data = ...`)"
         return None
 
     def _take_entry(self, p: nn.Parameter) -> _Parked:
