@@ -1,6 +1,8 @@
 """`zeroinf.init()` on a GPU (`pytest -m gpu`): construction under it gives the model that eager
 construction on that device gives from the same seed, bit for bit (the CPU matrix is
-tests/partition/test_construction.py). Parameters on the device and on the host, fp32, world 1."""
+tests/partition/test_construction.py). Parameters on the device, on the host and on NVMe, fp32, world
+1: a lent machine has one GPU, and zeroinf gives each rank a GPU of its own (world 2 is the CPU
+matrix's)."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ pytestmark = [
 CUDA = torch.device("cuda", 0)
 
 
-@pytest.mark.parametrize("tier", ["device", "host"])
-@pytest.mark.parametrize("model_name", ["gpt", "llama", "gpt2", "custom"])
+@pytest.mark.parametrize("tier", ["device", "host", "nvme"])
+@pytest.mark.parametrize("model_name", ["gpt", "llama", "gpt2", "qwen2", "custom"])
 def test_init_builds_the_eager_cuda_model_bitwise(model_name: str, tier: str, tmp_path: Path) -> None:
     topo = Topology.single(CUDA)
     cfg = _cfg(tier, "fp32", str(tmp_path))
