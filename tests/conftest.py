@@ -13,8 +13,9 @@ from zeroinf.topology import DEVICE_ENV
 os.environ[DEVICE_ENV] = "cpu"
 
 # A lent GPU machine's run can be cut by its time limit before pytest prints any traceback (stop 51:
-# 33 errors seen as bare names). With ZEROINF_TEST_FAILURES=<file>, each failing report's traceback is
-# appended to that file as it happens (by the xdist controller, or the only process without xdist).
+# 38 errors and failures seen as bare names). With ZEROINF_TEST_FAILURES=<file>, each failing
+# report's traceback is appended to that file as it happens (by the xdist controller, or the only
+# process without xdist).
 FAILURES_ENV = "ZEROINF_TEST_FAILURES"
 
 

@@ -478,6 +478,36 @@ def test_transposed_experts_load_and_save_as_hugging_face(tmp_path: Any) -> None
     assert run_ranks(_transposed_experts, 2, path, str(tmp_path), timeout_s=300) == [[], []]
 
 
+def test_rope_row_order_reads_either_name_of_transformers_permutation() -> None:
+    """transformers 5.17 named PermuteForRope's permutation `_apply(tensor)` (reading `op.config`), later
+    `_permute_for_rope(tensor, config)`: both give the same order (the installed one is the oracle)."""
+    import transformers as tf
+    from transformers.core_model_loading import PermuteForRope
+
+    from zeroinf.weights.hf_conversion import _rope_row_order
+
+    config = tf.LlamaConfig(hidden_size=32, num_attention_heads=4)
+    op = PermuteForRope(permute_layer_names=["q_proj"])
+    rows = torch.arange(32)
+    if hasattr(op, "_permute_for_rope"):
+        expected = op._permute_for_rope(rows, config).tolist()
+
+        class Older:  # 5.17's interface over the installed permutation
+            config: Any = None
+
+            def _apply(self, tensor: torch.Tensor) -> torch.Tensor:
+                return op._permute_for_rope(tensor, self.config)
+
+        older: Any = Older()
+    else:  # transformers 5.17 itself
+        op.config = config
+        expected, older = op._apply(rows).tolist(), op
+    assert expected != list(range(32))
+    assert _rope_row_order(older, 32, config) == expected
+    if hasattr(op, "_permute_for_rope"):
+        assert _rope_row_order(op, 32, config) == expected
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["q-k-permuted", "qkv-chunked-then-permuted"])
 def test_rope_permuted_rows_load_and_save_as_hugging_face(fused: bool, tmp_path: Any, monkeypatch: Any) -> None:
     """transformers' PermuteForRope (Mistral Large 4's and Kimi-K2.5's towers: rows stored for
