@@ -6,12 +6,14 @@ recompute inside backward (transformers up to 5.17 checkpoints its layers' `__ca
 recompute is the unit's pre-backward: every steady step gathers each unit once, as without
 checkpoints and with non-reentrant ones (before, every block but the last was gathered again), the
 backward trace holds every unit, and training equals plain PyTorch with the same checkpoints, with
-the optimizer on the device and on the host with its step inside backward. World 1, in process.
+the optimizer on the device, and on the host and on NVMe with its step inside backward (whose
+preparation of a unit's states the recompute now starts). World 1, in process.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -52,10 +54,11 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randn(4, DIM, generator=torch.Generator().manual_seed(step))
 
 
-def _train(checkpointing: str, optimizer: str) -> dict:
+def _train(checkpointing: str, optimizer: str, nvme_dir: str) -> dict:
     plain = Net(checkpointing)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    offload = zeroinf.OffloadConfig(optimizer=optimizer, gradients=optimizer)
+    offload = zeroinf.OffloadConfig(optimizer=optimizer, gradients=optimizer,
+                                    nvme_dir=nvme_dir if optimizer == "nvme" else None)
     cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, unit_classes=[Block], offload=offload)
     model = zeroinf.shard(copy.deepcopy(plain), cfg)
     opt = zeroinf.AdamW(model, lr=1e-2)
@@ -85,9 +88,9 @@ def _train(checkpointing: str, optimizer: str) -> dict:
             "backward_order": backward_order, "units": len(engine.units)}
 
 
-@pytest.mark.parametrize("optimizer", ["device", "host"])
-def test_a_unit_inside_a_reentrant_checkpoint_is_gathered_once_a_step(optimizer: str) -> None:
-    runs = {mode: _train(mode, optimizer) for mode in ("none", "non-reentrant", "reentrant")}
+@pytest.mark.parametrize("optimizer", ["device", "host", "nvme"])
+def test_a_unit_inside_a_reentrant_checkpoint_is_gathered_once_a_step(optimizer: str, tmp_path: Any) -> None:
+    runs = {mode: _train(mode, optimizer, str(tmp_path / mode)) for mode in ("none", "non-reentrant", "reentrant")}
     for mode, run in runs.items():
         assert run["losses"] == pytest.approx(run["plain_losses"], rel=1e-6, abs=1e-7), mode
         assert run["diff"] < 1e-6, (mode, run["diff"])
