@@ -40,7 +40,7 @@ from zeroinf.partition.init import (
     InitFn,
     materialize_and_build,
     needs_materializing,
-    refuse_parameters_replaced_after_init,
+    refuse_changes_after_the_block,
 )
 from zeroinf.partition.intact import PassWrites, check_not_wrapped_in_ddp, check_params_intact
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
@@ -132,7 +132,7 @@ class Engine:
             self.grad_files = open_grad_files(self.unit_plan, self.nvme_tier)
             weakref.finalize(self, self.grad_files.close)
         # Built under zeroinf.init (parked parameters) or on the meta device: unit by unit.
-        refuse_parameters_replaced_after_init(module)
+        refuse_changes_after_the_block(module)  # made between a zeroinf.init block and this shard, and lost
         self._built_from_meta = needs_materializing(module)
         if self._built_from_meta or weights is not None:
             built: list[ShardedUnit] = materialize_and_build(  # type: ignore[assignment]

@@ -303,14 +303,23 @@ def _materialize_meta(module: nn.Module, device: torch.device) -> bool:
     return fresh
 
 
-def refuse_parameters_replaced_after_init(model: nn.Module) -> None:
-    """Refuse a parameter that replaced one of a module built under `zeroinf.init()` between its block
-    and `shard`: `module.to_empty()` (what PyTorch's error for `model.to(device)` on the placeholders
-    suggests) gives every such module new parameters of uninitialized memory, and nothing parked is
-    left for shard to find, so it trained on that memory, silently."""
+def refuse_changes_after_the_block(model: nn.Module) -> None:
+    """Refuse what code did to a model built under `zeroinf.init()` between its block and `shard`,
+    where its parameters are parked meta placeholders and the change was lost, silently:
+    - an in-place write (`nn.init.normal_`, `model.apply(init_fn)`, `p.fill_` under no_grad) reached
+      the placeholder and did nothing; a conversion (`model.half()`) changed only its dtype;
+      `p.data = t` gave it other storage;
+    - a parameter replaced: `module.to_empty()` (what PyTorch's error for `model.to(device)` on the
+      placeholders suggests) gives every module built in the block new parameters of uninitialized
+      memory, and left nothing parked, so shard trained on that memory;
+    - new parameters on meta: code that places new modules beside their neighbours (peft's
+      `get_peft_model` moves each adapter to its base layer's device) moved real values to meta, and
+      `reset_parameters` would stand in for them (measured: LoRA's zero-initialised B drawn as a
+      Linear, the adapted model no longer the base model at step 0).
+    A model built wholly on meta by other means has no parked parameter and is materialized as before."""
     for module_name, module in model.named_modules():
-        for park in _active:
-            replaced = park.replaced_after_block(module)
+        for built_in in _active:
+            replaced = built_in.replaced_after_block(module)
             if replaced is not None:
                 raise RuntimeError(
                     f"parameter {module_name + '.' if module_name else ''}{replaced} was replaced after the "
@@ -321,18 +330,6 @@ def refuse_parameters_replaced_after_init(model: nn.Module) -> None:
                     "inside the block, or after zeroinf.shard inside `with zeroinf.gathered([param], "
                     "modify=True):`"
                 )
-
-
-def _refuse_changes_after_the_block(model: nn.Module) -> None:
-    """Refuse what code did to a model built under `zeroinf.init()` between its block and `shard`,
-    where its parameters are parked meta placeholders and the change was lost, silently:
-    - an in-place write (`nn.init.normal_`, `model.apply(init_fn)`, `p.fill_` under no_grad) reached
-      the placeholder and did nothing; a conversion (`model.half()`) changed only its dtype;
-    - new parameters on meta: code that places new modules beside their neighbours (peft's
-      `get_peft_model` moves each adapter to its base layer's device) moved real values to meta, and
-      `reset_parameters` would stand in for them (measured: LoRA's zero-initialised B drawn as a
-      Linear, the adapted model no longer the base model at step 0).
-    A model built wholly on meta by other means has no parked parameter and is materialized as before."""
     lost, built_under_init = [], False
     for name, p in model.named_parameters():
         park = park_of(p)
@@ -444,7 +441,6 @@ def materialize_and_build(
     ready_at: dict[int, list[int]] = {}
     for k, mi in last_module_of_spec.items():
         ready_at.setdefault(mi, []).append(k)
-    _refuse_changes_after_the_block(model)
     if init_fn is None:  # fail before building anything (init_fn may still set meta buffers)
         _check_buffers_real(model)
     built: list[object | None] = [None] * len(specs)

@@ -154,7 +154,7 @@ class _Parked:
     # to the values), a conversion (`model.half()`) changes its dtype; see `change_since_parked`.
     version: int = 0
     own_dtype: torch.dtype = torch.float32
-    # ... and `p.data = t` (or `module.to_empty()`) replaces its storage: held, so its address stays its own
+    # ... and `p.data = t` replaces its storage: held, so its address stays its own
     storage: torch.UntypedStorage | None = None
 
 
