@@ -188,6 +188,8 @@ def main() -> None:
     parser.add_argument("--placements", default="split,nvme",
                         help="split,nvme (parameters on NVMe: a CPU machine); opt-host,opt-split on a GPU machine")
     parser.add_argument("--shapes", default=None, help="hidden x layers, comma-separated (default: the ladder)")
+    parser.add_argument("--try-unplanned", action="store_true",
+                        help="also confirm shapes the plan says do not fit (its verdict stays in the JSON)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -196,6 +198,9 @@ def main() -> None:
     rows, host_budget = plan_shapes(args)
     out: dict = {"machine": machine(), "command": " ".join(sys.argv), "host_budget_bytes": host_budget,
                  "planned": rows, "confirmed": None, "failed": []}
+    if args.try_unplanned:  # confirm every listed shape, the plan's verdict recorded beside it
+        for r in rows:
+            r["placement"] = r["placement"] or min(r["placements"], key=lambda n: r["placements"][n]["ram_bytes"])
     fitting = [r for r in rows if r["placement"] is not None]
     for row in ([] if args.plan_only else sorted(fitting, key=lambda r: -r["params"])):
         spec = {"hidden": row["hidden"], "layers": row["layers"], "placement": row["placement"],
