@@ -39,6 +39,16 @@ def has_model_type(model_type: str) -> bool:
     return model_type in CONFIG_MAPPING
 
 
+def peft_lora_on_parameters() -> bool:
+    """Whether the installed peft puts LoRA on bare parameters (`LoraConfig.target_parameters`: fused
+    experts, routers), which peft 0.13, the declared floor, does not."""
+    import dataclasses
+
+    import peft
+
+    return "target_parameters" in {f.name for f in dataclasses.fields(peft.LoraConfig)}
+
+
 def needs_model_type(model_type: str) -> Any:
     """A mark skipping a case whose model type the installed transformers lacks, naming it."""
     import pytest
