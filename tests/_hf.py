@@ -27,6 +27,8 @@ import torch
 from tests._parity import LR
 
 VOCAB, SEQ, GLOBAL_BATCH = 128, 16, 8
+BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
+PROMPT_LEN, NEW_TOKENS, PROMPTS_PER_RANK = 5, 8, 2
 
 
 def has_model_type(model_type: str) -> bool:
@@ -54,8 +56,6 @@ def needs_model_type(model_type: str) -> Any:
     import pytest
 
     return pytest.mark.skipif(not has_model_type(model_type), reason=f"this transformers has no {model_type!r}")
-BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
-PROMPT_LEN, NEW_TOKENS, PROMPTS_PER_RANK = 5, 8, 2
 
 
 @dataclass(frozen=True)

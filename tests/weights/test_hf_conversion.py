@@ -151,10 +151,10 @@ def _build(arch: str, seed: int = 3) -> torch.nn.Module:
 
 
 ALL_FOLDERS = [("mixtral", torch.float32, "20KB", "block_sparse_moe.experts.3.w3.weight"),
-           ("qwen2_moe", torch.bfloat16, "1GB", "mlp.experts.3.up_proj.weight"),
-           ("gpt_neox", torch.float32, "1GB", "embed_out.weight"),
-           ("hrm_text", torch.float32, "20KB", "attn.gqkv_proj.weight"),
-           ("sarvam_moe", torch.bfloat16, "1GB", "attention.query_key_value.weight")]
+               ("qwen2_moe", torch.bfloat16, "1GB", "mlp.experts.3.up_proj.weight"),
+               ("gpt_neox", torch.float32, "1GB", "embed_out.weight"),
+               ("hrm_text", torch.float32, "20KB", "attn.gqkv_proj.weight"),
+               ("sarvam_moe", torch.bfloat16, "1GB", "attention.query_key_value.weight")]
 FOLDERS = [f for f in ALL_FOLDERS if has_model_type(f[0])]
 
 
