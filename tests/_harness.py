@@ -41,7 +41,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(rank_threads(world_size))
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
@@ -59,6 +59,17 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
     # A forked rank ends in os._exit, which skips the interpreter's exit: run its atexit handlers
     # (weakref finalizers among them, which remove swap files left open) as a spawned rank's exit would.
     atexit._run_exitfuncs()
+
+
+def rank_threads(world_size: int) -> int:
+    """Intra-op threads of one rank: the cores shared by every rank of every pytest-xdist worker, and
+    never more than `OMP_NUM_THREADS` where the caller set it. Dividing by the ranks alone gave each rank
+    half of a 16-core machine while 12 workers ran beside it: ~190 spinning threads on 16 cores, and
+    what the caller's OMP_NUM_THREADS=1 asked for was overridden."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    threads = max(1, (os.cpu_count() or 1) // (world_size * max(1, workers)))
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    return min(threads, int(asked)) if asked.isdigit() and int(asked) > 0 else threads
 
 
 # Imported once, in the fork server, instead of in every rank (missing ones are skipped).
