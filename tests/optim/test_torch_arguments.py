@@ -7,7 +7,8 @@ the same arguments on the plain model, world 1, stages 0-3: bitwise equal weight
 Frozen parameters in the iterable are dropped, as torch.optim never steps them (a LoRA-style model
 at stage 1 keeps its frozen weights outside units). What it cannot do is refused by name: amsgrad,
 maximize, capturable, differentiable; parameters of no sharded model, of two, or beside other
-tensors; a trainable parameter left out. `zeroinf.Adam` is `torch.optim.Adam` (L2 weight decay),
+tensors (also in `param_groups=` beside the model); a trainable parameter left out; a group added
+after construction (`add_param_group`). `zeroinf.Adam` is `torch.optim.Adam` (L2 weight decay),
 also with bf16 moments.
 """
 
@@ -135,9 +136,30 @@ def test_parameters_it_cannot_own_are_refused() -> None:
             zeroinf.AdamW([{"params": list(a.parameters())[:2]}, *list(a.parameters())[2:]])
         with pytest.raises(TypeError, match="pass them once"):
             zeroinf.AdamW(a.parameters(), param_groups=[{"params": list(a.parameters())}])
+        # the same checks for groups given beside the model (a foreign tensor was kept and never stepped)
+        with pytest.raises(ValueError, match="a sharded model and 1 other tensors"):
+            zeroinf.AdamW(a, param_groups=[{"params": list(a.parameters())}, {"params": [nn.Parameter(torch.ones(2))]}])
+        with pytest.raises(ValueError, match="another sharded model than the one given"):
+            zeroinf.AdamW(a, param_groups=[{"params": list(b.parameters())}])
     finally:
         zeroinf.engine_of(a).close()
         zeroinf.engine_of(b).close()
+
+
+def test_a_group_added_after_construction_is_refused() -> None:
+    """torch.optim's add_param_group returned, and the added parameter was never stepped (its gradient
+    stayed in .grad); the groups passed to the constructor work as before."""
+    model = _sharded()
+    try:
+        trainable = list(model.parameters())
+        opt = zeroinf.AdamW(model, param_groups=[{"params": trainable[:2], "lr": 0.5}, {"params": trainable[2:]}])
+        assert [g["lr"] for g in opt.param_groups] == [0.5, 1e-3]
+        extra = nn.Parameter(torch.ones(3))
+        with pytest.raises(ValueError, match="add_param_group after the optimizer was built"):
+            opt.add_param_group({"params": [extra]})
+        assert len(opt.param_groups) == 2
+    finally:
+        zeroinf.engine_of(model).close()
 
 
 @pytest.mark.parametrize(

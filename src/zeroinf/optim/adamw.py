@@ -124,6 +124,13 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
                     "zeroinf.AdamW: param groups came both as the first argument and as param_groups=; pass them once"
                 )
             model, param_groups = model_of_params(model)
+        elif param_groups is not None:  # the same ownership checks as groups given in place of the model
+            owner, param_groups = model_of_params(param_groups)
+            if engine_of(owner) is not engine_of(model):
+                raise ValueError(
+                    "zeroinf.AdamW: param_groups= hold parameters of another sharded model than the one given; "
+                    "one zeroinf.AdamW trains exactly one sharded model: build one per model"
+                )
         if not lr >= 0:
             raise ValueError(f"AdamW: lr = {lr!r} is invalid; use a non-negative number")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -160,6 +167,21 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         self.step_count = 0
         self._is_accelerate_prepared = True  # `accelerator.prepare` returns it unchanged, as the model
         self._allocate_states()
+        self._groups_fixed = True  # add_param_group from here on is refused
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's, while the constructor builds the groups; refused afterwards: each unit's owned
+        range (its fp32 masters and moments) is cut by group when the optimizer is built, so a group
+        added later would never be stepped (a parameter outside the model, or one frozen at shard)."""
+        if getattr(self, "_groups_fixed", False):
+            raise ValueError(
+                "zeroinf.AdamW.add_param_group after the optimizer was built: its param groups are fixed then "
+                "(each unit's fp32 masters and moments are cut by group), and the added parameters would never "
+                "be stepped. Pass every group to the constructor. To train parameters later (unfreezing), "
+                "make them trainable before zeroinf.shard and keep their group's lr at 0 until then; a tensor "
+                "outside the sharded model needs its own torch optimizer"
+            )
+        super().add_param_group(param_group)
 
     # -- setup ----------------------------------------------------------------------------------------
     def _check_groups_cover(self, trainable: list[nn.Parameter]) -> None:
