@@ -2,7 +2,7 @@
 
 A loop moving to zeroinf swaps the class and keeps the arguments: `model.parameters()`, nanoGPT's
 decay/no-decay groups built from `named_parameters()` (placeholders keep their number of
-dimensions), `fused=True`, a tensor learning rate. Oracle: `torch.optim.AdamW(fused=True)` with
+dimensions), `fused=True`, a tensor learning rate, `step(closure)`. Oracle: `torch.optim.AdamW(fused=True)` with
 the same arguments on the plain model, world 1, stages 0-3: bitwise equal weights after 4 steps.
 Frozen parameters in the iterable are dropped, as torch.optim never steps them (a LoRA-style model
 at stage 1 keeps its frozen weights outside units). What it cannot do is refused by name: amsgrad,
@@ -83,6 +83,40 @@ def test_torch_optim_arguments_train_as_torch_optim(how: str, stage: int, frozen
         differ = [k for k, v in theirs.items() if not torch.equal(ours[k], v)]
         assert not differ, differ
         assert len(opt.param_groups) == len(plain_opt.param_groups)
+    finally:
+        zeroinf.engine_of(model).close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_closure_step_trains_as_torch_optim(stage: int) -> None:
+    """`opt.step(closure)` (it was refused): the closure runs with gradients enabled, its loss is
+    returned, the step hooks run around it; bitwise torch.optim.AdamW's weights after 4 steps."""
+    torch.manual_seed(0)
+    plain = build_model()
+    torch.manual_seed(0)
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
+    opt = zeroinf.AdamW(model.parameters(), lr=1e-3)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    try:
+        for step in range(4):
+            x, y = global_batch(step)
+
+            def closure(net: nn.Module = model, optimizer: torch.optim.Optimizer = opt) -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = net(x, y)
+                loss.backward()
+                return loss
+
+            theirs = plain_opt.step(lambda: closure(plain, plain_opt))
+            with torch.no_grad():  # as torch.optim's own step: the closure enables gradients itself
+                ours = opt.step(closure)
+            assert torch.equal(ours, theirs)
+        differ = [k for k, v in plain.state_dict().items() if not torch.equal(model.state_dict()[k], v)]
+        assert not differ, differ
+        assert calls == ["pre", "post"] * 4
     finally:
         zeroinf.engine_of(model).close()
 

@@ -314,11 +314,20 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         self._norm_before_step = None
         self.engine.zero_grad()
 
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One optimizer step over the gradients of the backward passes since the last one. As in
+        torch.optim, `closure` (zeroing the gradients, computing the loss and calling backward) runs
+        first, with gradients enabled, and its loss is returned."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
     @torch.no_grad()
     @phase("zeroinf::optimizer")
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        if closure is not None:
-            raise NotImplementedError("zeroinf.AdamW.step does not take a closure")
+    def _step(self) -> None:
         if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
             raise RuntimeError(GRAD_SCALER)
         if accelerate_defers_step(self.engine.cfg.grad_accum_steps):  # integrations/accelerate_loop.py
