@@ -104,7 +104,9 @@ def test_a_closure_step_trains_as_torch_optim(stage: int) -> None:
         for step in range(4):
             x, y = global_batch(step)
 
-            def closure(net: nn.Module = model, optimizer: torch.optim.Optimizer = opt) -> torch.Tensor:
+            def closure(
+                net: nn.Module = model, optimizer: torch.optim.Optimizer = opt, x: torch.Tensor = x, y: torch.Tensor = y
+            ) -> torch.Tensor:
                 optimizer.zero_grad()
                 loss = net(x, y)
                 loss.backward()

@@ -314,7 +314,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         self._norm_before_step = None
         self.engine.zero_grad()
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over the gradients of the backward passes since the last one. As in
         torch.optim, `closure` (zeroing the gradients, computing the loss and calling backward) runs
         first, with gradients enabled, and its loss is returned."""
