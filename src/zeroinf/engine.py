@@ -45,7 +45,7 @@ from zeroinf.partition.init import (
 from zeroinf.partition.intact import PassWrites, check_not_wrapped_in_ddp, check_params_intact
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.state_entries import own_storages
-from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
+from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy, full_numel
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.precision import buffer_in_compute_dtype
@@ -707,6 +707,8 @@ def shard(
             sub._fsdp_use_orig_params = True  # type: ignore[assignment]
     sync_switch.install(module)  # DDP's no_sync, FSDP2's set_requires_gradient_sync: checked, not ignored
     module.__dict__["zero_grad"] = types.MethodType(_module_zero_grad, module)
+    if callable(getattr(module, "num_parameters", None)):  # a Hugging Face model's: placeholders count 0
+        module.__dict__["num_parameters"] = types.MethodType(_module_num_parameters, module)
     # accelerate's guard against double wrapping: `accelerator.prepare` returns the model unchanged
     # (integrations/trainer.py [Note: accelerate and the sharded model]).
     module._is_accelerate_prepared = True  # type: ignore[assignment]
@@ -715,6 +717,20 @@ def shard(
 
     torch_clip.install()  # torch's clip_grad_norm_ over this model's parameters asks the engine
     return module
+
+
+def _module_num_parameters(module: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """Hugging Face's `model.num_parameters()` on a sharded model: the elements each parameter has in
+    the model, where the method itself counted a stage-3 placeholder's (none: a 1.1B Llama reported
+    its norms' 0.09M, and the Trainer's `total_flos` followed). The same arguments and exclusions."""
+    embeddings = (
+        {f"{name}.weight" for name, sub in module.named_modules() if isinstance(sub, nn.Embedding)}
+        if exclude_embeddings else set()
+    )
+    return sum(
+        full_numel(p) for name, p in module.named_parameters()
+        if name not in embeddings and (p.requires_grad or not only_trainable)
+    )
 
 
 def _module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:

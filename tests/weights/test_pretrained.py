@@ -4,9 +4,10 @@ Folders are written by `save_pretrained` (no hub): GPT-2 (tied), Llama (untied) 
 each in fp32 and bf16 and as one file or several shards. For each folder x stage-3 parameter tier
 {device, host, nvme} x world {1, 2} (one spawned group), the sharded model's gathered `state_dict`
 and buffers equal `AutoModelForCausalLM.from_pretrained(folder, dtype=fp32)` bitwise, the logits
-agree within 1e-5, tied embeddings stay tied, and the fp32 masters an optimizer takes are the stored
-values. `load_weights` streams the same files into a sharded model of another seed (and a plain
-module's safetensors into a sharded non-HF module). `resize_token_embeddings` in `prepare=` (its
+agree within 1e-5, tied embeddings stay tied, the fp32 masters an optimizer takes are the stored
+values, and `num_parameters()` counts as Hugging Face's on the plain model. `load_weights` streams
+the same files into a sharded model of another seed (and a plain module's safetensors into a
+sharded non-HF module). `resize_token_embeddings` in `prepare=` (its
 old rows read from the files on demand) equals Hugging Face's load followed by the same resize,
 bitwise. Bad folders are refused naming the key or file.
 """
@@ -74,7 +75,12 @@ def _compare(path: str, tier: str, rank: int, swap_root: str) -> dict[str, Any]:
             stored = ref_state[name].reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
             got = master[piece.start - unit.owned_start : piece.end - unit.owned_start]
             masters_ok &= torch.equal(got.cpu(), stored.float())
+    ours.lm_head.requires_grad_(False)  # a frozen part, for only_trainable= (tied: the embeddings too)
+    reference.lm_head.requires_grad_(False)
+    counts = [{"only_trainable": t, "exclude_embeddings": e} for t in (False, True) for e in (False, True)]
     out = {
+        "num_parameters": [ours.num_parameters(**kw) for kw in counts],
+        "num_parameters_expected": [reference.num_parameters(**kw) for kw in counts],
         "param_diffs": [k for k in ref_state if k not in our_state or not torch.equal(our_state[k], ref_state[k])],
         "buffer_diffs": [k for k in ref_buffers if not torch.equal(our_buffers[k], ref_buffers[k])],
         "logit_diff": logit_diff, "masters_ok": masters_ok, "eval_mode": not ours.training,
@@ -168,6 +174,8 @@ def test_from_pretrained_equals_hugging_face(results: tuple[int, list[dict]]) ->
             assert r["masters_ok"], f"{where}: the fp32 masters are not the stored values"
             assert r["tied"] == r["tied_expected"] and r["eval_mode"], f"{where}: {r}"
             assert r["swap_left"] == [], f"{where}: a park file was left: {r['swap_left']}"
+            # Hugging Face's count (and the Trainer's total_flos from it) read the stage-3 placeholders' 0
+            assert r["num_parameters"] == r["num_parameters_expected"], f"{where}: {r['num_parameters']}"
 
 
 def test_load_weights_into_a_sharded_model(results: tuple[int, list[dict]]) -> None:

@@ -81,6 +81,7 @@ from zeroinf.integrations.trainer_args import (
     config_for_trainer,
 )
 from zeroinf.optim.adamw import AdamW
+from zeroinf.partition.unit import full_numel
 
 ZEROINF_DIR = "zeroinf"
 """Sub-folder of a Trainer checkpoint holding the sharded zeroinf checkpoint."""
@@ -99,12 +100,6 @@ if _missing:
     )
 
 
-def _full_numel(p: nn.Parameter) -> int:
-    """A parameter's full size: between passes a stage-3 parameter is an empty placeholder that carries
-    its size as `ds_numel` (partition/unit.py `_tell_full_size`, DeepSpeed's convention)."""
-    return int(getattr(p, "ds_numel", p.numel()))
-
-
 @contextlib.contextmanager
 def _full_size_parameter_count() -> Iterator[None]:
     """While training, the Trainer's "Number of trainable parameters" log counts full sizes: it reads
@@ -118,7 +113,7 @@ def _full_size_parameter_count() -> Iterator[None]:
         return
 
     def full_size(model: nn.Module, trainable_only: bool = False) -> int:
-        return sum(_full_numel(p) for p in model.parameters() if p.requires_grad or not trainable_only)
+        return sum(full_numel(p) for p in model.parameters() if p.requires_grad or not trainable_only)
 
     hf_trainer.get_model_param_count = full_size
     try:
@@ -319,14 +314,13 @@ class Trainer(transformers.Trainer):
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """The plain Trainer's 6 x tokens x non-embedding parameters, with each parameter counted at its
-        full size (between passes a stage-3 parameter is an empty placeholder)."""
+        full size (zeroinf.shard gives the model a `num_parameters` that counts them so: between passes a
+        stage-3 parameter is an empty placeholder)."""
         model = self._sharded_model()
         main_input = getattr(model, "main_input_name", "input_ids")
         if main_input not in inputs or not hasattr(model, "num_parameters"):
             return 0
-        embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
-        numel = sum(_full_numel(p) for n, p in model.named_parameters() if n not in embeddings)
-        return 6 * inputs[main_input].numel() * numel
+        return 6 * inputs[main_input].numel() * int(cast(Any, model).num_parameters(exclude_embeddings=True))
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         with _full_size_parameter_count():

@@ -96,6 +96,12 @@ def _tell_full_size(params: list[nn.Parameter], layout: FlatLayout) -> None:
         p.ds_shape = slot.shape  # type: ignore[attr-defined]
 
 
+def full_numel(p: torch.Tensor) -> int:
+    """A parameter's size in the model: `ds_numel` where `_tell_full_size` set it (between uses a
+    stage-3 parameter is an empty placeholder), else its own."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
 class ShardedUnit(UnitGradients):
     def __init__(
         self,
