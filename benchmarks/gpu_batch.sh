@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_batch.sh largest-disk  # ... with states over the host budget on NVMe (>= 12B goal)
 #   bash benchmarks/gpu_batch.sh nvme      # 1.1B with parameters and optimizer on NVMe
 #   bash benchmarks/gpu_batch.sh profile   # 1.1B and 3.4B offload: phases and operator profiles (step_phases.py)
+#   bash benchmarks/gpu_batch.sh profile-7b  # ~8 min: where 6.7B opt-host's 2.67 s go (the <= 2.5 s goal), and the
+#                                          # machine's measured CPU Adam rate and host bandwidth (zeroinf plan --measure)
 #   bash benchmarks/gpu_batch.sh compile   # 1.1B, torch.compile (inductor): plain, zeroinf, FSDP2 compiled vs eager
 #   bash benchmarks/gpu_batch.sh smoke     # a tiny run of the benchmark part, to check this script anywhere
 #
@@ -25,7 +27,7 @@
 # benchmarks when importable (carry its wheel, see ../shared/gpu/README.md; TORCH_CUDA_ARCH_LIST=9.0 on Hopper).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?usage: gpu_batch.sh first|verify|second|tests|largest-host|largest-disk|bench-1b|bench-3b|bench-7b|nvme|profile|compile|smoke}"
+part="${1:?usage: gpu_batch.sh first|verify|second|tests|largest-host|largest-disk|bench-1b|bench-3b|bench-7b|nvme|profile|profile-7b|compile|smoke}"
 out="${OUT:-$PWD/gpu_out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
@@ -102,6 +104,10 @@ case "$part" in
         peers 3b_offload --preset 3b --engines "${engines/plain,/}" --placements opt-host,host
         peers 3b_ckpt --preset 3b --ckpt --engines zeroinf,fsdp2 --placements device ;;
     bench-7b) peers 7b --preset 7b --steps 3 --engines zeroinf --placements opt-host ;;
+    profile-7b)  # stop 51: 2.673 s/step against <= 2.5; estimated host-memory bound (~243 GB a step), never profiled
+        timeout 60 python3 -m zeroinf plan --model 1.3b --measure --json > "$out/plan_measure.json" 2> "$out/plan_measure.log"
+        echo "plan --measure: rc=$?"
+        phases 7b opt-host 420 ;;
     profile)  # the optimizer-on-host placement was slower than everything-on-host at 1.1B (0.845 vs 0.634)
         phases 1b opt-host 170; phases 1b host 170; phases 3b opt-host 170 ;;
     smoke) peers smoke --preset tiny --seq 64 --batch 2 --steps 2 --warmup 1 --engines plain,zeroinf,zeroinf:compiled \
