@@ -229,6 +229,28 @@ def proc_io_bytes() -> int:
         return 0
 
 
+def zeroinf_config(a: argparse.Namespace, low: bool) -> Any:
+    """zeroinf's Config for `a.placement`: stage 3, bf16 compute where `low`."""
+    import zeroinf
+
+    params, optimizer, gradients = ZEROINF_TIERS[a.placement]
+    cache = a.param_cache if a.engine == "zeroinf-cache" else 0
+    offload = zeroinf.OffloadConfig(
+        params=params, optimizer=optimizer, gradients=gradients, nvme_dir=a.nvme_dir, param_cache_bytes=cache
+    )
+    dtype = "bf16" if low else "fp32"
+    return zeroinf.Config(stage=3, param_dtype=dtype, offload=offload, activation_checkpointing=a.ckpt)
+
+
+def zeroinf_topology(a: argparse.Namespace, device: torch.device) -> Any:
+    import zeroinf
+
+    if a.ranks > 1:
+        join_world(device)
+        return zeroinf.Topology.current(device=device)
+    return zeroinf.Topology.single(device)
+
+
 def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model: Any) -> tuple[Any, Any]:
     """(step(x) -> loss, zeroinf-sharded module or None) for engine `a.engine` at `a.placement`."""
     low = dtype != torch.float32
@@ -253,18 +275,8 @@ def setup(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, model
     if a.engine in ("zeroinf", "zeroinf-cache"):
         import zeroinf
 
-        params, optimizer, gradients = ZEROINF_TIERS[a.placement]
-        cache = a.param_cache if a.engine == "zeroinf-cache" else 0
-        offload = zeroinf.OffloadConfig(
-            params=params, optimizer=optimizer, gradients=gradients, nvme_dir=a.nvme_dir, param_cache_bytes=cache
-        )
-        cfg = zeroinf.Config(
-            stage=3, param_dtype="bf16" if low else "fp32", offload=offload, activation_checkpointing=a.ckpt
-        )
-        if a.ranks > 1:
-            join_world(device)
-        topo = zeroinf.Topology.current(device=device) if a.ranks > 1 else zeroinf.Topology.single(device)
-        sharded = zeroinf.shard(model, cfg, topo)
+        topo = zeroinf_topology(a, device)
+        sharded = zeroinf.shard(model, zeroinf_config(a, low), topo)
         zopt = zeroinf.AdamW(sharded, lr=1e-4, weight_decay=0.0)
         forward = compiled(sharded)
 
@@ -358,7 +370,13 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    model = build_model(a)
+    if a.zeroinf_init and a.engine in ("zeroinf", "zeroinf-cache"):  # never whole (the same weights)
+        import zeroinf
+
+        with zeroinf.init(zeroinf_config(a, dtype != torch.float32), topology=zeroinf_topology(a, device)):
+            model = build_model(a)
+    else:
+        model = build_model(a)
     n_params = sum(p.numel() for p in model.parameters())
     vocab, (layers, hidden) = vocab_of(model), shape_of(model)
     step, sharded = setup(a, device, dtype, model)
@@ -405,6 +423,7 @@ def launch(a: argparse.Namespace, name: str, placement: str, dtype: str, nvme_di
         "--steps", str(a.steps), "--warmup", str(a.warmup), "--nvme-dir", nvme_dir, "--ranks", str(a.ranks),
         "--threads", str(a.threads or 0), "--param-cache", str(a.param_cache), *(["--ckpt"] if a.ckpt else []),
         *(["--compile", "--compile-backend", a.compile_backend] if compile_it else []),
+        *(["--zeroinf-init"] if a.zeroinf_init else []),
     ]
     env = dict(os.environ)
     if a.threads:
@@ -566,6 +585,12 @@ def main() -> None:
     p.add_argument("--nvme-root", help="folder for the nvme placement's files (default: the temp folder)")
     p.add_argument("--run-timeout-s", type=float, default=1800.0)
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing in every engine")
+    p.add_argument(
+        "--zeroinf-init", action="store_true",
+        help="build zeroinf's model under zeroinf.init (never whole in memory): its peak RSS without the eager "
+        "fp32 build the peers make; the same weights, but in bf16 the fp32 masters start rounded to bf16 (the "
+        "losses part from the eager build's after the first update: docs/design.md)",
+    )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the ':compiled' engines")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

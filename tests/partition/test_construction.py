@@ -8,7 +8,9 @@ evenly), fp32. For each: eager construction +
 `shard` and `zeroinf.init(cfg)` + `shard` from the same seed give a gathered `state_dict` and
 buffers equal bit for bit. bf16 (slices parked in the compute dtype) is exact
 for the models whose post-construction code overwrites parameters (GPT, Hugging Face); see
-[Note: parking in the compute dtype] for the one case where it may not be. Every case also checks
+[Note: parking in the compute dtype] for the one case where it may not be. The fp32 masters an
+optimizer then takes are eager's in fp32; in bf16 they are eager's rounded to bf16 (eager + `shard`
+keeps them unrounded), the documented difference. Every case also checks
 that parameters really were parked during the build (the park's counters), and that the park is
 closed (its NVMe file gone) once the model is sharded. The "drawn" cases lower the size from which
 a parameter is parked blank and initialized piece by piece (partition/park.py [Note: a large
@@ -55,6 +57,14 @@ def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list
     return [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
 
 
+def _masters(model: torch.nn.Module) -> torch.Tensor:
+    """The fp32 masters an optimizer takes, this rank's, in unit order."""
+    opt = zeroinf.AdamW(model, lr=0.0)
+    masters = torch.cat([opt.states.read_unit(ui).master.cpu() for ui in range(len(zeroinf.engine_of(model).units))])
+    opt.close()
+    return masters
+
+
 def _case(model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: bool = False) -> dict[str, Any]:
     from zeroinf.partition import draw
 
@@ -65,6 +75,7 @@ def _case(model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: b
     rng_after_eager = torch.rand(4)
     zeroinf.shard(eager, cfg)
     expected = _snapshot(eager)
+    eager_masters = _masters(eager)
     zeroinf.engine_of(eager).close()
     limits = draw.DRAW_MIN_BYTES, draw.PIECE_NUMEL
     if drawn:
@@ -79,9 +90,15 @@ def _case(model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: b
     params_meta = all(p.is_meta for p in model.parameters())
     zeroinf.shard(model, cfg)
     got = _snapshot(model)
+    masters = _masters(model)
     zeroinf.engine_of(model).close()
+    compute = cfg.param_torch_dtype
     return {
         "differences": _differences(expected, got),
+        # [Note: parking in the compute dtype]: the masters start from the parked values, which are
+        # eager's rounded to the compute dtype (in fp32: eager's own)
+        "masters_are_eager_rounded": torch.equal(masters, eager_masters.to(compute).float()),
+        "masters_unrounded_as_eager": torch.equal(masters, eager_masters),
         "parked_inside": parked_inside, "parks": park.parks, "unparks": park.unparks, "draws": park.draws,
         "blanks": park.blanks,
         "same_generator_state": torch.equal(rng_after_eager, rng_after_init),
@@ -158,6 +175,8 @@ def test_init_builds_the_eager_model_bitwise(matrix: tuple[int, list[dict]]) -> 
             assert r["parked_inside"] > 0 and r["parks"] >= r["parked_inside"], where
             assert r["park_closed"] and r["swap_files_left"] == [], f"{where}: park left open: {r}"
             assert r["same_generator_state"], f"{where}: the build drew another number of random values"
+            assert r["masters_are_eager_rounded"], f"{where}: the fp32 masters are not eager's rounded"
+            assert r["masters_unrounded_as_eager"] == case.endswith(("fp32", "fp32/drawn")), where
 
 
 def test_large_parameters_are_drawn_in_pieces(matrix: tuple[int, list[dict]]) -> None:

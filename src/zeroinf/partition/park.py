@@ -34,6 +34,16 @@ too, as long as code that touches a parked parameter overwrites it (init functio
 read-modify-write of a parked parameter in arithmetic (`weight.mul_(0.7)` in a parent's
 `__init__`) computes on rounded inputs and may then differ from eager in the last bit of the
 compute dtype. fp32 runs, and parameters touched before their module is attached, are exact.
+What is not the same is the optimizer's start: eager construction followed by `shard` keeps each
+trainable unit's owned range in fp32 until an optimizer takes it as its masters (unit.py
+`initial_master`), so the masters start unrounded; built from the park, they are the parked values
+widened, eager's rounded to the compute dtype (tests/partition/test_construction.py checks both).
+The gathered `state_dict`, the buffers and the forward are eager's bit for bit; the updates differ
+from the first step on, by the rounding of the initial weights (at most 2^-9 of each in bf16).
+Parking fp32 values instead would double the park during construction (4 bytes per parameter
+slice instead of 2, on the parameter tier, the device's included), the memory the park exists to
+bound. Unrounded masters come from loading fp32 values: `zeroinf.from_pretrained` reads them from
+the files in fp32, and `model.load_state_dict(fp32_state)` after `shard` sets them unrounded.
 
 [Note: a large parameter drawn in pieces]
 Eager construction draws a 32000 x 2048 fp32 embedding whole (262 MB) in its own `__init__`, and
