@@ -722,8 +722,8 @@ def shard(
 def _module_num_parameters(module: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
     """Hugging Face's `model.num_parameters()` on a sharded model: the elements each parameter has in
     the model, where the method itself counted a stage-3 placeholder's none (a 112,448-parameter
-    Llama reported 38,464, its resident parts; the Trainer's `total_flos` came from that count). The
-    same arguments and exclusions as Hugging Face's."""
+    Llama reported 38,464, its resident parts; the plain Trainer's `total_flos` comes from this
+    count). The same arguments and exclusions as Hugging Face's."""
     embeddings = (
         {f"{name}.weight" for name, sub in module.named_modules() if isinstance(sub, nn.Embedding)}
         if exclude_embeddings else set()
