@@ -125,8 +125,13 @@ class MemoryHome:
         return self._copy.tensor
 
     def end_load(self) -> None:
+        # The copy is let go, not only released: kept until this unit's next load or step, a GPU kept
+        # every host-homed unit's last device copy of its shard between forward and backward (the
+        # whole model's compute-dtype shard, unseen by the ledger), and a CPU the compute-dtype shard
+        # an fp32 master had replaced (`adopt_master`; 2 GiB for a 1.1B Llama built under zeroinf.init).
+        # `store` still waits on it for the DMA's read of the old values.
         if self._copy is not None:
-            self._copy.release()
+            self._copy.let_go()
 
     def store(self, values: torch.Tensor, stable: bool = False) -> None:
         if self.holds_master and values.data_ptr() == self.shard.data_ptr():

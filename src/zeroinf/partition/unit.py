@@ -296,11 +296,11 @@ class ShardedUnit(UnitGradients):
         if master is None and self._master_source is not None:  # read from the checkpoint, in fp32
             master, self._master_source = self._master_source(), None
         if master is None:  # built under zeroinf.init: start from the compute-dtype values
-            if self.home is not None:
-                master = self.home.finish_load().float().clone()
+            if self.home is not None:  # one new fp32 tensor (`.float().clone()` made two of a bf16 shard)
+                master = self.home.finish_load().to(torch.float32, copy=True)
                 self.home.end_load()
             else:
-                master = self.param_flat[self.owned_start : self.owned_end].float().clone()
+                master = self.param_flat[self.owned_start : self.owned_end].to(torch.float32, copy=True)
         return master
 
     @property

@@ -115,6 +115,13 @@ class DeviceCopy:
             self.owner.ledger.release(Tier.DEVICE, self.device_bytes, DEVICE_STAGING_TAG)
             self.device_bytes = 0
 
+    def let_go(self) -> None:
+        """`release`, and drop this object's reference to `tensor` (its queued uses keep its memory
+        through the stream records), so the memory is freed as the ledger says; `wait_source_free`
+        still works. Reading `tensor` afterwards is an error."""
+        self.release()
+        self.__dict__.pop("tensor", None)
+
 
 @dataclass
 class Landing:
