@@ -6,6 +6,7 @@ excludes the marker). Everything here runs on cuda:0 in one process.
 - The transfer path: in a steady step with states on the host, every copy between host and device
   goes through the owner (runtime/streams.py) from pinned memory, and its pool allocates nothing.
 - The demo CLI trains on the GPU.
+- Parameters on the host: after a forward the GPU holds what the ledger counts, a unit at most beyond.
 - `model.load_state_dict` sets the fp32 masters exactly there, and a conversion after `shard` is refused.
 - `torch.compile` (inductor, Triton kernels) on a sharded model: the tolerances of the parity
   matrix against plain PyTorch, with parameters and optimizer states on the GPU or the host.
@@ -152,3 +153,40 @@ def test_torch_compile_matches_plain_pytorch_on_the_gpu(name: str, tmp_path: Pat
         torch.testing.assert_close(ours["weights"][pname], ref, rtol=0, atol=weight_atol, msg=lambda m: f"{name}: {m}")
     frames = ours["frames_compiled"]
     assert frames[0] >= 1 and frames[1:] == [frames[1]] * (len(frames) - 1), frames
+
+
+def test_host_homed_shards_leave_no_device_copy_behind() -> None:
+    """Parameters on the host: after a forward, the GPU holds what the ledger counts, plus at most one
+    unit. Each unit's device copy of its shard used to stay referenced until its next gather or step
+    (partition/shard_home.py `MemoryHome.end_load`): 8 units' copies held at the end of forward, while
+    the ledger counted them released (tests/partition/test_shard_home.py checks the CPU side)."""
+    import zeroinf
+
+    model = zeroinf.shard(
+        torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(8)]),
+        zeroinf.Config(
+            stage=3, param_dtype="bf16", persist_threshold_bytes=0,
+            offload=OffloadConfig(params="host", optimizer="host"),
+        ),
+        zeroinf.Topology.single(CUDA),
+    )
+    engine = zeroinf.engine_of(model)
+    assert len(engine.units) == 8
+    unit_bytes = max(u.unsharded_bytes for u in engine.units)  # 2 MiB each
+
+    def settled() -> tuple[int, int]:
+        torch.cuda.synchronize(CUDA)
+        torch.empty(1, device=CUDA)  # the allocator processes frees waiting on stream events
+        return torch.cuda.memory_allocated(CUDA), int(engine.ledger.snapshot()["device"]["live_bytes"])
+
+    x = torch.randn(4, 1024, device=CUDA, dtype=torch.bfloat16)
+    try:
+        (x @ x.T).sum().item()  # cuBLAS's workspace for this stream comes from the allocator: before, not during
+        gpu_before, ledger_before = settled()
+        with torch.no_grad():
+            model(x)
+        gpu_after, ledger_after = settled()
+        extra = (gpu_after - gpu_before) - (ledger_after - ledger_before)
+        assert extra <= unit_bytes, f"{extra / 2**20:.1f} MiB on the GPU beyond the ledger after a forward"
+    finally:
+        engine.close()
