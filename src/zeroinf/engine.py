@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import time
-import types
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -45,11 +44,11 @@ from zeroinf.partition.init import (
 from zeroinf.partition.intact import PassWrites, check_not_wrapped_in_ddp, check_params_intact
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.state_entries import own_storages
-from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy, full_numel
+from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.precision import buffer_in_compute_dtype
-from zeroinf.runtime import hooks, sync_switch
+from zeroinf.runtime import hooks, module_methods, sync_switch
 from zeroinf.runtime.reach import PENALTY_AT_STAGE_3, InputGradientPass, ReachAgreement
 from zeroinf.runtime.schedule import UnshardScheduler
 from zeroinf.runtime.stage3_hooks import Stage3Hooks
@@ -706,9 +705,7 @@ def shard(
             # is set too; true here as well: the module keeps its own nn.Parameter objects.
             sub._fsdp_use_orig_params = True  # type: ignore[assignment]
     sync_switch.install(module)  # DDP's no_sync, FSDP2's set_requires_gradient_sync: checked, not ignored
-    module.__dict__["zero_grad"] = types.MethodType(_module_zero_grad, module)
-    if callable(getattr(module, "num_parameters", None)):  # a Hugging Face model's: placeholders count 0
-        module.__dict__["num_parameters"] = types.MethodType(_module_num_parameters, module)
+    module_methods.install(module)  # zero_grad discards the engine's gradients; HF's num_parameters full sizes
     # accelerate's guard against double wrapping: `accelerator.prepare` returns the model unchanged
     # (integrations/trainer.py [Note: accelerate and the sharded model]).
     module._is_accelerate_prepared = True  # type: ignore[assignment]
@@ -717,36 +714,6 @@ def shard(
 
     torch_clip.install()  # torch's clip_grad_norm_ over this model's parameters asks the engine
     return module
-
-
-def _module_num_parameters(module: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-    """Hugging Face's `model.num_parameters()` on a sharded model: the elements each parameter has in
-    the model, where the method itself counted a stage-3 placeholder's none (a 112,448-parameter
-    Llama reported 38,464, its resident parts; the plain Trainer's `total_flos` comes from this
-    count). The same arguments and exclusions as Hugging Face's."""
-    embeddings = (
-        {f"{name}.weight" for name, sub in module.named_modules() if isinstance(sub, nn.Embedding)}
-        if exclude_embeddings else set()
-    )
-    return sum(
-        full_numel(p) for name, p in module.named_parameters()
-        if name not in embeddings and (p.requires_grad or not only_trainable)
-    )
-
-
-def _module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
-    """`model.zero_grad()` on a sharded model discards the gradients the engine holds, as it does in
-    PyTorch: nn.Module's own only cleared `p.grad`, where the engine keeps none, so the backward
-    passes since the last step stayed counted and added (a DCGAN loop's `netD.zero_grad()`, after the
-    generator's backward ran through the discriminator, then stopped at the next backward with
-    "backward pass 2 since the last optimizer step"). Through the optimizer where there is one: it
-    refuses where a backward already stepped units inside it."""
-    engine = engine_of(module)
-    optimizer = engine.optimizer_ref() if engine.optimizer_ref is not None else None
-    if optimizer is not None:
-        optimizer.discard_gradients("model.zero_grad()")
-    else:
-        engine.zero_grad()
 
 
 def resolve_auto(module: nn.Module, cfg: Config, topo: Topology) -> Config:
