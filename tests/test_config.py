@@ -140,8 +140,17 @@ def test_direct_construction_validates_like_from_dict() -> None:
         LossScaleConfig(backoff_factor=1.5)
     with pytest.raises(zeroinf.ConfigError, match=r"`offload\.params`"):
         OffloadConfig(params="gpu")
-    with pytest.raises(zeroinf.ConfigError, match="`loss_scale`"):
-        Config(loss_scale={"backoff_factor": 0.5})  # type: ignore[arg-type]
+    # A nested table may come as a dict, as in from_dict and as OffloadConfig's `aio` takes it (it used to
+    # be refused with "pass a LossScaleConfig or a table of its fields", a table being what it got).
+    assert Config(offload={"optimizer": "host"}).offload == OffloadConfig(optimizer="host")  # type: ignore[arg-type]
+    assert Config(loss_scale={"backoff_factor": 0.25}).loss_scale == LossScaleConfig(backoff_factor=0.25)  # type: ignore[arg-type]
+    assert Config(offload={"aio": {"workers": 2}}).offload.aio.workers == 2  # type: ignore[arg-type]
+    with pytest.raises(zeroinf.ConfigError, match=r"`loss_scale\.backoff_factor`"):
+        Config(loss_scale={"backoff_factor": 1.5})  # type: ignore[arg-type]
+    with pytest.raises(zeroinf.ConfigError, match=r"`offload\.optimiser`.*unknown field"):
+        Config(offload={"optimiser": "host"})  # type: ignore[arg-type]
+    with pytest.raises(zeroinf.ConfigError, match="`offload`"):
+        Config(offload="host")  # type: ignore[arg-type]
 
 
 # Every field of every config class, given each value of a pool of wrong types and edge values, either

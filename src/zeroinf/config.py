@@ -413,6 +413,8 @@ class Config:
             )
         _finite_seconds("collective_timeout_s", self.collective_timeout_s)
         for name, cls in (("loss_scale", LossScaleConfig), ("offload", OffloadConfig)):
+            if isinstance(getattr(self, name), Mapping):  # Config(offload={"optimizer": "host"}), as from_dict
+                object.__setattr__(self, name, _from_dict(cls, dict(getattr(self, name)), prefix=f"{name}."))
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(name, getattr(self, name), f"pass a {cls.__name__} or a table of its fields")
         if self.is_auto:
