@@ -48,7 +48,7 @@ from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, Sharding
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.precision import buffer_in_compute_dtype
-from zeroinf.runtime import hooks, module_methods, sync_switch
+from zeroinf.runtime import failed_backward, hooks, module_methods, sync_switch
 from zeroinf.runtime.reach import PENALTY_AT_STAGE_3, InputGradientPass, ReachAgreement
 from zeroinf.runtime.schedule import UnshardScheduler
 from zeroinf.runtime.stage3_hooks import Stage3Hooks
@@ -178,6 +178,10 @@ class Engine:
         self._sync_this_backward = False
         self._reducing: deque[int] = deque()
         self._reductions_in_flight = self.unit_plan.reductions_in_flight
+        # runtime/failed_backward.py [Note: a backward that raised]: set when one is noticed, until zero_grad;
+        # the optimizer's part of ending it (set by zeroinf.AdamW when it steps inside backward)
+        self.backward_failed = False
+        self.backward_abandoned: Callable[[], None] | None = None
         # Set by zeroinf.AdamW when it steps units inside backward (optim/adamw.py [Note: the step
         # inside backward]): called with a unit's index once its reduced gradient is complete.
         self.backward_step: Callable[[int], None] | None = None
@@ -234,6 +238,7 @@ class Engine:
                 unit.remember_versions()
             raise
         check_params_intact(self.all_units)
+        self.settle_failed_backward()
         self.pass_writes.begin_forward()
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
@@ -314,6 +319,12 @@ class Engine:
         """Inside a backward of this model (a checkpoint's recompute finds its unit gathered)."""
         return self._in_backward
 
+    def settle_failed_backward(self) -> None:
+        """From outside autograd: end a backward of this model that raised midway, if one did
+        (runtime/failed_backward.py [Note: a backward that raised])."""
+        if self._in_backward and not failed_backward.backward_running():
+            failed_backward.abandon(self)
+
     def pre_backward(self, index: int) -> None:
         """Unit `index`'s backward is about to run: gather it (through the scheduler)."""
         self._begin_backward_once()
@@ -382,6 +393,8 @@ class Engine:
         ):
             self._begin_input_gradient_pass()
             return
+        if self.backward_failed:
+            raise RuntimeError(failed_backward.FAILED_BACKWARD)
         if self.micro_step >= self.cfg.grad_accum_steps and self.units:
             if self.optimizer_io is None:  # e.g. torch.optim.AdamW(model.parameters()): it saw no gradients
                 raise RuntimeError(
@@ -498,6 +511,9 @@ class Engine:
 
     # -- step boundary ----------------------------------------------------------------------------------
     def require_step_boundary(self) -> None:
+        self.settle_failed_backward()
+        if self.backward_failed:
+            raise RuntimeError(failed_backward.FAILED_BACKWARD)
         if self.micro_step == 0 and any(p.grad is not None for p in self.trained_params):
             # The engine never leaves a gradient in p.grad of a unit parameter: someone put these there
             # and stepped without a backward, as torch.distributed.checkpoint's get_optimizer_state_dict
@@ -537,7 +553,9 @@ class Engine:
         self.ledger.reset_peak()
 
     def zero_grad(self) -> None:
-        self.grad_pool.close()  # a backward that failed midway never reached its end
+        self.settle_failed_backward()
+        self.backward_failed = False
+        self.grad_pool.close()
         # Discarded gradients (a GAN's generator step backpropagates through the discriminator, whose
         # optimizer then zeroes them): the next backward starts a new accumulation.
         self.micro_step = 0

@@ -102,6 +102,7 @@ def load(
     _load_small_state(body, model, engine, optimizer, ckpt_dir=data.dir)
     if load_rng and rank < len(body["rng"]):
         set_rng_state(engine, body["rng"][rank])
+    optimizer.states_replaced()
     barrier(engine)
     return {"step": body["step"], "extra": body["extra"], "path": data.dir, "world_size": body["world_size"]}
 

@@ -231,6 +231,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         self.units_stepped_in_backward = 0  # in the last step
         self._hold_back = False  # the last step clipped: this one steps after backward (likely clips again)
         self._background: BackgroundSteps | None = None  # kernels stepped inside backward on a worker thread
+        self._partly_stepped: RuntimeError | None = None  # backward_step.py `_abandon_backward_step`
         self._install_step_in_backward()
         self.engine.optimizer_io = (self.states, self._pipeline)  # for the engine's I/O report
         self.engine.optimizer_ref = weakref.ref(self)  # torch's clip_grad_norm_ asks it (optim/torch_clip.py)
@@ -304,6 +305,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
     def discard_gradients(self, caller: str) -> None:
         """Drop the gradients of the backward passes since the last step (what zero_grad does in
         PyTorch); refused where a backward already stepped units inside it."""
+        self.require_whole_step()
         if self._session is not None:
             raise RuntimeError(
                 f"{caller} after a backward that already stepped units inside it "
@@ -455,9 +457,10 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         return self._norm_before_step / self.loss_scale
 
     def _settle_backward(self) -> None:
-        """What the backward left running is done, before the step reads its gradients: the
-        background kernels, an I/O error they met (it tells first), the backward count, and the
-        gradients still on their way to the host (their NVMe norms are then set)."""
+        """What the backward left running is done, before the step reads its gradients: a backward
+        that raised, the background kernels, an I/O error they met (it tells first), the backward
+        count, and the gradients still on their way to the host (their NVMe norms are then set)."""
+        self.require_whole_step()
         if self._background is not None:
             self._background.drain()
         self.states.require_healthy()
@@ -608,6 +611,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (owned ranges, as CPU or device tensors), hyperparameters and
         loss-scaler state. States on nvme are read one unit at a time."""
+        self.require_whole_step()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         units = [self.states.read_unit(ui) for ui in range(len(self.engine.units))]
         return {
@@ -663,6 +667,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         for handle in handles:
             handle.wait()
         self.engine.transfers.wait_uploads()  # the caller's tensors may change once this returns
+        self.states_replaced()
 
     def close(self) -> None:
         """Free the optimizer states (for nvme: remove the swap files). Also done at exit."""

@@ -103,6 +103,8 @@ class StepInBackward:
     _expected_units: list[int]  # backward's order of completing units, learned each step
     _hold_back: bool  # the last step clipped: this one steps after backward (likely clips again)
     _background: BackgroundSteps | None  # kernels stepped inside backward on a worker thread
+    # runtime/failed_backward.py: a backward that raised after a final step had stepped units in it
+    _partly_stepped: RuntimeError | None
     # AdamW's update of one staged sub-group: (grad_of, done, handles, hyper, background, then) -> update
     _update_fn: Callable[..., Callable[[Staged], None]]
 
@@ -126,6 +128,14 @@ class StepInBackward:
                 bound(ui)
 
         self.engine.backward_step = step_unit
+        abandon = weakref.WeakMethod(self._abandon_backward_step)
+
+        def abandon_step() -> None:
+            bound = abandon()
+            if bound is not None:
+                bound()
+
+        self.engine.backward_abandoned = abandon_step
         if self.states.staging_slots is not None:  # states that swap: read them ahead
             prepare = weakref.WeakMethod(self._prepare_unit_in_backward)
 
@@ -256,6 +266,41 @@ class StepInBackward:
             self._session = None  # the stream is aborted and the store marked: every later step refuses
             raise
         session.stepped.append(ui)
+
+    def _abandon_backward_step(self) -> None:
+        """The backward that began this step raised midway (runtime/failed_backward.py [Note: a
+        backward that raised]): a speculative step is undone; a final one that stepped units cannot
+        be, and `require_whole_step` then refuses to go on."""
+        if self._background is not None:
+            self._background.drain()
+        session, self._session = self._session, None
+        if session is None:
+            return
+        if session.speculative:
+            self._undo(session, restore_params=True)
+            return
+        session.stream.finish()
+        for handle in session.handles:
+            handle.wait()
+        if session.stepped:
+            self._partly_stepped = RuntimeError(
+                f"a backward pass raised midway after offload.step_in_backward had already stepped "
+                f"{len(session.stepped)} of {len(self.engine.units)} units inside it, with no way back (a final "
+                "step keeps no copy of the old states): the model and optimizer are partly updated. Load the "
+                "last checkpoint (zeroinf.load) to go on; for a loop that skips batches whose backward fails "
+                "(out of memory), set offload.step_in_backward = false, or clip gradients (grad_clip_norm), "
+                "under which the step inside backward is undone instead"
+            )
+
+    def require_whole_step(self) -> None:
+        """Stop if a failed backward left the model partly stepped (see `_abandon_backward_step`)."""
+        self.engine.settle_failed_backward()
+        if self._partly_stepped is not None:
+            raise self._partly_stepped
+
+    def states_replaced(self) -> None:
+        """Every state and parameter was just loaded: a partly stepped model is whole again."""
+        self._partly_stepped = None
 
     def _undo(self, session: BackwardStep, restore_params: bool) -> None:
         """Roll a speculative step back: the states before it; with `restore_params`, the parameters too

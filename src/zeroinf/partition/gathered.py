@@ -47,6 +47,7 @@ class UnitGather:
     def __init__(self, engine: Engine, index: int, modify: bool) -> None:
         self.engine, self.index, self.modify = engine, index, modify
         unit = engine.all_units[index]
+        engine.settle_failed_backward()
         if engine.in_backward:
             raise RuntimeError(
                 f"zeroinf.gathered: unit {unit.name} is in a backward pass; gather between optimizer steps"
