@@ -20,7 +20,6 @@ unsharded gradients of every unit across micro-steps would undo the point of sha
 from __future__ import annotations
 
 import functools
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -30,7 +29,6 @@ import torch
 from torch import nn
 
 from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing, no_cache_in_training
-from zeroinf.aio.engine import DISK_ACTIVITY
 from zeroinf.comm import all_reduce
 from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
@@ -55,6 +53,7 @@ from zeroinf.runtime.stage3_hooks import Stage3Hooks
 from zeroinf.runtime.streams import Transfers
 from zeroinf.telemetry import CollectiveCounter, get_logger
 from zeroinf.tiers.host import StepMemory, map_large_buffers, reuse_step_buffers
+from zeroinf.tiers.io_traffic import IoTraffic
 from zeroinf.tiers.nvme_tier import NvmeTier, open_grad_files, open_param_files
 from zeroinf.topology import Topology, default_topology
 from zeroinf.weights.source import CheckpointWeights, UnitWeights
@@ -66,7 +65,6 @@ if TYPE_CHECKING:
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 _ATTR = "_zeroinf_engine"
-IO_KINDS = ("params", "grads", "optimizer")  # the NVMe traffic io_report tells apart
 
 # [Note: an fp16 backward without the loss scale]
 # In fp16 the optimizer multiplies the loss by its scale before backward (`opt.backward(loss)`) and
@@ -218,8 +216,7 @@ class Engine:
         self.activation_offloader: ActivationOffloader | None = None
         if cfg.activation_checkpointing:
             self._setup_activation_checkpointing()
-        self.io_last_step: dict[str, Any] | None = None  # see io_report
-        self._io_mark = (time.perf_counter(), self._io_totals())
+        self.io = IoTraffic(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """`torch.save(model)` and `copy.deepcopy(model)` reach the engine through the module's
@@ -470,6 +467,13 @@ class Engine:
         self._in_backward = False
 
     def _end_backward(self) -> None:
+        try:
+            self._finish_backward()
+        except BaseException:  # a collective or an I/O error at the end: the pass ended midway all the same
+            failed_backward.abandon(self)
+            raise
+
+    def _finish_backward(self) -> None:
         self.pass_writes.end_pass()
         self._settle_agreement()
         if self.backward_step_barrier is not None:
@@ -545,7 +549,7 @@ class Engine:
     def end_step(self) -> None:
         self.transfers.order_uploads()  # whatever runs after the step reads the new parameters
         self.step_memory.after_step()
-        self._mark_io_step()
+        self.io.end_step()
         self.micro_step = 0
         self.counter.end_step()
         self.transfers.end_step()
@@ -573,74 +577,9 @@ class Engine:
             self.grad_files.close()
         self.nvme_tier.close()
 
-    def _io_totals(self) -> dict[str, float]:
-        """Cumulative NVMe traffic of this rank per kind ("<kind>_read_bytes", "<kind>_written_bytes"
-        for params, grads and optimizer), seconds blocked on it and in flight, and the process's
-        disk-busy seconds (aio/engine.py DiskActivity)."""
-        out = {f"{kind}_{d}_bytes": 0.0 for kind in IO_KINDS for d in ("read", "written")}
-        wait = busy = 0.0
-        for kind, files, engine in (
-            ("params", self.param_files, self.param_files.engine if self.param_files else None),
-            ("grads", self.grad_files, self.grad_files.swap.engine if self.grad_files else None),
-        ):
-            if files is None or engine is None:
-                continue
-            stats = engine.stats()
-            out[f"{kind}_read_bytes"], out[f"{kind}_written_bytes"] = stats.bytes_read, stats.bytes_written
-            wait, busy = wait + files.io_wait_s, busy + files.io_busy_s
-        if self.optimizer_io is not None:
-            states, pipeline = self.optimizer_io
-            out["optimizer_read_bytes"] = states.traffic.total.get("nvme_read_bytes", 0)
-            out["optimizer_written_bytes"] = states.traffic.total.get("nvme_written_bytes", 0)
-            wait, busy = wait + pipeline.io_wait_s, busy + pipeline.io_busy_s
-        out.update(io_wait_s=wait, io_busy_s=busy, disk_busy_s=DISK_ACTIVITY.busy_s())
-        return out
-
-    def _mark_io_step(self) -> None:
-        """Close the I/O window of the step that just ended (`io_last_step`) and open the next one."""
-        now, totals = time.perf_counter(), self._io_totals()
-        start, before = self._io_mark
-        self._io_mark = (now, totals)
-        wall = now - start
-        delta = {k: totals[k] - before[k] for k in totals}
-        traffic = _traffic(delta)
-        moved = traffic["read_bytes"] + traffic["written_bytes"]
-        params_per_rank = sum(u.layout.numel for u in self.all_units) / self.topo.world_size
-        self.io_last_step = {
-            "step_s": wall,
-            **traffic,
-            "bytes_per_param": moved / params_per_rank if params_per_rank else 0.0,
-            "disk_busy_s": delta["disk_busy_s"],
-            "disk_busy_share": delta["disk_busy_s"] / wall if wall > 0 else 0.0,
-            "io_wait_s": delta["io_wait_s"],
-        }
-
     def io_report(self) -> dict[str, Any]:
-        """NVMe traffic of this rank: cumulative bytes read and written (what the SSD wears), per
-        kind, seconds blocked on I/O and seconds I/O was in flight (overlap: the share of I/O time
-        hidden behind other work); `last_step`: the same over the last optimizer step's window
-        (end of one step to the end of the next), with bytes per parameter this rank holds and the
-        disk-busy share (seconds any request of the process was in flight / the step's seconds);
-        `param_cache`: the NVMe parameter cache's slots, hits and misses (None without one)."""
-        totals = self._io_totals()
-        traffic = _traffic(totals)
-        wait, busy = totals["io_wait_s"], totals["io_busy_s"]
-        return {
-            "nvme_read_bytes": traffic["read_bytes"], "nvme_written_bytes": traffic["written_bytes"],
-            "io_wait_s": wait, "io_busy_s": busy,
-            "overlap_pct": 100.0 * (1 - wait / busy) if busy > 0 else 0.0,
-            "by_kind": traffic["by_kind"],
-            "disk_busy_s": totals["disk_busy_s"],
-            "last_step": self.io_last_step,
-            "param_cache": self._param_cache_report(),
-        }
-
-    def _param_cache_report(self) -> dict[str, int] | None:
-        """Slots and cumulative hits / misses (loads served from host / read from NVMe) of the parameter cache."""
-        cache = self.param_files.cache if self.param_files is not None else None
-        if cache is None:
-            return None
-        return {"slots": cache.slots, "held": cache.held, "hits": cache.hits, "misses": cache.misses}
+        """NVMe traffic of this rank (tiers/io_traffic.py `IoTraffic.report`)."""
+        return self.io.report()
 
     def memory_report(self) -> dict[str, Any]:
         report: dict[str, Any] = self.ledger.snapshot()
@@ -663,17 +602,6 @@ class Engine:
             traces = (self.scheduler.forward_trace, self.scheduler.backward_trace)
             report["trace_departures"] = sum(t.departures for t in traces)
         return report
-
-
-def _traffic(counts: dict[str, float]) -> dict[str, Any]:
-    """Bytes read and written, in all and per kind, from `Engine._io_totals`-style counters (or their
-    difference over a step)."""
-    by_kind = {kind: {d: counts[f"{kind}_{d}_bytes"] for d in ("read", "written")} for kind in IO_KINDS}
-    return {
-        "read_bytes": sum(k["read"] for k in by_kind.values()),
-        "written_bytes": sum(k["written"] for k in by_kind.values()),
-        "by_kind": by_kind,
-    }
 
 
 def shard(

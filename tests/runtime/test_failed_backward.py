@@ -16,8 +16,10 @@ root, several of them stepped inside backward):
   `step`, `state_dict` and `zeroinf.save` stop, saying the model is partly updated and how many
   units; `zeroinf.load` of the checkpoint before it restores the run, which then trains as the
   plain loop that skipped the batch;
+- the end-of-backward callback raising (a collective or a gradient write failing there): the same
+  recovery after `zero_grad`, the same refusal after a final step inside backward;
 - world 2 (one spawned group), every rank failing alike: the same as world 1, at stage 2 on the
-  device and stage 3 with everything on NVMe.
+  device, stage 3 on the host and stage 3 with everything on NVMe.
 """
 
 from __future__ import annotations
@@ -239,3 +241,36 @@ def test_every_rank_failing_alike_at_world_2(tmp_path: Path) -> None:
         want = _plain(clip=1e6 if mode == "speculative" else None)
         for rank in range(2):
             _assert_equal_runs(by_rank[rank][i], want, f"world 2 rank {rank} stage {stage} {tier} {mode}")
+
+
+@pytest.mark.parametrize("mode", ["after", "final"])
+def test_an_error_at_the_end_of_backward_ends_the_pass_too(mode: str, tmp_path: Path, monkeypatch: Any) -> None:
+    """The end-of-backward callback raising (a collective or a gradient write failing there) is a
+    backward that raised midway as well: the same recovery, the same refusal."""
+    model = zeroinf.shard(_net(), _config(3, "host", mode, str(tmp_path)))
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    engine = zeroinf.engine_of(model)
+    losses = []
+    for step, (x, y) in enumerate(_batches()):
+        if step == 1:
+            with monkeypatch.context() as patch:
+                patch.setattr(engine, "_reduce_all", lambda: (_ for _ in ()).throw(OSError("lost on purpose")))
+                with pytest.raises(OSError, match="on purpose"):
+                    _loss(model, x, y).backward()
+            if mode == "final":
+                with pytest.raises(RuntimeError, match=r"already stepped [1-5] of 5 units"):
+                    opt.zero_grad()
+                break
+            with pytest.raises(RuntimeError, match=r"last backward pass raised midway"):
+                opt.step()
+            opt.zero_grad()
+        loss = _loss(model, x, y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    got = (losses, model.state_dict())
+    opt.close()
+    engine.close()
+    if mode == "after":
+        _assert_equal_runs(got, _plain(clip=None), "an error at the end of backward")

@@ -12,11 +12,12 @@ training loop that could never step again, for a reason the message did not name
 The engine now notices the unfinished pass wherever it is entered from outside autograd (a
 forward of the model, `zero_grad`, a step, a `zeroinf.gathered` block, `zeroinf.save`): no
 backward is running on this thread (`torch._C._current_graph_task_id() == -1`, what torch's own
-checkpointing asks) yet its pass never ended. It then ends the pass as far as it can: gathered
-units are released, the reach agreement settled, the gradient pool closed, the optimizer's
-in-backward step wound down. The partial gradients stay, as in PyTorch, until `zero_grad()` drops
-them; a backward or a step before that stops, naming the call to make (PyTorch would silently add
-them into the next step).
+checkpointing asks) yet its pass never ended. (An error in the end-of-backward callback itself, a
+collective or a gradient write failing there, ends the pass at once the same way.) It then ends
+the pass as far as it can: gathered units are released, the reach agreement settled, the gradient
+pool closed, the optimizer's in-backward step wound down. The partial gradients stay, as in
+PyTorch, until `zero_grad()` drops them; a backward or a step before that stops, naming the call
+to make (PyTorch would silently add them into the next step).
 
 The optimizer's part (optim/backward_step.py `_abandon_backward_step`): a speculative step inside
 backward is undone (states and parameters as before the step), so skipping the batch trains
@@ -57,10 +58,11 @@ def abandon(engine: Engine) -> None:
         engine._input_gradient_pass.release_all()
         engine._input_gradient_pass = None
         return
-    try:
-        engine._settle_agreement()  # every rank started it when its backward began
-    finally:
-        engine._agreement = None
+    try:  # every rank started it when its backward began; unsettled, its result is never read
+        engine._settle_agreement()
+    except Exception:  # noqa: BLE001 - a collective failing here failed the pass already, which is raised
+        pass
+    engine._agreement = None
     engine._reducing.clear()  # their collectives are waited for when zero_grad drops the gradients
     engine._step_in_this_backward = False
     for unit in engine.units:
