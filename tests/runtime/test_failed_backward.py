@@ -16,6 +16,8 @@ root, several of them stepped inside backward):
   `step`, `state_dict` and `zeroinf.save` stop, saying the model is partly updated and how many
   units; `zeroinf.load` of the checkpoint before it restores the run, which then trains as the
   plain loop that skipped the batch;
+- gradient accumulation (2 micro-steps, the second one failing, the loop redoing the step): the
+  same losses and weights on device / host / NVMe;
 - the end-of-backward callback raising (a collective or a gradient write failing there): the same
   recovery after `zero_grad`, the same refusal after a final step inside backward;
 - world 2 (one spawned group), every rank failing alike: the same as world 1, at stage 2 on the
@@ -24,6 +26,7 @@ root, several of them stepped inside backward):
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +277,37 @@ def test_an_error_at_the_end_of_backward_ends_the_pass_too(mode: str, tmp_path: 
     engine.close()
     if mode == "after":
         _assert_equal_runs(got, _plain(clip=None), "an error at the end of backward")
+
+
+def _accumulating_loop(model: Net, opt: Any, backward: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Two micro-steps a step; at step 2 the second one's backward fails: the loop drops the step's
+    gradients and redoes both micro-steps."""
+    losses = []
+    for step, (x, y) in enumerate(_batches()):
+        if step == 2:
+            backward(_loss(model, x[:4], y[:4]) / 2)
+            _attempt_that_fails(model, x[4:], y[4:], 1)
+            opt.zero_grad()
+        total = 0.0
+        for half in (slice(0, 4), slice(4, 8)):
+            loss = _loss(model, x[half], y[half]) / 2
+            backward(loss)
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "nvme"])
+def test_a_failed_micro_step_of_an_accumulating_loop(tier: str, tmp_path: Path) -> None:
+    plain = _net()
+    want = _accumulating_loop(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True), torch.Tensor.backward)
+    cfg = dataclasses.replace(_config(3, tier, "final", str(tmp_path)), grad_accum_steps=2)
+    model = zeroinf.shard(_net(), cfg)
+    opt = zeroinf.AdamW(model, lr=1e-2)
+    try:
+        _assert_equal_runs(_accumulating_loop(model, opt, opt.backward), want, f"accumulating {tier}")
+    finally:
+        opt.close()
+        zeroinf.engine_of(model).close()
