@@ -80,6 +80,7 @@ def load(
     store = optimizer.states
     executor = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="zeroinf-ckpt-read")
     reader = ChunkReader(body, data, executor=executor)
+    store.forget_failure()  # every state is rewritten below (a step that stopped midway is undone by it)
     try:
         for ui, unit in enumerate(engine.units):
             error, master = None, None
@@ -95,6 +96,9 @@ def load(
             with torch.no_grad():
                 unit.start_update_params(master).wait()
             del master
+    except BaseException as exc:
+        store.fail(exc)  # some units loaded, the others not
+        raise
     finally:
         reader.drain(raise_errors=False)
         executor.shutdown()

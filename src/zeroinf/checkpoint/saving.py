@@ -83,7 +83,7 @@ def save(
     """
     finish_pending_save(optimizer)
     engine = engine_of(model)
-    optimizer.require_whole_step()  # runtime/failed_backward.py: never a checkpoint of a partly stepped model
+    optimizer.require_consistent_states()  # never a checkpoint of a partly stepped model
     if engine.micro_step != 0:
         raise RuntimeError(
             f"zeroinf.save after {engine.micro_step} backward passes without optimizer.step(): "

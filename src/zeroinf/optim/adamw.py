@@ -611,7 +611,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (owned ranges, as CPU or device tensors), hyperparameters and
         loss-scaler state. States on nvme are read one unit at a time."""
-        self.require_whole_step()
+        self.require_consistent_states()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         units = [self.states.read_unit(ui) for ui in range(len(self.engine.units))]
         return {
@@ -655,8 +655,13 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         self.engine.transfers.wait_uploads()  # uploads of the last step may still read the masters replaced here
         units = self.engine.units
         masters = state["master"]
-        for ui in range(len(units)):
-            self.states.write_unit(ui, StateViews(masters[ui], state["exp_avg"][ui], state["exp_avg_sq"][ui]))
+        self.states.forget_failure()  # every state is rewritten below
+        try:
+            for ui in range(len(units)):
+                self.states.write_unit(ui, StateViews(masters[ui], state["exp_avg"][ui], state["exp_avg_sq"][ui]))
+        except BaseException as exc:
+            self.states.fail(exc)  # some units loaded, the others not
+            raise
         self.param_steps = [[int(n) for n in steps] for steps in state["param_steps"]]
         self.step_count = state["step_count"]
         for group, saved in zip(self.param_groups, state["param_groups"], strict=True):

@@ -187,6 +187,7 @@ class StepInBackward:
         engine = self.engine
         engine.transfers.retire()
         engine.transfers.wait_uploads()  # the last step's uploads have read the masters
+        self.states.require_healthy()
         self.states.check("read")
         speculative = self.step_mode == "speculative"
         if speculative:
@@ -297,6 +298,12 @@ class StepInBackward:
         self.engine.settle_failed_backward()
         if self._partly_stepped is not None:
             raise self._partly_stepped
+
+    def require_consistent_states(self) -> None:
+        """Before the states are read to be kept (a checkpoint, `state_dict`): no step left them
+        half-updated, through a failed backward or a step that stopped midway."""
+        self.require_whole_step()
+        self.states.require_healthy()
 
     def states_replaced(self) -> None:
         """Every state and parameter was just loaded: a partly stepped model is whole again."""

@@ -384,11 +384,16 @@ class NvmeStateStore:
         """Record that a step stopped midway: the files hold a mix of old and new states."""
         self.failure = self.failure or error
 
+    def forget_failure(self) -> None:
+        """Every state is about to be rewritten (a checkpoint load; one that fails midway fails again)."""
+        self.failure = None
+
     def require_healthy(self) -> None:
         if self.failure is not None:
             raise RuntimeError(
                 f"the optimizer states in {self._paths[0]!r} and its sibling files are inconsistent after an "
-                f"earlier error ({self.failure}); restore from a checkpoint"
+                f"earlier error ({self.failure}); restore from a checkpoint (zeroinf.load, or "
+                "optimizer.load_state_dict) before the next step"
             ) from self.failure
 
     def close(self) -> None:

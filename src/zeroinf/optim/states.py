@@ -135,7 +135,9 @@ class OptimizerStateStore(Protocol):
 
     def require_healthy(self) -> None: ...  # raise if an earlier error left the states inconsistent
 
-    def fail(self, error: BaseException) -> None: ...
+    def fail(self, error: BaseException) -> None: ...  # a step (or a load) stopped midway
+
+    def forget_failure(self) -> None: ...  # every state is about to be rewritten (a checkpoint load)
 
     # The speculative step (optim/backward_step.py [Note: the step inside backward]): between `speculate()`
     # and `commit()` or `rollback()` the states before each update stay recoverable.
@@ -169,6 +171,7 @@ class ResidentStateStore:
             for n, shared in zip(source.numels, self._shared, strict=True)
         )
         self.states: list[StateViews] = []
+        self.failure: BaseException | None = None  # see `fail`
         if tier is Tier.HOST:
             check_host_cap(
                 self._nbytes,
@@ -271,10 +274,21 @@ class ResidentStateStore:
         return None
 
     def require_healthy(self) -> None:
-        return None
+        if self.failure is not None:
+            raise RuntimeError(
+                f"the optimizer states on {self.tier.value} are inconsistent: a step stopped midway "
+                f"({self.failure!r}), some sub-groups updated and others not; restore from a checkpoint "
+                "(zeroinf.load, or optimizer.load_state_dict) before the next step"
+            ) from self.failure
 
     def fail(self, error: BaseException) -> None:
-        return None  # in-memory states cannot be left half-written by an I/O error
+        """A step stopped midway (an interrupt, an error in an update): in memory as on NVMe, some
+        sub-groups hold the new states and the others the old ones. It used to be ignored here, and the
+        next step stepped the updated sub-groups twice."""
+        self.failure = self.failure or error
+
+    def forget_failure(self) -> None:
+        self.failure = None
 
     def close(self) -> None:
         if self._closed:
@@ -397,6 +411,9 @@ class SplitStateStore:
 
     def fail(self, error: BaseException) -> None:
         self.nvme.fail(error)
+
+    def forget_failure(self) -> None:
+        self.nvme.forget_failure()
 
     def speculate(self) -> None:
         self.host.speculate()
