@@ -8,7 +8,9 @@ was possible in the process. Now, on every tier (world 1, stage 3, the step afte
 sub-groups so the step has several): the next `step()`, `state_dict()` and `zeroinf.save` stop,
 naming the interrupted step; `zero_grad()` does not; `zeroinf.load` of a checkpoint, or
 `load_state_dict` of a state saved before, restores it, and the run then trains as the plain loop
-(torch's fused AdamW) on the same batches, to 1e-6.
+(torch's fused AdamW) on the same batches, to 1e-6. Everything on NVMe, a Ctrl-C inside each of the
+first 49 disk waits of a step (forward, backward, the step inside it and after it), a load of the
+checkpoint from before: the same, and every staging buffer given back.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 
 import zeroinf
 from tests.runtime.test_failed_backward import _assert_equal_runs, _batches, _loss, _net, _plain
+from zeroinf.aio.engine import AioHandle
 
 
 def _interrupt_the_third_update(opt: Any) -> None:
@@ -83,3 +86,71 @@ def test_an_interrupted_step_is_refused_until_restored(tier: str, restore: str, 
     opt.close()
     zeroinf.engine_of(model).close()
     _assert_equal_runs(got, _plain(clip=None), f"{tier} restored by {restore}")
+
+
+def _interrupt_wait(monkeypatch: pytest.MonkeyPatch, at: int) -> list[int]:
+    """The `at`-th NVMe wait from now raises KeyboardInterrupt (a Ctrl-C while it blocks)."""
+    real, count = AioHandle.wait, [0]
+
+    def wait(self: AioHandle, *args: Any, **kwargs: Any) -> int:
+        count[0] += 1
+        if count[0] == at:
+            raise KeyboardInterrupt("interrupted on purpose")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(AioHandle, "wait", wait)
+    return count
+
+
+def test_an_interrupt_inside_any_nvme_wait_of_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything on NVMe, the default step inside backward: a Ctrl-C inside the n-th disk wait of
+    step 2 (forward, backward, the step inside it, the step after it), for n across the step; the loop
+    catches it, calls `zero_grad()` (refused when units were stepped: the model is partly updated),
+    loads the checkpoint taken before the step and trains on: the plain loop's losses and weights.
+    Waits that were interrupted used to drop their staging buffer (a write popped from its queue before
+    the wait): the pool ran dry a few writes later (BufferPoolTimeout after `io_timeout_s`)."""
+    want = _plain(clip=None)
+    interrupted = 0
+    for at in range(1, 50):
+        folder = tmp_path / str(at)
+        offload = {"params": "nvme", "optimizer": "nvme", "nvme_dir": str(folder), "sub_group_numel": 600,
+                   "io_timeout_s": 10.0}
+        model = zeroinf.shard(_net(), zeroinf.Config(stage=3, persist_threshold_bytes=0, unit_classes=["Block"],
+                                                     offload=offload))
+        opt = zeroinf.AdamW(model, lr=1e-2)
+        losses = []
+        for step, (x, y) in enumerate(_batches()):
+            if step == 2:
+                zeroinf.save(folder / "ckpt", model, opt, step=2)
+                with monkeypatch.context() as patch:
+                    _interrupt_wait(patch, at)
+                    try:
+                        loss = _loss(model, x, y)
+                        opt.backward(loss)
+                        opt.step()
+                    except KeyboardInterrupt:
+                        interrupted += 1
+                    else:  # the step has fewer waits than `at`
+                        opt.zero_grad()
+                        losses.append(loss.item())
+                        continue
+                try:
+                    opt.zero_grad()
+                except RuntimeError as exc:
+                    assert "partly updated" in str(exc)
+                zeroinf.load(folder / "ckpt", model, opt)
+                opt.zero_grad()
+            loss = _loss(model, x, y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        engine = zeroinf.engine_of(model)
+        assert engine.param_files is not None
+        engine.param_files.drain()
+        assert engine.param_files.pools.all_free, f"interrupt at wait {at}: a staging buffer was never given back"
+        got = (losses, model.state_dict())
+        opt.close()
+        engine.close()
+        _assert_equal_runs(got, want, f"interrupt at NVMe wait {at}")
+    assert interrupted >= 30, "the step should have more waits than most of the points tried"

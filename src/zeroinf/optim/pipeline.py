@@ -237,15 +237,17 @@ class SubGroupStream:
             self.pipeline.io_wait_s += time.perf_counter() - t0
 
     def _finish_oldest_write(self) -> None:
-        index, pending = self._writes.popleft()
-        self._wait(pending)
+        index, pending = self._writes[0]
+        self._wait(pending)  # before it leaves the queue: after a raise, `abort` settles it and frees its slot
+        self._writes.popleft()
         self._held -= 1
         self.pipeline._note("swap_out_done", index)
 
     def _drop_read(self, index: int) -> None:
         """Give back a prefetched sub-group unused (read-only: nothing to write)."""
-        pending = self._reads.pop(index)
-        self._wait(pending).release()
+        staged = self._wait(self._reads[index])  # before it leaves `_reads`, as `_finish_oldest_write`
+        del self._reads[index]
+        staged.release()
         self._held -= self.store.swaps(index)
         self.pipeline._note("dropped", index)
 

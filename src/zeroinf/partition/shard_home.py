@@ -212,8 +212,12 @@ class NvmeParamFiles:
                 self.pools.release(buf)
 
     def retire_oldest_write(self) -> None:
-        handle, buf = self.pending_writes.popleft()
+        # Waited before it leaves the queue: a wait that raises (an interrupt, an I/O error) keeps
+        # the write and its buffer for the next retire, where popping first lost the buffer for good
+        # (the pool ran dry a few writes later: BufferPoolTimeout).
+        handle, buf = self.pending_writes[0]
         self.wait(handle)
+        self.pending_writes.popleft()
         self.pools.release(buf)
 
     def drain(self) -> None:
@@ -467,8 +471,9 @@ class NvmeGradFiles:
         self.io_busy_s += handle.in_flight_s
 
     def _retire_oldest(self) -> None:
-        handle, _, on_written = self._writes.popleft()
-        self._wait(handle)
+        handle, _, on_written = self._writes[0]
+        self._wait(handle)  # before it leaves the queue (see `NvmeParamFiles.retire_oldest_write`)
+        self._writes.popleft()
         if on_written is not None:
             on_written()
 

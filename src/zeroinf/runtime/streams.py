@@ -384,9 +384,10 @@ class Transfers:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        landing = self._landings.popleft()
+        landing = self._landings[0]
         if landing.done is not None:
-            self.wait_event(landing.done)
+            self.wait_event(landing.done)  # before it leaves the queue: an interrupted wait keeps it there
+        self._landings.popleft()
         landing.retired = True
         if landing.then is not None:
             landing.then()
