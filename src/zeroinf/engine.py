@@ -46,7 +46,7 @@ from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, Sharding
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
 from zeroinf.precision import buffer_in_compute_dtype
-from zeroinf.runtime import failed_backward, hooks, module_methods, sync_switch
+from zeroinf.runtime import failed_backward, hooks, interrupts, module_methods, sync_switch
 from zeroinf.runtime.reach import PENALTY_AT_STAGE_3, InputGradientPass, ReachAgreement
 from zeroinf.runtime.schedule import UnshardScheduler
 from zeroinf.runtime.stage3_hooks import Stage3Hooks
@@ -217,6 +217,7 @@ class Engine:
         if cfg.activation_checkpointing:
             self._setup_activation_checkpointing()
         self.io = IoTraffic(self)
+        interrupts.install()  # runtime/interrupts.py [Note: Ctrl-C inside the engine]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """`torch.save(model)` and `copy.deepcopy(model)` reach the engine through the module's
@@ -321,6 +322,14 @@ class Engine:
         (runtime/failed_backward.py [Note: a backward that raised])."""
         if self._in_backward and not failed_backward.backward_running():
             failed_backward.abandon(self)
+
+    def release_gathered(self) -> None:
+        """Before new values are written into every unit (a load): no unit stays gathered or fetching
+        from a pass that never ended (a forward that raised midway holds its prefetched shards'
+        staging buffers, which the writes need). The next pass gathers again what it uses."""
+        self.settle_failed_backward()
+        if self.scheduler is not None:
+            self.scheduler.release_all()
 
     def pre_backward(self, index: int) -> None:
         """Unit `index`'s backward is about to run: gather it (through the scheduler)."""

@@ -29,6 +29,7 @@ from zeroinf.checkpoint.saving import finish_pending_save
 from zeroinf.engine import Engine, engine_of
 from zeroinf.memory import Tier
 from zeroinf.optim.pipeline import StateViews
+from zeroinf.runtime import interrupts
 
 __all__ = ["load"]
 
@@ -53,6 +54,7 @@ def _check_model(body: dict[str, Any], engine: Engine, ckpt: str) -> None:
             )
 
 
+@interrupts.entry_point
 def load(
     path: str | os.PathLike[str], model: nn.Module, optimizer: Any, *, load_rng: bool = True
 ) -> dict[str, Any]:
@@ -64,6 +66,7 @@ def load(
     """
     finish_pending_save(optimizer)  # a background save of this optimizer reads the states being replaced
     engine = engine_of(model)
+    engine.release_gathered()  # a pass cut short (an interrupt, an error) may hold staging buffers
     engine.transfers.wait_uploads()  # the last step's parameter uploads may still read masters replaced here
     rank = engine.topo.rank
     body, data, error = None, None, None

@@ -61,10 +61,12 @@ from zeroinf.engine import Engine, engine_of
 from zeroinf.integrations.peft_layers import adapter_configs, adapter_type
 from zeroinf.optim.pipeline import StateViews
 from zeroinf.partition.intact import check_params_intact
+from zeroinf.runtime import interrupts
 
 __all__ = ["PendingSave", "save"]
 
 
+@interrupts.entry_point
 def save(
     path: str | os.PathLike[str],
     model: nn.Module,

@@ -58,6 +58,7 @@ from zeroinf.partition.placeholder_use import explain_placeholder_gradient
 from zeroinf.partition.unit import GradState
 from zeroinf.planner.unit_plan import step_in_backward_mode
 from zeroinf.precision import DynamicLossScaler
+from zeroinf.runtime import interrupts
 from zeroinf.telemetry import phase
 
 
@@ -302,6 +303,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
             return
         self.discard_gradients("optimizer.zero_grad()")
 
+    @interrupts.entry_point
     def discard_gradients(self, caller: str) -> None:
         """Drop the gradients of the backward passes since the last step (what zero_grad does in
         PyTorch); refused where a backward already stepped units inside it."""
@@ -327,6 +329,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         self._step()
         return loss
 
+    @interrupts.entry_point
     @torch.no_grad()
     @phase("zeroinf::optimizer")
     def _step(self) -> None:
@@ -608,6 +611,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         return tensors
 
     # -- state ------------------------------------------------------------------------------------------
+    @interrupts.entry_point
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (owned ranges, as CPU or device tensors), hyperparameters and
         loss-scaler state. States on nvme are read one unit at a time."""
@@ -627,6 +631,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
             "rank": self.engine.topo.rank,
         }
 
+    @interrupts.entry_point
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.pending_save is not None:  # its writer still reads the states about to be replaced
             self.pending_save.wait()
@@ -652,6 +657,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
                     "as with DDP and accelerate's save_state, loses the others'). Save and load `opt.state_dict()` "
                     "on every rank, one file each, or use zeroinf.save / zeroinf.load (resharding, any world size)"
                 )
+        self.engine.release_gathered()  # a pass cut short may hold the staging buffers the writes need
         self.engine.transfers.wait_uploads()  # uploads of the last step may still read the masters replaced here
         units = self.engine.units
         masters = state["master"]

@@ -22,6 +22,8 @@ from torch._C._dynamo.eval_frame import set_eval_frame  # torch._dynamo's own im
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
+from zeroinf.runtime import interrupts
+
 UNPICKLABLE = (
     "a model sharded by zeroinf cannot be pickled or deep-copied (torch.save(model), copy.deepcopy): "
     "its parameters are shards on their tiers, owned by this process. Save the weights with "
@@ -65,10 +67,11 @@ class eager:  # noqa: N801 - used like a function: hooks.eager(fn)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         prior = set_eval_frame(None)
         try:
-            if torch.is_inference_mode_enabled():  # a branch, not a context, on the hot path
-                with torch.inference_mode(False):
-                    return self.fn(*args, **kwargs)
-            return self.fn(*args, **kwargs)
+            with interrupts.held():  # runtime/interrupts.py [Note: Ctrl-C inside the engine]
+                if torch.is_inference_mode_enabled():  # a branch, not a context, on the hot path
+                    with torch.inference_mode(False):
+                        return self.fn(*args, **kwargs)
+                return self.fn(*args, **kwargs)
         finally:
             set_eval_frame(prior)
 
