@@ -14,9 +14,10 @@ So the engine's entry points (every hook, and `step`, `zero_grad`, `state_dict`,
 when the outermost one returns, a point where the engine's state is whole and a failed pass ends as
 any other (runtime/failed_backward.py), a half-done step as any other (optim/states.py `fail`). Waits
 inside (a disk read, a collective) go on until their operation ends: seconds at most, bounded by
-`io_timeout_s` and `collective_timeout_s`. The handler is installed once, from the main thread, only
-where SIGINT has Python's default handler (a program's own handling is left alone); outside the
-engine it does what the default does.
+`io_timeout_s` and `collective_timeout_s`; a second Ctrl-C meanwhile is raised at once (a stuck
+disk must not hold the interrupt for `io_timeout_s`; the state may then be cut, as before). The
+handler is installed once, from the main thread, only where SIGINT has Python's default handler (a
+program's own handling is left alone); outside the engine it does what the default does.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def install() -> None:
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
-    if _state.depth > 0:
+    if _state.depth > 0 and not _state.pending:
         _state.pending = True
         return
+    _state.pending = False  # a second Ctrl-C while the first waits: raised at once
     signal.default_int_handler(signum, frame)
 
 
