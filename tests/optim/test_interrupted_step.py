@@ -25,7 +25,15 @@ import pytest
 
 import zeroinf
 from tests._harness import run_ranks
-from tests.runtime.test_failed_backward import _assert_equal_runs, _batches, _loss, _net, _plain
+from tests.runtime.test_failed_backward import (
+    _assert_equal_runs,
+    _batches,
+    _closed_run,
+    _loss,
+    _net,
+    _plain,
+    _train_step,
+)
 from zeroinf.aio.engine import AioHandle
 from zeroinf.runtime import interrupts
 
@@ -82,15 +90,27 @@ def test_an_interrupted_step_is_refused_until_restored(tier: str, restore: str, 
                 zeroinf.load(tmp_path / "ckpt", model, opt)
             else:  # the masters come back, and the parameters from them
                 opt.load_state_dict(saved)
-        loss = _loss(model, x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    got = (losses, model.state_dict())
-    opt.close()
-    zeroinf.engine_of(model).close()
+        _train_step(model, opt, x, y, losses)
+    got = _closed_run(model, opt, losses)
     _assert_equal_runs(got, _plain(clip=None), f"{tier} restored by {restore}")
+
+
+def _resume(model: Any, opt: Any, checkpoint: str | Path) -> None:
+    """What a loop does after a Ctrl-C: drop the gradients (refused where the model is partly
+    stepped, which the load then repairs), load the checkpoint from before the step."""
+    try:
+        opt.zero_grad()
+    except RuntimeError as exc:
+        assert "partly updated" in str(exc)
+    zeroinf.load(checkpoint, model, opt)
+    opt.zero_grad()
+
+
+def _assert_staging_all_back(model: Any, case: str) -> None:
+    engine = zeroinf.engine_of(model)
+    assert engine.param_files is not None
+    engine.param_files.drain()
+    assert engine.param_files.pools.all_free, f"{case}: a staging buffer was never given back"
 
 
 def _interrupt_wait(monkeypatch: pytest.MonkeyPatch, at: int) -> list[int]:
@@ -139,25 +159,10 @@ def test_an_interrupt_inside_any_nvme_wait_of_a_step(tmp_path: Path, monkeypatch
                         opt.zero_grad()
                         losses.append(loss.item())
                         continue
-                try:
-                    opt.zero_grad()
-                except RuntimeError as exc:
-                    assert "partly updated" in str(exc)
-                zeroinf.load(folder / "ckpt", model, opt)
-                opt.zero_grad()
-            loss = _loss(model, x, y)
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        engine = zeroinf.engine_of(model)
-        assert engine.param_files is not None
-        engine.param_files.drain()
-        assert engine.param_files.pools.all_free, f"interrupt at wait {at}: a staging buffer was never given back"
-        got = (losses, model.state_dict())
-        opt.close()
-        engine.close()
-        _assert_equal_runs(got, want, f"interrupt at NVMe wait {at}")
+                _resume(model, opt, folder / "ckpt")
+            _train_step(model, opt, x, y, losses)
+        _assert_staging_all_back(model, f"interrupt at wait {at}")
+        _assert_equal_runs(_closed_run(model, opt, losses), want, f"interrupt at NVMe wait {at}")
     assert interrupted >= 30, "the step should have more waits than most of the points tried"
 
 
@@ -209,30 +214,14 @@ def _ctrl_c_sweep(rank: int, world: int, folder: str, points: list[int]) -> list
                     outcome = "interrupted"
                 finally:
                     sys.settrace(None)
-                if outcome == "interrupted":
-                    try:
-                        opt.zero_grad()
-                    except RuntimeError as exc:
-                        assert "partly updated" in str(exc)
-                    zeroinf.load(f"{folder}/{at}/ckpt", model, opt)
-                else:
+                if outcome != "interrupted":
                     losses.append(loss.item())
                     opt.zero_grad()
                     continue
-                opt.zero_grad()
-            loss = _loss(model, x, y)
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        engine = zeroinf.engine_of(model)
-        assert engine.param_files is not None
-        engine.param_files.drain()
-        assert engine.param_files.pools.all_free, f"Ctrl-C at line {at}: a staging buffer was never given back"
-        got = (losses, model.state_dict())
-        opt.close()
-        engine.close()
-        _assert_equal_runs(got, want, f"Ctrl-C at line {at}")
+                _resume(model, opt, f"{folder}/{at}/ckpt")
+            _train_step(model, opt, x, y, losses)
+        _assert_staging_all_back(model, f"Ctrl-C at line {at}")
+        _assert_equal_runs(_closed_run(model, opt, losses), want, f"Ctrl-C at line {at}")
         outcomes.append((at, outcome))
     return outcomes
 

@@ -37,6 +37,7 @@ from torch import nn
 
 import zeroinf
 from tests._harness import run_ranks
+from tests.test_several_models import Block  # a residual LayerNorm-Linear-tanh block
 
 TOL = 1e-6
 STEPS = 5
@@ -53,15 +54,6 @@ class Raise(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         raise ValueError("backward failed on purpose")
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(self.norm(x)))
 
 
 class Net(nn.Module):
@@ -92,6 +84,23 @@ def _batches(world: int = 1, rank: int = 0) -> list[tuple[torch.Tensor, torch.Te
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x) - y).pow(2).mean()
+
+
+def _train_step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, losses: list[float]) -> None:
+    """One step of a sharded model's loop, its loss appended to `losses`."""
+    loss = _loss(model, x, y)
+    opt.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+
+
+def _closed_run(model: nn.Module, opt: Any, losses: list[float]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The run's losses and gathered weights; the optimizer and engine closed (swap files removed)."""
+    got = (losses, model.state_dict())
+    opt.close()
+    zeroinf.engine_of(model).close()
+    return got
 
 
 def _attempt_that_fails(model: Net, x: torch.Tensor, y: torch.Tensor, block: int) -> None:
@@ -214,14 +223,8 @@ def test_a_partly_stepped_model_is_refused_until_a_checkpoint_is_loaded(tier: st
             assert not (tmp_path / "no").exists()
             zeroinf.load(tmp_path / "ckpt", model, opt)  # back to the state before the failed attempt
             opt.zero_grad()
-        loss = _loss(model, x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    got = (losses, model.state_dict())
-    opt.close()
-    zeroinf.engine_of(model).close()
+        _train_step(model, opt, x, y, losses)
+    got = _closed_run(model, opt, losses)
     want = _plain(clip=None)
     _assert_equal_runs(got, want, f"final {tier}")
 
@@ -267,14 +270,8 @@ def test_an_error_at_the_end_of_backward_ends_the_pass_too(mode: str, tmp_path: 
             with pytest.raises(RuntimeError, match=r"last backward pass raised midway"):
                 opt.step()
             opt.zero_grad()
-        loss = _loss(model, x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    got = (losses, model.state_dict())
-    opt.close()
-    engine.close()
+        _train_step(model, opt, x, y, losses)
+    got = _closed_run(model, opt, losses)
     if mode == "after":
         _assert_equal_runs(got, _plain(clip=None), "an error at the end of backward")
 
