@@ -230,7 +230,7 @@ def test_ctrl_c_anywhere_in_an_nvme_step_then_a_load_trains_on(tmp_path: Path) -
     """runtime/interrupts.py [Note: Ctrl-C inside the engine]: a SIGINT at sampled lines across a
     step with everything on NVMe (forward, backward, the step inside it): the KeyboardInterrupt comes
     out where the engine's state is whole; `zeroinf.load` of the checkpoint from before the step, and
-    the run trains as the plain loop, every staging buffer back. Before, 4 of 42 such points ended in
+    the run trains as the plain loop, every staging buffer back. Before, 4 of 43 such points ended in
     BufferPoolTimeout after `io_timeout_s` or an assertion (raising at the line itself, which the
     deferral now prevents, or, with the deferral alone, prefetched shards of the cut forward holding
     the buffers the load writes through)."""

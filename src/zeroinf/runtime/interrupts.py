@@ -6,7 +6,7 @@ bookkeeping that can fall between two halves of one operation: a staging buffer 
 and not yet recorded as the shard's, a unit's parameters half pointed at its gathered buffer. After
 such a Ctrl-C (a notebook's interrupt button) the loop's `zeroinf.load` or next step waited
 `io_timeout_s` for a buffer nobody would give back (BufferPoolTimeout) or failed an assertion:
-4 of 42 interrupt points sampled across an NVMe step (`sys.settrace` raising at the n-th line of
+4 of 43 interrupt points sampled across an NVMe step (`sys.settrace` raising at the n-th line of
 zeroinf's code), where a process restart was the only way on.
 
 So the engine's entry points (every hook, and `step`, `zero_grad`, `state_dict`, `zeroinf.save` and
