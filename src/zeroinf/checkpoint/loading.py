@@ -66,7 +66,6 @@ def load(
     """
     finish_pending_save(optimizer)  # a background save of this optimizer reads the states being replaced
     engine = engine_of(model)
-    engine.release_gathered()  # a pass cut short (an interrupt, an error) may hold staging buffers
     engine.transfers.wait_uploads()  # the last step's parameter uploads may still read masters replaced here
     rank = engine.topo.rank
     body, data, error = None, None, None
@@ -83,25 +82,22 @@ def load(
     store = optimizer.states
     executor = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="zeroinf-ckpt-read")
     reader = ChunkReader(body, data, executor=executor)
-    store.forget_failure()  # every state is rewritten below (a step that stopped midway is undone by it)
     try:
-        for ui, unit in enumerate(engine.units):
-            error, master = None, None
-            try:
-                master = _load_unit(reader, store, ui, unit)
-            except CheckpointError as e:
-                error = str(e)
-            # Agree before the unit's collective, so a rank that failed never leaves others waiting.
-            broadcast_error(engine, error)
-            assert master is not None  # this rank's failure raised above
-            # The compute parameters are the master's cast: stage 3 writes the shard home, stages
-            # 1-2 the owned range and an all-gather; every rank issues the same collectives.
-            with torch.no_grad():
-                unit.start_update_params(master).wait()
-            del master
-    except BaseException as exc:
-        store.fail(exc)  # some units loaded, the others not
-        raise
+        with optimizer.replacing_states():  # every state is rewritten (a step that stopped midway is undone)
+            for ui, unit in enumerate(engine.units):
+                error, master = None, None
+                try:
+                    master = _load_unit(reader, store, ui, unit)
+                except CheckpointError as e:
+                    error = str(e)
+                # Agree before the unit's collective, so a rank that failed never leaves others waiting.
+                broadcast_error(engine, error)
+                assert master is not None  # this rank's failure raised above
+                # The compute parameters are the master's cast: stage 3 writes the shard home, stages
+                # 1-2 the owned range and an all-gather; every rank issues the same collectives.
+                with torch.no_grad():
+                    unit.start_update_params(master).wait()
+                del master
     finally:
         reader.drain(raise_errors=False)
         executor.shutdown()
@@ -109,7 +105,6 @@ def load(
     _load_small_state(body, model, engine, optimizer, ckpt_dir=data.dir)
     if load_rng and rank < len(body["rng"]):
         set_rng_state(engine, body["rng"][rank])
-    optimizer.states_replaced()
     barrier(engine)
     return {"step": body["step"], "extra": body["extra"], "path": data.dir, "world_size": body["world_size"]}
 

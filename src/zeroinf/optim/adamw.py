@@ -657,17 +657,12 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
                     "as with DDP and accelerate's save_state, loses the others'). Save and load `opt.state_dict()` "
                     "on every rank, one file each, or use zeroinf.save / zeroinf.load (resharding, any world size)"
                 )
-        self.engine.release_gathered()  # a pass cut short may hold the staging buffers the writes need
-        self.engine.transfers.wait_uploads()  # uploads of the last step may still read the masters replaced here
         units = self.engine.units
         masters = state["master"]
-        self.states.forget_failure()  # every state is rewritten below
-        try:
+        with self.replacing_states():
+            self.engine.transfers.wait_uploads()  # uploads of the last step may still read the masters replaced here
             for ui in range(len(units)):
                 self.states.write_unit(ui, StateViews(masters[ui], state["exp_avg"][ui], state["exp_avg_sq"][ui]))
-        except BaseException as exc:
-            self.states.fail(exc)  # some units loaded, the others not
-            raise
         self.param_steps = [[int(n) for n in steps] for steps in state["param_steps"]]
         self.step_count = state["step_count"]
         for group, saved in zip(self.param_groups, state["param_groups"], strict=True):
@@ -678,7 +673,6 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         for handle in handles:
             handle.wait()
         self.engine.transfers.wait_uploads()  # the caller's tensors may change once this returns
-        self.states_replaced()
 
     def close(self) -> None:
         """Free the optimizer states (for nvme: remove the swap files). Also done at exit."""

@@ -53,8 +53,9 @@ the parameter file, 4 more bytes per parameter a step.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,8 +306,20 @@ class StepInBackward:
         self.require_whole_step()
         self.states.require_healthy()
 
-    def states_replaced(self) -> None:
-        """Every state and parameter was just loaded: a partly stepped model is whole again."""
+    @contextlib.contextmanager
+    def replacing_states(self) -> Iterator[None]:
+        """Around a load that writes every unit's states and parameters (`zeroinf.load`,
+        `load_state_dict`): units a pass cut short left gathered or fetching are released first (their
+        staging buffers are what the writes need), an earlier failure is forgotten for the writes, a
+        load that stops midway marks the states failed again, and one that completes leaves a partly
+        stepped model whole."""
+        self.engine.release_gathered()
+        self.states.forget_failure()
+        try:
+            yield
+        except BaseException as exc:
+            self.states.fail(exc)  # some units loaded, the others not
+            raise
         self._partly_stepped = None
 
     def _undo(self, session: BackwardStep, restore_params: bool) -> None:
