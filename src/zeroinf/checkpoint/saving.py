@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -115,10 +116,12 @@ class PendingSave:
         self._thread = threading.Thread(target=job.write, name="zeroinf-ckpt-save", daemon=True)
         self._thread.start()
         self._result: str | None = None
-        # A process that exits with the save unfinished: let the writes end before the state store's
-        # own finalizer (created earlier, so run later) closes the swap files they read. The
-        # checkpoint stays an unpublished `.tmp-` folder: publishing it is a collective.
-        weakref.finalize(self, self._thread.join)
+        # A process that exits (or drops the model and optimizer) with the save unfinished: let the
+        # writes end before the state store's own finalizer (created earlier, so run later) closes
+        # the swap files they read. The checkpoint stays an unpublished `.tmp-` folder (publishing
+        # it is a collective), and a warning says so: never a checkpoint lost without a word.
+        self._waited = [False]
+        weakref.finalize(self, _end_unwaited, self._thread, self._waited, job.tmp, job.name)
 
     def done_writing(self) -> bool:
         """Whether this rank's background writes are over (the checkpoint still needs `wait()`)."""
@@ -127,12 +130,25 @@ class PendingSave:
     def wait(self) -> str:
         """Wait for this rank's writes, then finish the checkpoint on every rank; returns its folder."""
         if self._result is None:
+            self._waited[0] = True  # finished here, or its error raised here
             self._thread.join()
             for owner in (self._optimizer, self._engine):
                 if getattr(owner, "pending_save", None) is self:
                     owner.pending_save = None
             self._result = self._job.finish()
         return self._result
+
+
+def _end_unwaited(thread: threading.Thread, waited: list[bool], tmp: str, name: str) -> None:
+    """A `PendingSave` going away: its writes end; if it was never waited for, a warning."""
+    thread.join()
+    if not waited[0]:
+        warnings.warn(
+            f"zeroinf.save(..., blocking=False) of {name} was never finished: its data stays in the "
+            f"unpublished folder {tmp}, which no load reads. PendingSave.wait() publishes it (so do the "
+            "next optimizer.step(), zeroinf.save and zeroinf.load): call it before the end of training",
+            RuntimeWarning, stacklevel=1,
+        )
 
 
 class _SaveJob:

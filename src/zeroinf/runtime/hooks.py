@@ -13,6 +13,9 @@ reads inside traced code on the way. docs/design.md, "torch.compile".
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -90,15 +93,45 @@ else:
     set_code_exec_strategy(eager.__call__.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
 
+# [Note: hooks that hold the engine weakly]
+# A model is a cycle: the module holds its engine (`_zeroinf_engine`), the engine holds the module,
+# its units and their parameters. Python's collector frees such a cycle once nothing outside holds
+# it, but only through references it can see, and torch does not show it a parameter's
+# post-accumulate-grad hooks (torch 2.13: a plain module whose parameter carries such a hook bound to
+# an object that holds the module is never freed). With the engine's method in those hooks, a
+# deleted model and optimizer were never freed: each build of a sweep (Optuna trials, a notebook
+# re-run) kept its shards, host states, I/O threads, open files and NVMe swap files until the process
+# ended (a small model on NVMe: 16 threads, 8 descriptors and 4 swap files more per build). So the hooks hold the
+# engine through a weak reference, and `del model, opt` (with `gc.collect()`, or the collector's own
+# next pass) releases everything, the swap files included (tests/runtime/test_lifetime.py).
+def weak_callable(fn: Callable[..., None]) -> Callable[..., None]:
+    """`fn`, holding its bound object (a method, or a `functools.partial` of one) weakly: a call
+    once that object is gone does nothing. [Note: hooks that hold the engine weakly]"""
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    if not inspect.ismethod(inner):
+        return fn
+    method = weakref.WeakMethod(inner)
+    bound_args = fn.args if isinstance(fn, functools.partial) else ()
+    bound_kwargs = fn.keywords if isinstance(fn, functools.partial) else {}
+
+    def call(*args: Any) -> None:
+        target = method()
+        if target is not None:
+            target(*bound_args, *args, **bound_kwargs)
+
+    return call
+
+
 def register_grad_ready_hooks(
     params: list[nn.Parameter], on_ready: Callable[[int], None]
 ) -> list[RemovableHandle]:
     """Call `on_ready(i)` after autograd has accumulated params[i].grad in a backward pass."""
     handles = []
+    call = weak_callable(on_ready)
     for index, param in enumerate(params):
 
         def hook(_: torch.Tensor, index: int = index) -> None:
-            on_ready(index)
+            call(index)
 
         handles.append(param.register_post_accumulate_grad_hook(eager(hook)))
     return handles
