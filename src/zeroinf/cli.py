@@ -148,6 +148,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps to --save-dir")
     launch.add_argument("--save-dir", metavar="DIR", help="checkpoint root (step folders and a `latest` pointer)")
     launch.add_argument(
+        "--keep-last", type=int, default=0, metavar="N",
+        help="keep only the N newest checkpoints in --save-dir, removing older ones once a new one is saved (0: all)",
+    )
+    launch.add_argument(
         "--resume", metavar="CKPT", help="continue from a checkpoint root (its latest) or step folder, any world size"
     )
     launch.add_argument("--no-progress", action="store_true", help="no progress bar and no summary")
@@ -259,6 +263,7 @@ def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         report_path=ns.report,
         save_every=ns.save_every,
         save_dir=ns.save_dir,
+        keep_last=ns.keep_last,
         resume=ns.resume,
     )
     if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -278,8 +283,8 @@ def run_finetune(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         lora_alpha=ns.lora_alpha, lora_targets=ns.lora_targets, steps=ns.steps, epochs=ns.epochs,
         seq_len=ns.seq_len, global_batch=ns.batch, lr=ns.lr, warmup_steps=ns.warmup,
         weight_decay=ns.weight_decay, seed=ns.seed, config=engine_config(ns, FINETUNE_CONFIG), out=ns.out,
-        save_every=ns.save_every, save_dir=ns.save_dir, resume=ns.resume, progress=not ns.no_progress,
-        report_path=ns.report,
+        save_every=ns.save_every, save_dir=ns.save_dir, keep_last=ns.keep_last, resume=ns.resume,
+        progress=not ns.no_progress, report_path=ns.report,
     )
     if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return relaunch_with_torchrun(ns.nproc, "finetune", argv)

@@ -100,6 +100,7 @@ class FinetuneArgs:
     """Write the fine-tuned model here as a Hugging Face folder."""
     save_every: int = 0
     save_dir: str | None = None
+    keep_last: int = 0
     resume: str | None = None
     log_interval: int = 10
     progress: bool = True
@@ -273,7 +274,7 @@ def finetune(args: FinetuneArgs) -> FinetuneResult:
             times.append(time.perf_counter() - t0)
             bar.update(1)
             if args.save_every and (step + 1) % args.save_every == 0:
-                note = save(run, args.save_dir or "", step + 1)  # type: ignore[arg-type]
+                note = save(run, args.save_dir or "", step + 1, args.keep_last)  # type: ignore[arg-type]
             if show and (step % args.log_interval == 0 or step == run.steps - 1):
                 memory = format_memory(zeroinf.memory_report(run.model))
                 bar.set_postfix_str(f"loss {losses[-1]:.3f}, {run.sampler.tokens_per_step / times[-1]:,.0f} tok/s, "

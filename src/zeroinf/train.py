@@ -62,6 +62,7 @@ def check_run_numbers(args: Any) -> None:
         ("weight_decay", _is_number(args.weight_decay, 0.0), "use a number >= 0"),
         ("log_interval", _is_int(args.log_interval, 1), "use a positive number of steps"),
         ("save_every", _is_int(args.save_every, 0), "use 0 (never) or a positive number of steps"),
+        ("keep_last", _is_int(args.keep_last, 0), "use 0 (keep every checkpoint) or a positive number"),
     ]
     for name, ok, fix in checks:
         if not ok:
@@ -76,7 +77,7 @@ def check_run_numbers(args: Any) -> None:
 # The command line's flags for the fields it exposes (the others are settable from Python only).
 _FLAGS = {
     "steps": "--steps", "global_batch": "--batch", "seq_len": "--seq-len", "lr": "--lr", "warmup_steps": "--warmup",
-    "weight_decay": "--weight-decay", "save_every": "--save-every",
+    "weight_decay": "--weight-decay", "save_every": "--save-every", "keep_last": "--keep-last",
 }
 
 
@@ -133,6 +134,8 @@ class TrainArgs:
     """Save a checkpoint to `save_dir` every this many steps (0: never)."""
     save_dir: str | None = None
     """Checkpoint root for `save_every` (step folders and a `latest` pointer)."""
+    keep_last: int = 0
+    """Keep only this many checkpoints in `save_dir`, the newest (0: all); `zeroinf.save`'s `keep_last`."""
     resume: str | None = None
     """Checkpoint root (its `latest`) or step folder to resume from: model, optimizer, LR schedule, RNG
     and data position; any world size, stage and offload placement. The run continues to `steps`."""
@@ -382,7 +385,7 @@ def train(args: TrainArgs) -> TrainResult:
             skipped_steps += int(run.opt.last_step_skipped)  # type: ignore[attr-defined]
             bar.update(1)
             if args.save_every and (step + 1) % args.save_every == 0:
-                saved = save(run, args.save_dir or "", step + 1)
+                saved = save(run, args.save_dir or "", step + 1, args.keep_last)
             if show and (step % args.log_interval == 0 or step == args.steps - 1):
                 tokens_per_s = run.train_sampler.tokens_per_step / step_times_s[-1]
                 report = zeroinf.memory_report(run.model)
@@ -478,12 +481,15 @@ def placement_line(cfg: Config) -> str:
     return f"placement: stage {cfg.stage}, params {o.params}, optimizer {o.optimizer}, gradients {o.gradients}{ckpt}"
 
 
-def save(run: Run, root: str, step: int) -> str:
+def save(run: Run, root: str, step: int, keep_last: int = 0) -> str:
     """Checkpoint after `step` steps (a collective), written in the background while the next step's
-    forward and backward run; the next `opt.step()` finishes it. Returns a progress-bar note."""
+    forward and backward run; the next `opt.step()` finishes it (and then removes the checkpoints
+    beyond the `keep_last` newest, when > 0). Returns a progress-bar note."""
     previous = finish_pending_save(run.opt)  # normally done by the last step
     extra = {"lr_schedule": run.sched.state_dict()}
-    zeroinf.checkpoint.save(root, run.model, run.opt, step=step, extra=extra, blocking=False)
+    zeroinf.checkpoint.save(
+        root, run.model, run.opt, step=step, extra=extra, blocking=False, keep_last=keep_last or None
+    )
     done = f", saved {os.path.basename(previous)}" if previous else ""
     return f"{done}, saving step {step} in the background"
 

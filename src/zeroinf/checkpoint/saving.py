@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import threading
 import warnings
@@ -64,7 +65,9 @@ from zeroinf.optim.pipeline import StateViews
 from zeroinf.partition.intact import check_params_intact
 from zeroinf.runtime import interrupts
 
-__all__ = ["PendingSave", "save"]
+__all__ = ["PendingSave", "remove_older_checkpoints", "save"]
+
+_STEP_NAME = re.compile(r"step_(\d{8,})")  # format.step_dirname
 
 
 @interrupts.entry_point
@@ -76,14 +79,19 @@ def save(
     extra: dict[str, Any] | None = None,
     *,
     blocking: bool = True,
+    keep_last: int | None = None,
 ) -> str | PendingSave:
     """Save a checkpoint of `model` and its zeroinf `optimizer` as `path/step_{step:08d}`; a collective.
 
     `extra` (JSON-serializable, taken from rank 0) is returned by `load`: data position, LR
     scheduler state, anything the training loop needs. Returns the checkpoint folder; with
     `blocking=False`, a `PendingSave` at once, whose writes overlap the next forward and backward
-    ([Note: saving without stopping training]).
+    ([Note: saving without stopping training]). `keep_last=N`: once this checkpoint is published,
+    remove those of `path` with a lower step but the N - 1 highest, so N remain of this run
+    ([Note: keeping the last checkpoints]).
     """
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"zeroinf.save: keep_last = {keep_last!r} is invalid; use None (keep all) or an int >= 1")
     finish_pending_save(optimizer)
     engine = engine_of(model)
     optimizer.require_consistent_states()  # never a checkpoint of a partly stepped model
@@ -93,7 +101,7 @@ def save(
             "save between optimizer steps"
         )
     check_params_intact(engine.all_units)  # values written past the engine would not be saved
-    job = _SaveJob(model, engine, optimizer, os.fspath(path), int(step), extra)
+    job = _SaveJob(model, engine, optimizer, os.fspath(path), int(step), extra, keep_last)
     if blocking:
         job.write()
         return job.finish()
@@ -155,9 +163,10 @@ class _SaveJob:
     """One checkpoint: prepared at once (collective), written (any thread), finished (collective)."""
 
     def __init__(
-        self, model: nn.Module, engine: Engine, optimizer: Any, root: str, step: int, extra: Any
+        self, model: nn.Module, engine: Engine, optimizer: Any, root: str, step: int, extra: Any,
+        keep_last: int | None = None,
     ) -> None:
-        self.engine, self.store, self.root = engine, optimizer.states, root
+        self.engine, self.store, self.root, self.keep_last = engine, optimizer.states, root, keep_last
         self.rank = engine.topo.rank
         self.name = step_dirname(step)
         self.tmp = os.path.join(root, TMP_PREFIX + self.name)
@@ -253,6 +262,42 @@ class _SaveJob:
         write_atomic(os.path.join(root, LATEST), (name + "\n").encode())
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
+        if self.keep_last is not None:
+            remove_older_checkpoints(root, self.keep_last, name)
+
+
+# [Note: keeping the last checkpoints]
+# `save(..., keep_last=N)` bounds the disk a run's checkpoints take (a 7B model's fp32 master and
+# moments are 84 GB a checkpoint): once the new checkpoint of step s and `latest` are published and
+# fsynced, rank 0 removes the complete checkpoints of the root numbered below s but the N - 1
+# highest of them. Checkpoints numbered above s are left alone: they were saved by a run this one
+# resumed before (resumed from step 100 of a root holding 100-300, the save of step 110 with
+# keep_last=2 keeps 110 and 100, and leaves 200 and 300 to the user; by write time it would keep 300
+# and drop the checkpoint this run continues from, and by number alone it would drop 110 itself).
+# Only folders named like a step that hold a manifest are candidates: `.tmp-` folders, folders without
+# a manifest and anything else in the root are never touched.
+def remove_older_checkpoints(root: str, keep_last: int, newest: str) -> list[str]:
+    """Remove the complete step folders of `root` numbered below `newest` (the one just published, named
+    by `latest`) but the `keep_last - 1` highest of them; returns the names removed."""
+    limit = _step_of(newest)
+    older = []
+    for entry in os.scandir(root):
+        step = _step_of(entry.name)
+        if step is None or limit is None or step >= limit or not entry.is_dir(follow_symlinks=False):
+            continue
+        if os.path.exists(os.path.join(entry.path, MANIFEST)):  # else not a complete checkpoint: not ours
+            older.append((step, entry.name))
+    older.sort(reverse=True)
+    removed = [name for _, name in older[keep_last - 1 :]]
+    for name in removed:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return removed
+
+
+def _step_of(name: str) -> int | None:
+    """The step of a checkpoint folder's name (format.step_dirname), None for any other name."""
+    match = _STEP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 @contextlib.contextmanager
