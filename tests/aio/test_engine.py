@@ -273,3 +273,26 @@ def test_close_finishes_requests_and_releases_everything(tmp_path) -> None:
 def test_config_validation_names_the_field_and_fix(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"aio\.{field}` = .* is invalid: use"):
         AioConfig(**kwargs)
+
+
+def test_closing_the_thread_backend_from_one_of_its_workers_ends_every_worker() -> None:
+    """A deleted model's finalizer may run on one of its own I/O workers (a garbage collection that
+    worker's job triggered): close() there joins the others, and that worker ends once its job returns."""
+    from zeroinf.aio.buffers import BufferPool
+    from zeroinf.aio.engine import ThreadBackend
+
+    pool = BufferPool(3, 4096)
+    backend = ThreadBackend(pool, queue_depth=3, name="zeroinf-test-close")
+    workers = list(backend._threads)
+    errors: list[BaseException] = []
+
+    def job(_: torch.Tensor) -> None:
+        try:
+            backend.close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    backend.submit([job])  # type: ignore[list-item]
+    for thread in workers:
+        thread.join(timeout=10)
+    assert errors == [] and not any(t.is_alive() for t in workers)

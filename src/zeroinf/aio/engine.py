@@ -186,7 +186,10 @@ class ThreadBackend:
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:
-            thread.join()
+            # A finalizer run by a garbage collection that one of these workers triggered (a deleted
+            # model's): that worker ends on its own once its job returns.
+            if thread is not threading.current_thread():
+                thread.join()
         self._threads.clear()
 
 
