@@ -110,14 +110,14 @@ def weak_callable(fn: Callable[..., None]) -> Callable[..., None]:
     inner = fn.func if isinstance(fn, functools.partial) else fn
     if not inspect.ismethod(inner):
         return fn
-    method = weakref.WeakMethod(inner)
+    owner, function = weakref.ref(inner.__self__), inner.__func__
     bound_args = fn.args if isinstance(fn, functools.partial) else ()
     bound_kwargs = fn.keywords if isinstance(fn, functools.partial) else {}
 
     def call(*args: Any) -> None:
-        target = method()
+        target = owner()
         if target is not None:
-            target(*bound_args, *args, **bound_kwargs)
+            function(target, *bound_args, *args, **bound_kwargs)
 
     return call
 
