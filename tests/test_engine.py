@@ -90,13 +90,6 @@ def test_pickling_or_deep_copying_a_sharded_model_names_what_works() -> None:
             attempt()
 
 
-def test_a_second_optimizer_on_one_model_is_refused_with_param_groups_named() -> None:
-    model = zeroinf.shard(TinyGPT(), zeroinf.Config(stage=2))
-    zeroinf.AdamW(model, lr=1e-3)
-    with pytest.raises(RuntimeError, match=r"already has a zeroinf\.AdamW: one per sharded model.*param_groups"):
-        zeroinf.AdamW(model, lr=1e-3)
-
-
 def test_a_float64_model_is_refused_rather_than_trained_in_fp32() -> None:
     with pytest.raises(TypeError, match=r"pos is float64, .* Convert the model first \(model\.float\(\)\)"):
         zeroinf.shard(TinyGPT().double(), zeroinf.Config(stage=2))

@@ -53,6 +53,7 @@ from zeroinf.optim.nvme_states import MasterHome
 from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline
 from zeroinf.optim.states import MasterSource, build_state_store
 from zeroinf.optim.step_grads import GradOnDisk, GradsToHost
+from zeroinf.optim.succession import RETIRED, inherit_states
 from zeroinf.optim.torch_args import model_of_params, refuse_unsupported
 from zeroinf.partition.placeholder_use import explain_placeholder_gradient
 from zeroinf.partition.unit import GradState
@@ -139,11 +140,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         if not eps > 0:
             raise ValueError(f"AdamW: eps = {eps!r} is invalid; use a positive number")
         self.engine: Engine = engine_of(model)
-        if self.engine.optimizer_io is not None:
-            raise RuntimeError(
-                "this model already has a zeroinf.AdamW: one per sharded model, for its whole life (the fp32 "
-                "master weights live in it). Give parameter subsets their own settings through param_groups"
-            )
+        self._retired = False  # a newer zeroinf.AdamW of this model took over the states (optim/succession.py)
         trainable = [p for u in self.engine.units for p in u.params]
         if not trainable:
             raise ValueError(
@@ -215,7 +212,9 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         self.step_mode = step_in_backward_mode(self.engine.cfg)
         shadow = self.step_mode == "speculative"
         in_param_file = self.engine.unit_plan.masters_in_param_file
-        self.states = build_state_store(
+        # A model that had an optimizer: its states (masters kept, moments reset) become this one's.
+        inherited = inherit_states(self.engine)
+        self.states = inherited if inherited is not None else build_state_store(
             masters, offload, self.engine.ledger, self.engine.topo.rank, shadow=shadow,
             split=self.engine.unit_plan.optimizer_split(), tier=self.engine.nvme_tier,
             master_homes=[
@@ -289,6 +288,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
     @phase("zeroinf::backward")
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the fp16 loss scale applied (identical to loss.backward() otherwise)."""
+        self.require_current()
         self.engine.loss_scaled = True  # engine.py [Note: an fp16 backward without the loss scale]
         try:
             (loss * self.scaler.scale if self.scaler is not None else loss).backward()
@@ -633,6 +633,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
 
     @interrupts.entry_point
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.require_current()
         if self.pending_save is not None:  # its writer still reads the states about to be replaced
             self.pending_save.wait()
         here = (self.engine.topo.world_size, self.engine.cfg.stage)
@@ -674,8 +675,38 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
             handle.wait()
         self.engine.transfers.wait_uploads()  # the caller's tensors may change once this returns
 
+    def prepare_retirement(self) -> None:
+        """Before a newer zeroinf.AdamW of this model takes the states: stop unless at a step boundary
+        with whole states (optim/succession.py)."""
+        self.require_current()
+        if self.pending_save is not None:  # its writer reads the states whose moments are about to be reset
+            self.pending_save.wait()
+        self.require_whole_step()
+        if self._session is not None or self.engine.micro_step:
+            raise RuntimeError(
+                f"zeroinf.AdamW: the previous optimizer of this model has the gradients of {self.engine.micro_step} "
+                "backward pass(es) not stepped yet: call its step() or zero_grad() before building a new one"
+            )
+
+    def retire(self) -> None:
+        """Hand the states to a newer zeroinf.AdamW of this model: from here on every use of this one
+        stops, naming the new one; the states are no longer this optimizer's to close."""
+        if self._background is not None:
+            self._background.close()
+            self._background = None
+        if self._bf16_moments is not None:
+            self._bf16_moments.close()
+            self._bf16_moments = None
+        self._retired = True
+
+    def require_current(self) -> None:
+        if self._retired:
+            raise RuntimeError(RETIRED)
+
     def close(self) -> None:
         """Free the optimizer states (for nvme: remove the swap files). Also done at exit."""
+        if self._retired:  # the states belong to the optimizer that replaced this one
+            return
         if self.pending_save is not None:  # its writer still reads the states
             self.pending_save.wait()
         if self.step_mode is not None:

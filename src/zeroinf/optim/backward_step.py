@@ -113,13 +113,17 @@ class StepInBackward:
     def loss_scale(self) -> float:
         raise NotImplementedError
 
+    def require_current(self) -> None:  # AdamW's: stop once a newer optimizer took the states over
+        raise NotImplementedError
+
     def _install_step_in_backward(self) -> None:
         """Give the engine the calls it makes in backward (weakly: a collected optimizer steps nothing)."""
         if self.step_mode is None:
             return
         if self.engine.backward_step is not None:
             raise RuntimeError(
-                "a zeroinf.AdamW already steps this model inside backward; build one optimizer per model"
+                "a zeroinf.AdamW already steps this model inside backward (a new one takes the previous one's "
+                "place through optim/succession.py, which unhooks it first: this is a bug)"
             )
         method = weakref.WeakMethod(self._step_unit_in_backward)
 
@@ -296,6 +300,7 @@ class StepInBackward:
 
     def require_whole_step(self) -> None:
         """Stop if a failed backward left the model partly stepped (see `_abandon_backward_step`)."""
+        self.require_current()
         self.engine.settle_failed_backward()
         if self._partly_stepped is not None:
             raise self._partly_stepped
@@ -313,6 +318,7 @@ class StepInBackward:
         staging buffers are what the writes need), an earlier failure is forgotten for the writes, a
         load that stops midway marks the states failed again, and one that completes leaves a partly
         stepped model whole."""
+        self.require_current()
         self.engine.release_gathered()
         self.states.forget_failure()
         try:
