@@ -27,6 +27,7 @@ unchanged until then. NCCL and other devices keep torch.distributed's collective
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -56,11 +57,31 @@ def naming_failures(kind: str, numel: int, topo: Topology) -> Iterator[None]:
             f"{str(exc).strip()} (another rank died, hung past collective_timeout_s, or ran a different collective: "
             "model.state_dict() at stage 3, zeroinf.save and zeroinf.gathered are collectives, called on every "
             "rank, not under `if rank == 0`; and at stage 3 every rank must run the same units in the same order "
-            "in forward, so a layer skipped on some ranks only (LayerDrop, stochastic depth by layer) cannot run "
+            "in forward (an evaluation too: run it on every rank, each on its share of the data), so a layer "
+            "skipped on some ranks only (LayerDrop, stochastic depth by layer) cannot run "
             "there: skip inside the layer, by sample, instead; likewise `generate` must run as many forwards on "
             "every rank: Hugging Face turns synced_gpus on for a sharded model, except where a model's own "
             "generate defaults it off (Whisper): pass synced_gpus=True)"
         ) from exc
+
+
+# [Note: the collective timeout over a process group made elsewhere]
+# `Config.collective_timeout_s` bounds every collective when zeroinf initializes the process group
+# (`init_distributed`, or `shard` under torchrun with none yet): the group is made with that timeout.
+# A loop written for DDP makes the group itself first (`dist.init_process_group("gloo")`), and its
+# timeout, gloo's default of 30 minutes, was then the one that held: a rank stuck elsewhere (an
+# evaluation under `if rank == 0` at stage 3) left the others waiting half an hour, not the configured
+# ten minutes, before the error that names the likely cause. So on the CPU (gloo), `shard` records the
+# configured timeout on its topology and every wait on the engine's collectives passes it to torch
+# (`Work.wait(timeout)`, which gloo honours). On CUDA it is not passed: NCCL's `wait(timeout)` blocks
+# the CPU until the collective ends, where a plain wait only orders the streams, which the overlap of
+# transfers and compute depends on; there the group's own timeout (NCCL's watchdog, 10 minutes by
+# default, as the config's) holds.
+def _wait(work: dist.Work, topo: Topology) -> None:
+    if topo.wait_timeout_s is None:
+        work.wait()
+    else:
+        work.wait(timeout=datetime.timedelta(seconds=topo.wait_timeout_s))
 
 
 class Handle(Protocol):
@@ -107,7 +128,7 @@ class WorkHandle:
         if self._done:
             return
         with naming_failures(self._kind, self._numel, self._topo):
-            self._work.wait()
+            _wait(self._work, self._topo)
         if self._then is not None and self._divisor != 1:
             self._then.div_(self._divisor)
         self._done = True
@@ -130,7 +151,7 @@ class PeerHandle:
             return
         with naming_failures(self._kind, self._numel, self._topo):
             for work in self._works:
-                work.wait()
+                _wait(work, self._topo)
         self._works, self._keep = [], ()
         if self._finish is not None:
             self._finish()
@@ -228,8 +249,11 @@ def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology
     if shard.dtype != unsharded.dtype:  # an fp32 master held as the shard: the collective wants one dtype
         shard = shard.to(unsharded.dtype)
     with naming_failures("all-gather", unsharded.numel(), topo):
-        work = dist.all_gather_into_tensor(unsharded, shard, group=topo.group, async_op=async_op)
-    return WorkHandle(work, "all-gather", topo, unsharded.numel()) if async_op else DoneHandle()
+        work = dist.all_gather_into_tensor(unsharded, shard, group=topo.group, async_op=True)
+    gathered = WorkHandle(work, "all-gather", topo, unsharded.numel())
+    if not async_op:
+        gathered.wait()
+    return gathered
 
 
 def reduce_scatter_into(

@@ -329,7 +329,11 @@ class Config:
     offload_activations: bool = False
     """Move the inputs kept by activation checkpointing to host memory until backward needs them."""
     collective_timeout_s: float = 600.0
-    """Seconds a collective may wait before the run fails with a timeout naming the rank."""
+    """Seconds a collective may wait before the run fails with a timeout naming the rank. A process group
+    the loop made itself (`dist.init_process_group`) keeps its own timeout for its collectives; the
+    engine's own hold this one on the CPU (gloo), while on CUDA that group's (NCCL's watchdog) holds:
+    pass `timeout=` to `init_process_group`, or let `zeroinf.init_distributed` make the group
+    (comm.py [Note: the collective timeout over a process group made elsewhere])."""
     reuse_step_memory: bool | str = AUTO
     """From the second step on, keep the memory a step frees for the next step instead of giving
     buffers above 32 MiB back to the OS, which the next step faults in again page by page (glibc;

@@ -20,6 +20,7 @@ initializing the process group is enough, and `init_distributed` does it in that
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -105,6 +106,9 @@ class Topology:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup | None = None
+    # Seconds a wait on one of the engine's collectives may take (comm.py [Note: the collective timeout
+    # over a process group made elsewhere]); None: the process group's own timeout.
+    wait_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -148,7 +152,10 @@ def default_topology(timeout_s: float = 600.0) -> Topology:
             topo.rank, topo.world_size, dist.get_backend(),
         )
         return topo
-    return Topology.current()
+    topo = Topology.current()
+    if topo.is_distributed and topo.device.type == "cpu":  # comm.py [Note: the collective timeout over ...]
+        topo = dataclasses.replace(topo, wait_timeout_s=timeout_s)
+    return topo
 
 
 def init_distributed(timeout_s: float = 600.0) -> Topology:
