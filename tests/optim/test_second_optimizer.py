@@ -7,10 +7,10 @@ with a first optimizer, then 3 with a new one of another learning rate and other
 the device, the host and NVMe (stage 3: the parameters there too), split between host and NVMe, and
 with the first optimizer deleted before the second is built; with bf16 moments, the run a rebuilt
 model with a first optimizer gives; at world 2 (one spawned group) on NVMe, to the parity suite's
-fp32 tolerances. The replaced optimizer refuses every use, naming the
-new one, and its `close()` leaves the new one's states alone. Off a step boundary (a backward waiting
-for `step()`) the new optimizer is refused and the old one trains on as if nothing happened; a
-background save of the old one is published first.
+fp32 tolerances. The replaced optimizer refuses every use, naming the new one, and its `close()`
+leaves the new one's states alone; the fp16 loss scale carries over. Off a step boundary (a backward
+waiting for `step()`) the new optimizer is refused and the old one trains on as if nothing happened;
+a background save of the old one is published first.
 """
 
 from __future__ import annotations
@@ -231,3 +231,20 @@ def test_a_deleted_optimizer_with_gradients_pending_asks_for_model_zero_grad(tmp
     plain = build_model()
     want = plain(*global_batch(0))
     assert loss.item() == want.item()
+
+
+def test_the_fp16_loss_scale_carries_over() -> None:
+    """The scale tracks the gradients' range, as a torch loop's GradScaler, which outlives its optimizer."""
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, param_dtype="fp16", loss_scale={"initial_scale": 2.0**40})
+    model = zeroinf.shard(build_model(), cfg)
+    opt = zeroinf.AdamW(model, lr=LR)
+    skipped = 0
+    for step in range(3):  # 2^40 overflows fp16's gradients: skipped steps halve the scale
+        opt.backward(model(*global_batch(step)))
+        opt.step()
+        opt.zero_grad()
+        skipped += opt.last_step_skipped
+    assert skipped >= 1 and opt.loss_scale < 2.0**40
+    new = zeroinf.AdamW(model, lr=SECOND_LR)
+    assert new.loss_scale == opt.scaler.scale
+    assert new.scaler.state_dict() == opt.scaler.state_dict()

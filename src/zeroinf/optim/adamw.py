@@ -212,8 +212,12 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         self.step_mode = step_in_backward_mode(self.engine.cfg)
         shadow = self.step_mode == "speculative"
         in_param_file = self.engine.unit_plan.masters_in_param_file
-        # A model that had an optimizer: its states (masters kept, moments reset) become this one's.
+        # A model that had an optimizer: its states (masters kept, moments reset) become this one's, and
+        # its fp16 loss scale (the gradients' range, which a torch loop's GradScaler keeps across optimizers).
+        previous = self.engine.optimizer_ref() if self.engine.optimizer_ref is not None else None
         inherited = inherit_states(self.engine)
+        if previous is not None and previous.scaler is not None and self.scaler is not None:
+            self.scaler.load_state_dict(previous.scaler.state_dict())
         self.states = inherited if inherited is not None else build_state_store(
             masters, offload, self.engine.ledger, self.engine.topo.rank, shadow=shadow,
             split=self.engine.unit_plan.optimizer_split(), tier=self.engine.nvme_tier,

@@ -9,14 +9,16 @@ states: a new store would have started from the compute parameters, rounded in b
 one, still referenced by the engine, kept its host memory or swap files for good.
 
 So the new optimizer inherits the store, with what a fresh torch optimizer would have: the same
-master weights (the exact values the model holds; in bf16, its unrounded masters), both moments
-zero and every step count 0; its own hyperparameters and param groups (these only cut the store's
-ranges, which stay whole). The moments are zeroed unit by unit through `read_unit`/`write_unit`,
-which every tier has (one unit of memory beyond the store; on NVMe, one read and one write of the
-states). The predecessor is retired: its pending save is finished first, its hooks into the engine
-are removed, and any later use of it stops naming the new one, never stepping states it no longer
-owns. Taking over needs a step boundary (no backward waiting for `step()`) and consistent states (no
-step stopped midway); otherwise the new optimizer is refused and the old one stays as it was.
+master weights (the exact values the model holds; in bf16, its unrounded masters), both moments zero
+and every step count 0; its own hyperparameters and param groups (these only cut the store's ranges,
+which stay whole). The fp16 loss scale carries over as well: it tracks the gradients' range, not the
+optimizer, and a torch loop keeps its GradScaler when it builds a new optimizer. The moments are
+zeroed unit by unit through `read_unit`/`write_unit`, which every tier has (one unit of memory
+beyond the store; on NVMe, one read and one write of the states). The predecessor is retired: its
+pending save is finished first, its hooks into the engine are removed, and any later use of it stops
+naming the new one, never stepping states it no longer owns. Taking over needs a step boundary (no
+backward waiting for `step()`) and consistent states (no step stopped midway); otherwise the new
+optimizer is refused and the old one stays as it was.
 """
 
 from __future__ import annotations
