@@ -8,6 +8,8 @@
 - Resume: 6 steps with a checkpoint at step 3, then a new Trainer (other initial weights) resumes
   from it: steps 4-6 log bitwise the losses of the uninterrupted run and end with bitwise its weights,
   with dropout on (RNG) and a shuffled sampler (data position), also into another stage.
+- `model_init` trials (hyperparameter search's pattern): each `train()` builds a model, trains as the
+  plain one, and the previous model's engine, threads and swap files are released.
 - Saved folders load with `from_pretrained`: `save_model` (gathered) and every checkpoint (consolidated).
 - fp16: gradients carry the loss scale; overflowing steps are skipped and the LR schedule waits.
 - `Seq2SeqTrainer` (T5, `predict_with_generate`), stage 3 in one process: the plain one's losses and
@@ -165,6 +167,37 @@ def test_model_init_and_a_presharded_model_with_its_optimizer(tmp_path, plain_ll
     needs = r"grad_accum_steps=1, grad_clip_norm=None, but this Trainer needs grad_accum_steps=2, grad_clip_norm=0.5"
     with pytest.raises(TrainerArgumentsError, match=needs):
         Trainer(model=zeroinf.shard(build("llama"), zeroinf.Config()), args=args)
+
+
+def test_each_model_init_trial_releases_the_previous_model(tmp_path, plain_llama) -> None:
+    """`model_init` builds a model per `train()` (what `hyperparameter_search` does per trial): the
+    previous model's engine, threads and swap files go with it (runtime/hooks.py [Note: hooks that hold
+    the engine weakly]; every trial's used to stay until exit), and each trial trains as the plain one."""
+    import gc
+    import threading
+    import weakref
+
+    from tests._hf import build
+
+    swap = tmp_path / "swap"
+    cfg = zeroinf.Config(
+        stage=3, persist_threshold_bytes=0, offload={"params": "nvme", "optimizer": "nvme", "nvme_dir": str(swap)}
+    )
+    trainer = Trainer(
+        model_init=lambda: build("llama"), args=training_arguments(str(tmp_path / "out")),
+        train_dataset=ArithmeticSequences(), eval_dataset=EVAL_DATA, zeroinf_config=cfg,
+    )
+    engines, seen = [], []
+    gc.collect()  # an earlier test's garbage goes first, so that the counts below are this test's
+    for _ in range(3):
+        trainer.train()
+        _assert_parity(summary(trainer), plain_llama, "model_init trial")
+        engines.append(weakref.ref(zeroinf.engine_of(trainer.model)))
+        gc.collect()
+        threads = sum(t.name.startswith("zeroinf") for t in threading.enumerate())
+        seen.append((sum(e() is not None for e in engines), len(list(swap.iterdir())), threads))
+    assert [alive for alive, _, _ in seen] == [1, 1, 1], seen
+    assert len({(files, threads) for _, files, threads in seen}) == 1, seen  # nothing piles up
 
 
 def test_world2_matches_plain_trainer_and_its_checkpoints_resume_in_one_process(tmp_path, plain_llama) -> None:
