@@ -10,6 +10,8 @@
   with dropout on (RNG) and a shuffled sampler (data position), also into another stage.
 - `model_init` trials (hyperparameter search's pattern): each `train()` builds a model, trains as the
   plain one, and the previous model's engine, threads and swap files are released.
+- `auto_find_batch_size` with an out-of-memory error simulated in backward for batches above 2 rows:
+  the retried run logs the plain Trainer's losses and ends with its weights (device and NVMe).
 - Saved folders load with `from_pretrained`: `save_model` (gathered) and every checkpoint (consolidated).
 - fp16: gradients carry the loss scale; overflowing steps are skipped and the LR schedule waits.
 - `Seq2SeqTrainer` (T5, `predict_with_generate`), stage 3 in one process: the plain one's losses and
@@ -198,6 +200,68 @@ def test_each_model_init_trial_releases_the_previous_model(tmp_path, plain_llama
         seen.append((sum(e() is not None for e in engines), len(list(swap.iterdir())), threads))
     assert [alive for alive, _, _ in seen] == [1, 1, 1], seen
     assert len({(files, threads) for _, files, threads in seen}) == 1, seen  # nothing piles up
+
+
+class _OutOfMemory(torch.autograd.Function):
+    """Identity forward; its backward raises what accelerate's find_executable_batch_size takes for an
+    out-of-memory error."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
+def _llama_out_of_memory_above(rows: int) -> torch.nn.Module:
+    """The tiny Llama whose backward runs out of memory for batches above `rows`, at the first
+    decoder layer's output: after the later units' gradients (stepped inside backward on NVMe)."""
+    from tests._hf import build
+
+    model = build("llama")
+
+    def hook(module: torch.nn.Module, args: object, out: object) -> object:
+        hidden = out[0] if isinstance(out, tuple) else out
+        if hidden.shape[0] <= rows:
+            return None
+        hidden = _OutOfMemory.apply(hidden)
+        return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
+
+    model.model.layers[0].register_forward_hook(hook)
+    return model
+
+
+@pytest.mark.parametrize("placement", ["device", "nvme"])
+def test_auto_find_batch_size_retries_as_the_plain_trainer(tmp_path, placement: str) -> None:
+    """integrations/trainer_args.py [Note: auto_find_batch_size]: batches of 8 and 4 rows run out of
+    memory in backward, 2 fit; the run that follows logs the plain Trainer's losses and ends with its
+    weights (clipping on, the Trainer's default kind: the step begun in the failed backward is undone)."""
+    import transformers
+
+    def args(name: str):  # type: ignore[no-untyped-def]
+        return training_arguments(
+            str(tmp_path / name), per_device_train_batch_size=8, auto_find_batch_size=True,
+            gradient_accumulation_steps=1,
+        )
+
+    plain = transformers.Trainer(
+        model=_llama_out_of_memory_above(2), args=args("plain"), train_dataset=ArithmeticSequences()
+    )
+    plain.train()
+    offload = {} if placement == "device" else {"params": "nvme", "optimizer": "nvme", "nvme_dir": str(tmp_path / "s")}
+    ours = Trainer(
+        model=_llama_out_of_memory_above(2), args=args(placement), train_dataset=ArithmeticSequences(),
+        zeroinf_config=zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload),
+    )
+    ours.train()
+    assert plain._train_batch_size == ours._train_batch_size == 2
+    want, got = logged(plain), logged(ours)
+    assert sorted(got) == [1, 2, 3, 4] and got == pytest.approx(want, rel=RTOL)
+    mine = ours.model.state_dict()
+    for name, ref in plain.model.state_dict().items():
+        torch.testing.assert_close(mine[name], ref, rtol=RTOL, atol=ATOL)
 
 
 def test_world2_matches_plain_trainer_and_its_checkpoints_resume_in_one_process(tmp_path, plain_llama) -> None:

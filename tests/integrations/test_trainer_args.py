@@ -79,7 +79,8 @@ def test_conflicts_are_refused_by_name(tmp_path, cfg, kwargs, message) -> None:
         ({"optim_args": "amsgrad=True"}, "optim_args"),
         ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"preserve_rng_state": False}},
          r"kwargs \['preserve_rng_state'\]: zeroinf's checkpointing takes every_n_layers"),
-        ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+        ({"auto_find_batch_size": True, "max_grad_norm": 0},
+         r"auto_find_batch_size=True retries .* cannot be undone .* keep max_grad_norm > 0"),
         ({"fsdp": "full_shard"}, "fsdp"),
         ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_only_model": True},
          "load_best_model_at_end=True with save_only_model=True.*drop save_only_model"),
@@ -88,6 +89,14 @@ def test_conflicts_are_refused_by_name(tmp_path, cfg, kwargs, message) -> None:
 def test_refused_arguments_name_the_fix(tmp_path, kwargs, message) -> None:
     with pytest.raises(TrainerArgumentsError, match=message):
         config_for_trainer(zeroinf.Config(), _args(tmp_path, **kwargs))
+
+
+def test_auto_find_batch_size_is_taken_where_a_failed_backward_can_be_undone(tmp_path) -> None:
+    """integrations/trainer_args.py [Note: auto_find_batch_size]."""
+    clipped = config_for_trainer(zeroinf.Config(), _args(tmp_path, auto_find_batch_size=True))  # max_grad_norm 1.0
+    assert clipped.grad_clip_norm == 1.0
+    after = zeroinf.Config(offload={"step_in_backward": False})
+    assert config_for_trainer(after, _args(tmp_path, auto_find_batch_size=True, max_grad_norm=0)).grad_clip_norm is None
 
 
 def test_all_problems_are_listed_at_once(tmp_path) -> None:

@@ -23,6 +23,22 @@ import dataclasses
 from typing import Any
 
 from zeroinf.config import Config
+from zeroinf.planner.unit_plan import step_in_backward_mode
+
+# [Note: auto_find_batch_size]
+# `auto_find_batch_size=True` catches an out-of-memory error in a step, halves the batch and runs the
+# training loop again with the same model and optimizer. zeroinf ends a backward that raised at the
+# next entry (runtime/failed_backward.py), so the retry trains from the weights before the failed step,
+# as the plain Trainer's does, wherever the step runs after backward or speculatively inside it (with
+# clipping: `max_grad_norm` > 0, the Trainer's default, or fp16). A final step inside backward
+# (no clipping, the default `step_in_backward`) cannot be undone once it has stepped a unit, so that
+# combination is refused before training instead of failing at the first out-of-memory error.
+# At world > 1 every rank must run out of memory alike, as under DDP.
+AUTO_BATCH_NEEDS_UNDO = (
+    "auto_find_batch_size=True retries a step whose backward ran out of memory, and without clipping the "
+    "step inside backward (offload.step_in_backward) cannot be undone once it stepped a unit: keep "
+    "max_grad_norm > 0 (the default 1.0), or set offload.step_in_backward = false in the Config"
+)
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """`TrainingArguments.optim` values zeroinf.AdamW stands in for (the same update rule)."""
@@ -59,8 +75,6 @@ def refused_arguments(args: Any) -> list[str]:
         problems.append("deepspeed is set: zeroinf replaces DeepSpeed here; leave it unset")
     if getattr(args, "fsdp", None):
         problems.append(f"fsdp={args.fsdp!r}: zeroinf shards the model itself; leave fsdp unset")
-    if getattr(args, "auto_find_batch_size", False):
-        problems.append("auto_find_batch_size=True rebuilds the optimizer after an OOM: set the batch size yourself")
     if getattr(args, "load_best_model_at_end", False) and getattr(args, "save_only_model", False):
         problems.append(
             "load_best_model_at_end=True with save_only_model=True: zeroinf loads the best checkpoint from its "
@@ -128,14 +142,17 @@ def config_for_trainer(cfg: Config, args: Any) -> Config:
                 f"activation_checkpointing_kwargs {sorted(options)}: zeroinf's checkpointing takes every_n_layers "
                 "(Config.checkpoint_every) only"
             )
+    agreed = dataclasses.replace(
+        cfg, grad_accum_steps=accum, grad_clip_norm=clip, activation_checkpointing=checkpointing,
+        checkpoint_every=every, param_dtype=param_dtype,
+    )
+    if getattr(args, "auto_find_batch_size", False) and step_in_backward_mode(agreed) == "final":
+        problems.append(AUTO_BATCH_NEEDS_UNDO)
     if problems:
         raise TrainerArgumentsError(
             "zeroinf.integrations.Trainer cannot use these TrainingArguments:\n- " + "\n- ".join(problems)
         )
-    return dataclasses.replace(
-        cfg, grad_accum_steps=accum, grad_clip_norm=clip, activation_checkpointing=checkpointing,
-        checkpoint_every=every, param_dtype=param_dtype,
-    )
+    return agreed
 
 
 def asks_checkpointing(args: Any) -> bool:
