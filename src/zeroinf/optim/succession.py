@@ -60,6 +60,7 @@ def inherit_states(engine: Engine) -> Store | None:
         predecessor.retire()
     engine.backward_step = engine.backward_prepare = None
     engine.backward_step_barrier = engine.backward_abandoned = None
+    engine.transfers.wait_uploads()  # the last step's parameter uploads may still read the masters rewritten here
     for ui in range(len(engine.units)):
         master = store.read_unit(ui).master
         store.write_unit(ui, StateViews(master, torch.zeros_like(master), torch.zeros_like(master)))
