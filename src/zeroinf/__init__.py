@@ -10,7 +10,8 @@
         loss = model(batch); opt.backward(loss); opt.step(); opt.zero_grad()
 """
 
-from zeroinf.checkpoint import consolidate, load, save
+from zeroinf.checkpoint import CheckpointError, consolidate, load, save
+from zeroinf.comm import CollectiveError
 from zeroinf.config import Config, ConfigError, LossScaleConfig, OffloadConfig
 from zeroinf.ema import ema_update
 from zeroinf.engine import engine_of, memory_report, shard
@@ -28,6 +29,8 @@ from zeroinf.weights.save import save_pretrained
 __all__ = [
     "Adam",
     "AdamW",
+    "CheckpointError",
+    "CollectiveError",
     "Config",
     "ConfigError",
     "Ledger",
