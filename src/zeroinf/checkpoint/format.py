@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -62,6 +63,15 @@ class CheckpointError(RuntimeError):
 
 def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
+
+
+_STEP_DIRNAME = re.compile(r"step_(\d{8,})")
+
+
+def step_of_dirname(name: str) -> int | None:
+    """The step of a checkpoint folder named by `step_dirname`; None for any other name."""
+    match = _STEP_DIRNAME.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def rank_filename(rank: int) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import threading
 import warnings
@@ -55,6 +54,7 @@ from zeroinf.checkpoint.format import (
     fsync_dir,
     rank_filename,
     step_dirname,
+    step_of_dirname,
     write_atomic,
 )
 from zeroinf.checkpoint.hub_folder import record
@@ -66,8 +66,6 @@ from zeroinf.partition.intact import check_params_intact
 from zeroinf.runtime import interrupts
 
 __all__ = ["PendingSave", "remove_older_checkpoints", "save"]
-
-_STEP_NAME = re.compile(r"step_(\d{8,})")  # format.step_dirname
 
 
 @interrupts.entry_point
@@ -279,10 +277,10 @@ class _SaveJob:
 def remove_older_checkpoints(root: str, keep_last: int, newest: str) -> list[str]:
     """Remove the complete step folders of `root` numbered below `newest` (the one just published, named
     by `latest`) but the `keep_last - 1` highest of them; returns the names removed."""
-    limit = _step_of(newest)
+    limit = step_of_dirname(newest)
     older = []
     for entry in os.scandir(root):
-        step = _step_of(entry.name)
+        step = step_of_dirname(entry.name)
         if step is None or limit is None or step >= limit or not entry.is_dir(follow_symlinks=False):
             continue
         if os.path.exists(os.path.join(entry.path, MANIFEST)):  # else not a complete checkpoint: not ours
@@ -292,12 +290,6 @@ def remove_older_checkpoints(root: str, keep_last: int, newest: str) -> list[str
     for name in removed:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return removed
-
-
-def _step_of(name: str) -> int | None:
-    """The step of a checkpoint folder's name (format.step_dirname), None for any other name."""
-    match = _STEP_NAME.fullmatch(name)
-    return int(match.group(1)) if match else None
 
 
 @contextlib.contextmanager

@@ -54,7 +54,6 @@ the parameter file, 4 more bytes per parameter a step.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +68,7 @@ from zeroinf.optim.nvme_states import NvmeStateStore
 from zeroinf.optim.pipeline import Staged, SubGroup, SubGroupPipeline, SubGroupStream
 from zeroinf.optim.states import ResidentStateStore, SplitStateStore
 from zeroinf.optim.step_grads import GradsToHost
+from zeroinf.runtime.hooks import weak_callable
 from zeroinf.telemetry import phase_scope
 
 
@@ -125,41 +125,14 @@ class StepInBackward:
                 "a zeroinf.AdamW already steps this model inside backward (a new one takes the previous one's "
                 "place through optim/succession.py, which unhooks it first: this is a bug)"
             )
-        method = weakref.WeakMethod(self._step_unit_in_backward)
-
-        def step_unit(ui: int) -> None:
-            bound = method()
-            if bound is not None:  # a collected optimizer steps nothing
-                bound(ui)
-
-        self.engine.backward_step = step_unit
-        abandon = weakref.WeakMethod(self._abandon_backward_step)
-
-        def abandon_step() -> None:
-            bound = abandon()
-            if bound is not None:
-                bound()
-
-        self.engine.backward_abandoned = abandon_step
+        # Each held weakly (runtime/hooks.py weak_callable): a collected optimizer steps nothing.
+        self.engine.backward_step = weak_callable(self._step_unit_in_backward)
+        self.engine.backward_abandoned = weak_callable(self._abandon_backward_step)
         if self.states.staging_slots is not None:  # states that swap: read them ahead
-            prepare = weakref.WeakMethod(self._prepare_unit_in_backward)
-
-            def prepare_unit(ui: int) -> None:
-                bound = prepare()
-                if bound is not None:
-                    bound(ui)
-
-            self.engine.backward_prepare = prepare_unit
+            self.engine.backward_prepare = weak_callable(self._prepare_unit_in_backward)
         if self._wants_step_thread():
             self._background = BackgroundSteps()
-            barrier = weakref.WeakMethod(self._background.drain)
-
-            def drain() -> None:
-                bound = barrier()
-                if bound is not None:
-                    bound()
-
-            self.engine.backward_step_barrier = drain
+            self.engine.backward_step_barrier = weak_callable(self._background.drain)
 
     def _wants_step_thread(self) -> bool:
         """`offload.step_thread`: states wholly in host memory (a CPU kernel, nothing to swap), and

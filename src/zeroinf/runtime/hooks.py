@@ -101,9 +101,10 @@ else:
 # an object that holds the module is never freed). With the engine's method in those hooks, a
 # deleted model and optimizer were never freed: each build of a sweep (Optuna trials, a notebook
 # re-run) kept its shards, host states, I/O threads, open files and NVMe swap files until the process
-# ended (a small model on NVMe: 16 threads, 8 descriptors and 4 swap files more per build). So the hooks hold the
-# engine through a weak reference, and `del model, opt` (with `gc.collect()`, or the collector's own
-# next pass) releases everything, the swap files included (tests/runtime/test_lifetime.py).
+# ended (a small model on NVMe: 16 threads, 8 descriptors and 4 swap files more per build). So the
+# hooks hold the engine through a weak reference, and `del model, opt` (with `gc.collect()`, or the
+# collector's own next pass) releases everything, the swap files included
+# (tests/runtime/test_lifetime.py). The optimizer's calls into the engine are held the same way.
 def weak_callable(fn: Callable[..., None]) -> Callable[..., None]:
     """`fn`, holding its bound object (a method, or a `functools.partial` of one) weakly: a call
     once that object is gone does nothing. [Note: hooks that hold the engine weakly]"""
