@@ -170,6 +170,7 @@ class Engine:
         # checked when backward begins ([Note: an fp16 backward without the loss scale])
         self.loss_scaled = False
         self.step_memory = StepMemory(cfg.reuse_step_memory, topo.device.type)  # decided after the first step
+        weakref.finalize(self, self.step_memory.release)  # tiers/host.py [Note: the heap after a model is deleted]
         self._in_backward = False
         self._agreement: ReachAgreement | None = None  # this backward's (runtime/reach.py)
         self._input_gradient_pass: InputGradientPass | None = None  # runtime/reach.py
