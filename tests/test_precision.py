@@ -204,3 +204,26 @@ def test_user_autocast_over_fp32_parameters_equals_plain_pytorch(stage: int) -> 
     (plain_losses, plain), (losses, ours) = run(False), run(True)
     assert losses == plain_losses
     assert all(torch.equal(ours[k], v) for k, v in plain.items())
+
+
+# -- a bf16 model under the default fp32 compute dtype (precision.py [Note: a bf16 model under the default
+# fp32 compute dtype]) ----------------------------------------------------------------------------------
+def test_a_bf16_model_under_fp32_compute_is_named_at_the_shard_call() -> None:
+    """A model loaded in bf16 and sharded with the default param_dtype computes in fp32, at twice the
+    memory it was loaded in: said once, at the caller's line, with the setting that keeps bf16."""
+    import warnings
+
+    import torch
+
+    import zeroinf
+    from tests._parity import build_model
+
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"100% of the model's parameters are bfloat16, .*param_dtype='bf16'") as got:
+        model = zeroinf.shard(build_model().to(torch.bfloat16), zeroinf.Config(stage=3))
+    assert [w.filename for w in got if "param_dtype" in str(w.message)] == [__file__]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the config's word holds
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same model in bf16, and an fp32 model: nothing to say
+        zeroinf.shard(build_model().to(torch.bfloat16), zeroinf.Config(stage=3, param_dtype="bf16"))
+        zeroinf.shard(build_model(), zeroinf.Config(stage=3))

@@ -277,7 +277,9 @@ class Config:
     "auto": chosen with the offload tiers by `zeroinf.plan`."""
     param_dtype: str = "fp32"
     """Compute dtype of the parameters (fp32, bf16, fp16); master weights are always fp32. "auto": bf16
-    where the device computes it natively (CUDA with bf16, a CPU with AMX or AVX512-BF16), else fp32."""
+    where the device computes it natively (CUDA with bf16, a CPU with AMX or AVX512-BF16), else fp32.
+    It holds whatever dtype the model was loaded in: a bf16 model under the default fp32 is upcast
+    (exactly, at twice its memory) and `shard` warns."""
     reduce_dtype: str = "fp32"
     """Dtype in which gradients are accumulated and reduced across ranks."""
     cast_forward_inputs: bool = True

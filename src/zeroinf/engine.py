@@ -45,7 +45,7 @@ from zeroinf.partition.state_entries import own_storages
 from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
-from zeroinf.precision import buffer_in_compute_dtype
+from zeroinf.precision import buffer_in_compute_dtype, warn_if_upcast
 from zeroinf.runtime import failed_backward, hooks, interrupts, module_methods, sync_switch
 from zeroinf.runtime.reach import PENALTY_AT_STAGE_3, InputGradientPass, ReachAgreement
 from zeroinf.runtime.schedule import UnshardScheduler
@@ -100,6 +100,7 @@ class Engine:
                     "fp32 master weights: sharding would train it in fp32. Convert the model first "
                     "(model.float()) if that is what you want"
                 )
+        warn_if_upcast(module, cfg.param_torch_dtype, topo.rank)
         split, any_size = cfg.split_min_numel, cfg.split_any_size
         specs = discover_units(module, cfg.unit_classes, split_min_numel=split, split_any_size=any_size)
         self.specs = specs  # the trainable units: gradients, optimizer, checkpoints

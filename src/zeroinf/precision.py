@@ -11,6 +11,10 @@ skipped and the scale backs off; after `growth_interval` clean steps it grows ag
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+from types import FrameType
 from typing import Any
 
 import torch
@@ -27,6 +31,40 @@ def buffer_in_compute_dtype(module: nn.Module, name: str, buffer: torch.Tensor, 
     if name in module._non_persistent_buffers_set or not buffer.is_floating_point() or buffer.dtype == dtype:
         return buffer
     return buffer.to(dtype)
+
+
+# [Note: a bf16 model under the default fp32 compute dtype]
+# A model loaded in bf16 (`from_pretrained(..., torch_dtype=torch.bfloat16)`) and sharded with the
+# default `param_dtype="fp32"` computes in fp32: its values are upcast exactly, masters are fp32 as
+# always, but its parameters take twice the memory they had (a LoRA fine-tune's frozen bf16 base
+# too), which a user who loaded in bf16 to save memory did not ask for and was not told. FSDP2
+# keeps the dtype it is given; DeepSpeed follows its config. zeroinf keeps the config's word (the
+# dtype is a training choice, not a property of the checkpoint) and says what it did once.
+def warn_if_upcast(module: nn.Module, dtype: torch.dtype, rank: int) -> None:
+    """Warn (rank 0) when floating parameters of `module` are narrower than the compute `dtype`."""
+    narrower = [p for p in module.parameters() if p.is_floating_point() and p.element_size() < dtype.itemsize]
+    if rank != 0 or not narrower:
+        return
+    total = sum(p.numel() for p in module.parameters())
+    share = sum(p.numel() for p in narrower) / max(total, 1)
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in narrower})
+    warnings.warn(
+        f"{share:.0%} of the model's parameters are {'/'.join(found)}, but Config.param_dtype is "
+        f"{str(dtype).removeprefix('torch.')}: zeroinf computes in {str(dtype).removeprefix('torch.')} (the values "
+        "are upcast exactly; masters are fp32 either way), so they take twice the memory they had. For "
+        "bf16 compute set Config(param_dtype='bf16') (or 'auto'; the Trainer: bf16=True)",
+        UserWarning, stacklevel=_first_frame_outside_zeroinf(),
+    )
+
+
+def _first_frame_outside_zeroinf() -> int:
+    """The `stacklevel` that names the caller's line outside this package (the user's `shard` call)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    level = 1  # the frame that calls warnings.warn
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 MAX_OVERFLOWS_AT_MIN_SCALE = 10
