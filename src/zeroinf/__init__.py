@@ -17,6 +17,7 @@ from zeroinf.ema import ema_update
 from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.adamw import Adam, AdamW
+from zeroinf.optim.full_state import optimizer_state, set_optimizer_state
 from zeroinf.partition.gathered import gathered
 from zeroinf.partition.init import init
 from zeroinf.planner.api import plan
@@ -49,9 +50,11 @@ __all__ = [
     "load_weights",
     "load",
     "memory_report",
+    "optimizer_state",
     "plan",
     "save",
     "save_pretrained",
+    "set_optimizer_state",
     "shard",
     "tile_linears",
 ]

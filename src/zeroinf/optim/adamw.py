@@ -48,6 +48,7 @@ from zeroinf.memory import Tier
 from zeroinf.optim.background import BackgroundSteps
 from zeroinf.optim.backward_step import BackwardStep, StepInBackward
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
+from zeroinf.optim.full_state import ShardedStateView
 from zeroinf.optim.moments import Bf16MomentStep, Piece, param_key
 from zeroinf.optim.nvme_states import MasterHome
 from zeroinf.optim.pipeline import Staged, StateViews, SubGroup, SubGroupPipeline
@@ -152,6 +153,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
         groups = list(param_groups) if param_groups is not None else [{"params": trainable}]
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(groups, defaults)
+        self.state = ShardedStateView()  # optim/full_state.py [Note: a parameter's optimizer state]
         self._check_groups_cover(trainable)
         fp16 = self.engine.cfg.param_dtype == "fp16"
         self.scaler = DynamicLossScaler(self.engine.cfg.loss_scale) if fp16 else None

@@ -1,0 +1,187 @@
+"""A parameter's whole optimizer state, read or written between steps: `zeroinf.optimizer_state`.
+
+[Note: a parameter's optimizer state]
+`torch.optim.AdamW` keeps each parameter's `step`, `exp_avg` and `exp_avg_sq` in `opt.state[p]`;
+loops read it to log Adam's second moments and write it to reset a layer's moments after surgery
+(a re-initialized head, new vocabulary rows, a loss spike). zeroinf.AdamW keeps them per unit,
+sharded over the ranks, on the device, the host or NVMe, and split between tiers, with fp32 masters
+beside them: `opt.state` stayed torch's empty dict, so `opt.state[p]["exp_avg"]` failed with a bare
+KeyError and an assignment into it was ignored. DeepSpeed answers with `safe_get_full_optimizer_state`
+/ `safe_set_full_optimizer_state`, FSDP2 with a DTensor per state. Here:
+
+- `optimizer_state(opt, params)` gathers the whole state of each parameter asked for, shaped as
+  the parameter, in fp32 on the CPU: `step`, `exp_avg`, `exp_avg_sq`, and `master` (the fp32 weights
+  the step updates). Each unit holding one is read from its tier once; the ranks' owned pieces are
+  summed into place by one all-reduce per unit (each element has exactly one owner, zeros elsewhere,
+  so the sum is the value itself). A collective: every rank asks for the same parameters.
+- `set_optimizer_state(opt, {p: {"exp_avg": t, ...}})` writes moments and step counts: each rank
+  writes its owned piece of the given full tensor to the unit's tier (bf16 moments rounded as a
+  load rounds them). Every rank passes the same values. `master` is not written here: the weights
+  and their fp32 master change together through `zeroinf.gathered(..., modify=True)`.
+- `opt.state[p]` names both instead of failing bare (`ShardedStateView`).
+
+Between steps only: inside backward, or after a backward whose step ran inside it (the states are
+partly updated until `step()` decides), the call stops and says so.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zeroinf.comm import all_reduce
+from zeroinf.optim.states import StateViews
+from zeroinf.partition.flat_buffer import ParamSlot
+
+if TYPE_CHECKING:
+    from zeroinf.optim.adamw import AdamW
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+KINDS = ("master", *MOMENTS)  # the order of StateViews
+
+
+class ShardedStateView(defaultdict[torch.Tensor, Any]):
+    """`opt.state` of a zeroinf.AdamW: empty, as nothing is kept per parameter object, but a lookup
+    names where the state is instead of a bare KeyError (and a write is refused, not ignored)."""
+
+    def __missing__(self, key: Any) -> Any:
+        raise KeyError(
+            "zeroinf.AdamW keeps no per-parameter entry in optimizer.state: the states are sharded over the "
+            "ranks and kept on their tier. Read a parameter's whole state with zeroinf.optimizer_state(optimizer, "
+            "[param]) (step, exp_avg, exp_avg_sq, master) and write moments with zeroinf.set_optimizer_state "
+            "(both collectives, between steps)"
+        )
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.__missing__(key)
+
+
+def _locate(opt: AdamW, params: Iterable[torch.Tensor]) -> dict[int, list[tuple[int, torch.Tensor]]]:
+    """Requested parameters by unit index: (position in the unit, parameter), in the unit's order."""
+    engine = opt.engine
+    where: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for p in params:
+        ui = engine._unit_of_param.get(id(p))
+        if ui is None or ui >= len(engine.units):
+            raise ValueError(
+                f"zeroinf.optimizer_state: a parameter of shape {tuple(p.shape)} has no optimizer state: it is "
+                "frozen (requires_grad=False at zeroinf.shard) or not a parameter of this optimizer's model"
+            )
+        unit = engine.units[ui]
+        pi = next(i for i, q in enumerate(unit.params) if q is p)
+        if all(q is not p for _, q in where.get(ui, [])):
+            where.setdefault(ui, []).append((pi, p))
+    return where
+
+
+def _require_between_steps(opt: AdamW, op: str) -> None:
+    opt.require_consistent_states()
+    if opt.pending_save is not None:  # a background save reads these states
+        opt.pending_save.wait()
+    if opt.engine.in_backward or opt._session is not None:
+        raise RuntimeError(
+            f"zeroinf.{op}: the optimizer step of this backward ran (partly) inside it and is decided in "
+            "optimizer.step(): call it between steps (after step(), or before the backward)"
+        )
+
+
+def _overlap(unit_start: int, unit_end: int, slot_start: int, slot_end: int) -> tuple[int, int] | None:
+    start, end = max(unit_start, slot_start), min(unit_end, slot_end)
+    return (start, end) if start < end else None
+
+
+@torch.no_grad()
+def optimizer_state(opt: AdamW, params: Iterable[torch.Tensor] | None = None) -> dict[torch.Tensor, dict[str, Any]]:
+    """The whole optimizer state of each of `params` (default: every trained parameter; gather what
+    you need), keyed by parameter: `step` (a float tensor, as torch's), `exp_avg`, `exp_avg_sq` and
+    `master`, fp32 tensors on the CPU shaped as the parameter. A collective (module docstring)."""
+    _require_between_steps(opt, "optimizer_state")
+    engine = opt.engine
+    chosen = [p for u in engine.units for p in u.params] if params is None else list(params)
+    sharded = engine.policy.shard_optimizer and engine.topo.is_distributed
+    out: dict[torch.Tensor, dict[str, Any]] = {}
+    for ui, wanted in sorted(_locate(opt, chosen).items()):
+        unit = engine.units[ui]
+        views = opt.states.read_unit(ui)
+        slots = [unit.layout.slots[pi] for pi, _ in wanted]
+        numel = sum(s.numel for s in slots)
+        flat = torch.zeros(len(KINDS), numel, dtype=torch.float32, device=engine.topo.device)
+        offset = 0
+        for slot in slots:
+            piece = _overlap(unit.owned_start, unit.owned_end, slot.offset, slot.offset + slot.numel)
+            if piece is not None:
+                start, end = piece
+                dst = slice(offset + start - slot.offset, offset + end - slot.offset)
+                for k, view in enumerate(views):
+                    flat[k, dst].copy_(view[start - unit.owned_start : end - unit.owned_start])
+            offset += slot.numel
+        if sharded:
+            all_reduce(flat, engine.topo, async_op=False)
+        flat = flat.cpu()
+        offset = 0
+        for (pi, p), slot in zip(wanted, slots, strict=True):
+            out[p] = {"step": torch.tensor(float(opt.param_steps[ui][pi]))}
+            for k, kind in enumerate(KINDS):
+                out[p][kind] = flat[k, offset : offset + slot.numel].view(slot.shape).clone()
+            offset += slot.numel
+    return out
+
+
+@torch.no_grad()
+def set_optimizer_state(opt: AdamW, states: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+    """Write `exp_avg`, `exp_avg_sq` (full tensors shaped as the parameter) and `step` of the given
+    parameters; keys left out keep their values. Every rank passes the same values. A collective
+    in the sense that every rank must call it, as each writes only its own piece."""
+    _require_between_steps(opt, "set_optimizer_state")
+    engine = opt.engine
+    located = sorted(_locate(opt, states).items())
+    for ui, wanted in located:
+        for pi, p in wanted:
+            _check_given(states[p], engine.units[ui].layout.slots[pi])
+    for ui, wanted in located:
+        unit = engine.units[ui]
+        if any(kind in states[p] for _, p in wanted for kind in MOMENTS):
+            views = opt.states.read_unit(ui)
+            for pi, p in wanted:
+                slot = unit.layout.slots[pi]
+                piece = _overlap(unit.owned_start, unit.owned_end, slot.offset, slot.offset + slot.numel)
+                if piece is None:
+                    continue
+                start, end = piece
+                for k, kind in enumerate(KINDS):
+                    if kind in states[p]:
+                        given = torch.as_tensor(states[p][kind], dtype=torch.float32).reshape(-1)
+                        views[k][start - unit.owned_start : end - unit.owned_start].copy_(
+                            given[start - slot.offset : end - slot.offset]
+                        )
+            opt.states.write_unit(ui, StateViews(*views))
+        for pi, p in wanted:
+            if "step" in states[p]:
+                opt.param_steps[ui][pi] = int(float(torch.as_tensor(states[p]["step"])))
+
+
+def _check_given(given: Mapping[str, Any], slot: ParamSlot) -> None:
+    unknown = set(given) - {"step", *MOMENTS}
+    if "master" in unknown:
+        raise ValueError(
+            "zeroinf.set_optimizer_state: the master weights change with the parameter they round to; write "
+            f"{slot.name} inside `with zeroinf.gathered([param], modify=True)` (its master follows)"
+        )
+    if unknown:
+        raise ValueError(
+            f"zeroinf.set_optimizer_state: unknown state {sorted(unknown)} for {slot.name}; known: step, exp_avg, "
+            "exp_avg_sq"
+        )
+    if "step" in given:
+        step = float(torch.as_tensor(given["step"]))
+        if step < 0 or step != int(step):
+            raise ValueError(f"zeroinf.set_optimizer_state: step = {step} of {slot.name} is not a count of steps")
+    for kind in MOMENTS:
+        if kind in given and tuple(torch.as_tensor(given[kind]).shape) != tuple(slot.shape):
+            raise ValueError(
+                f"zeroinf.set_optimizer_state: {kind} of {slot.name} has shape "
+                f"{tuple(torch.as_tensor(given[kind]).shape)}, the parameter {tuple(slot.shape)}"
+            )
