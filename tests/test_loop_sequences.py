@@ -1,7 +1,9 @@
 """Training loops in random orders against plain PyTorch (world 1, in this process).
 
 A loop is more than forward, backward, step: users evaluate between steps (`eval()` + `no_grad`),
-read the `state_dict`, change the learning rate by hand, call `zero_grad()` once too often,
+read the `state_dict`, change the learning rate by hand, call `zero_grad()` once too often, read a
+parameter's optimizer state or reset it (`zeroinf.optimizer_state` / `set_optimizer_state` against
+`opt.state[p]`), read parameters inside `zeroinf.gathered`,
 accumulate micro-steps, call `torch.nn.utils.clip_grad_norm_` before the step (half the clipping
 seeds; it must return torch's norm). Each seed draws a stage (0-3), the tiers of parameters and
 optimizer states, accumulation (1 or 2) and clipping, and a legal sequence of those operations; every loss, every
@@ -27,8 +29,11 @@ import torch
 import zeroinf
 from tests._parity import LR, build_model, global_batch
 
-OPS = ["fb", "fb", "fb", "step", "step", "zero", "eval", "no_grad", "state_dict", "lr"]
-READS = ("eval", "no_grad", "state_dict", "zero", "lr")  # only where no backward waits for its step
+OPS = ["fb", "fb", "fb", "step", "step", "zero", "eval", "no_grad", "state_dict", "lr", "opt_state", "reset",
+       "gathered"]
+# only where no backward waits for its step
+READS = ("eval", "no_grad", "state_dict", "zero", "lr", "opt_state", "reset", "gathered")
+WATCHED = ("tok.weight", "blocks.1.qkv.weight")  # parameters whose optimizer state is read, reset, gathered
 
 
 def _draw(seed: int, swap_dir: str) -> tuple[zeroinf.Config, list[str], dict[str, Any]]:
@@ -113,6 +118,27 @@ def test_a_random_loop_equals_plain_pytorch(seed: int, tmp_path: Any) -> None:
             elif op == "lr":
                 for group in [*ref_opt.param_groups, *opt.param_groups]:
                     group["lr"] *= 0.5
+            elif op in ("opt_state", "reset"):
+                named, ref_named = dict(model.named_parameters()), dict(ref.named_parameters())
+                read = zeroinf.optimizer_state(opt, [named[n] for n in WATCHED])
+                for n in WATCHED:
+                    theirs = ref_opt.state[ref_named[n]]
+                    ours = read[named[n]]
+                    assert float(ours["step"]) == float(theirs.get("step", 0)), (where, i, n)
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        expected = theirs[kind] if kind in theirs else torch.zeros_like(ref_named[n])
+                        assert same(ours[kind], expected), (where, i, n, kind)
+                    assert same(ours["master"], ref_named[n].detach()), (where, i, n)
+                if op == "reset" and ref_opt.state[ref_named[WATCHED[0]]]:
+                    shape = ref_named[WATCHED[0]].shape
+                    zero = {"exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape), "step": 0}
+                    zeroinf.set_optimizer_state(opt, {named[WATCHED[0]]: zero})
+                    for value in ref_opt.state[ref_named[WATCHED[0]]].values():
+                        value.zero_()
+            elif op == "gathered":
+                named, ref_named = dict(model.named_parameters()), dict(ref.named_parameters())
+                with zeroinf.gathered([named[n] for n in WATCHED]):
+                    assert all(same(named[n].detach(), ref_named[n].detach()) for n in WATCHED), (where, i)
         if not pending:
             theirs, ours = ref.state_dict(), model.state_dict()
             differ = [k for k in theirs if not same(ours[k], theirs[k])]
