@@ -605,6 +605,9 @@ def main() -> None:
                 split_engine(name)
     except ValueError as e:
         p.error(str(e))
+    unknown = [name for name in a.placements.split(",") if name and name not in PLACEMENTS]
+    if unknown:  # caught here, not by each worker's own parser after the whole sweep ran
+        p.error(f"--placements {','.join(unknown)}: unknown; choose from {','.join(PLACEMENTS)}")
     presets = GPT_PRESETS if a.model == "gpt" else PRESETS
     if a.preset not in presets:
         p.error(f"--preset {a.preset!r} is not a {a.model} preset; choose from {sorted(presets)}")
