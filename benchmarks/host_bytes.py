@@ -48,6 +48,7 @@ import zeroinf  # noqa: E402
 from zeroinf.models.gpt import GPTConfig  # noqa: E402
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master + two Adam moments
+VARIANTS = ("host", "split", "nvme")  # optimizer states on the host, split by a budget, on NVMe
 
 
 def child(a: argparse.Namespace) -> dict:
@@ -119,6 +120,11 @@ def main() -> None:
     add_step_memory_args(parser)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()
+    unknown = [name for name in a.variants.split(",") if name not in VARIANTS]
+    if unknown:  # an unknown name would have run as "host"
+        parser.error(f"--variants {','.join(unknown)}: unknown; choose from {','.join(VARIANTS)}")
+    if a.steps < 2:
+        parser.error("--steps must be at least 2: the first step is a warm-up, left out of median_step_s")
     if a.child:
         print(json.dumps(child(a)))
         return

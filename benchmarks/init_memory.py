@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="eager,init")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    unknown = [name for name in args.variants.split(",") if name not in ("eager", "init")]
+    if unknown:  # anything but "init" would have been built eagerly
+        ap.error(f"--variants {','.join(unknown)}: unknown; choose from eager,init")
     args.nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="zeroinf-init-", dir="/tmp")
     if args.child:
         print(json.dumps(build_once(args.child, args)))

@@ -36,6 +36,7 @@ from _bench import machine, peak_rss_bytes  # noqa: E402
 
 WIDTHS = {4096: (11008, 32, 32), 5120: (13824, 40, 40)}  # hidden: (intermediate, heads, kv heads), as Llama 1/2
 VOCAB = 32000
+PLACEMENTS = ("split", "nvme", "opt-host", "opt-split")  # the configs `configs` builds, by name
 
 
 def llama_config(hidden: int, layers: int) -> dict:
@@ -192,6 +193,9 @@ def main() -> None:
                         help="also confirm shapes the plan says do not fit (its verdict stays in the JSON)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = [name for name in args.placements.split(",") if name not in PLACEMENTS]
+    if unknown:
+        parser.error(f"--placements {','.join(unknown)}: unknown; choose from {','.join(PLACEMENTS)}")
     if args.child:
         print(json.dumps(child(args)))
         return
