@@ -137,6 +137,7 @@ def set_optimizer_state(opt: AdamW, states: Mapping[torch.Tensor, Mapping[str, A
     in the sense that every rank must call it, as each writes only its own piece."""
     _require_between_steps(opt, "set_optimizer_state")
     engine = opt.engine
+    engine.transfers.wait_uploads()  # the last step's parameter uploads may still read the masters rewritten here
     located = sorted(_locate(opt, states).items())
     for ui, wanted in located:
         for pi, p in wanted:
