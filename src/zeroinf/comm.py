@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -61,8 +62,41 @@ def naming_failures(kind: str, numel: int, topo: Topology) -> Iterator[None]:
             "skipped on some ranks only (LayerDrop, stochastic depth by layer) cannot run "
             "there: skip inside the layer, by sample, instead; likewise `generate` must run as many forwards on "
             "every rank: Hugging Face turns synced_gpus on for a sharded model, except where a model's own "
-            "generate defaults it off (Whisper): pass synced_gpus=True)"
+            "generate defaults it off (Whisper): pass synced_gpus=True). To find where the ranks part, run again "
+            "with Config(check_collectives=True)"
         ) from exc
+
+
+# [Note: checking that the ranks call the same collectives]
+# Every rank must issue the engine's collectives in the same order. Where one does not (at stage 3 a
+# layer skipped on some ranks only, an evaluation run on one rank), gloo aborts the whole process
+# from C++ ("Received data size doesn't match expected size") if the sizes differ, NCCL hangs until
+# its watchdog, and where the sizes agree (two blocks of one shape) the buffers are silently mixed.
+# `Config.check_collectives` puts one small all-reduce before each: the maximum of a fingerprint of
+# (kind, size, unit) and of its negation equal this rank's own exactly when every rank's fingerprint
+# is the same. On a mismatch every rank sees it at the same collective, gathers the descriptions and
+# raises CollectiveError naming what each rank was calling, before the mismatched one is issued.
+# `TORCH_DISTRIBUTED_DEBUG=DETAIL` compares shapes only, and not on the point-to-point messages that
+# carry gloo's unit collectives here (see above).
+def check_same_collective(kind: str, numel: int, what: str, topo: Topology) -> None:
+    """With `topo.check_collectives`: stop unless every rank is about to call this same collective."""
+    if not topo.check_collectives:
+        return
+    description = f"{kind} of {numel} elements" + (f" ({what})" if what else "")
+    mark = zlib.crc32(description.encode()) & 0x7FFFFFFF
+    probe = torch.tensor([mark, -mark], dtype=torch.int64, device=topo.device)
+    with naming_failures("collective check", probe.numel(), topo):
+        _wait(dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=topo.group, async_op=True), topo)
+        if probe.tolist() == [mark, -mark]:
+            return
+        called: list[object] = [None] * topo.world_size
+        dist.all_gather_object(called, description, group=topo.group)
+    raise CollectiveError(
+        "zeroinf: the ranks called different collectives (found by Config.check_collectives): "
+        + "; ".join(f"rank {r}: {c}" for r, c in enumerate(called))
+        + ". Every rank must run the same units in the same order at stage 3, in forward and in backward: "
+        "skip inside a layer (by sample), not a whole layer on some ranks, and run evaluations on every rank"
+    )
 
 
 # [Note: the collective timeout over a process group made elsewhere]
@@ -228,8 +262,11 @@ def _reduce_scatter_by_messages(
     return PeerHandle(works, "reduce-scatter", topo, unsharded.numel(), keep=(unsharded, shard), finish=finish)
 
 
-def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology, async_op: bool = True) -> Handle:
-    """unsharded[r * shard.numel() : (r + 1) * shard.numel()] = shard of rank r, for every r."""
+def all_gather_into(
+    unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology, async_op: bool = True, what: str = ""
+) -> Handle:
+    """unsharded[r * shard.numel() : (r + 1) * shard.numel()] = shard of rank r, for every r. `what`
+    names it for `check_same_collective`."""
     if unsharded.numel() != shard.numel() * topo.world_size:
         raise ValueError(
             f"all-gather: unsharded numel {unsharded.numel()} != shard numel {shard.numel()} x world {topo.world_size}"
@@ -238,6 +275,7 @@ def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology
         if unsharded.data_ptr() != shard.data_ptr():
             unsharded.copy_(shard)
         return DoneHandle()
+    check_same_collective("all-gather", unsharded.numel(), what, topo)
     if _peer_messages(topo, unsharded, shard) and (
         _disjoint(unsharded, shard) or shard.data_ptr() == unsharded[topo.rank * shard.numel() :].data_ptr()
     ):  # a separate shard, or the shard is this rank's own slot (in place)
@@ -257,7 +295,8 @@ def all_gather_into(unsharded: torch.Tensor, shard: torch.Tensor, topo: Topology
 
 
 def reduce_scatter_into(
-    shard: torch.Tensor, unsharded: torch.Tensor, topo: Topology, average: bool = True, async_op: bool = True
+    shard: torch.Tensor, unsharded: torch.Tensor, topo: Topology, average: bool = True, async_op: bool = True,
+    what: str = "",
 ) -> Handle:
     """shard = (sum over ranks of unsharded)[my slice], divided by world size when `average`."""
     if unsharded.numel() != shard.numel() * topo.world_size:
@@ -269,6 +308,7 @@ def reduce_scatter_into(
         if unsharded.data_ptr() != shard.data_ptr():
             shard.copy_(unsharded)
         return DoneHandle()
+    check_same_collective("reduce-scatter", unsharded.numel(), what, topo)
     widening = unsharded.dtype.itemsize < shard.dtype.itemsize
     if (
         _peer_messages(topo, shard, unsharded) and (shard.dtype == unsharded.dtype or widening)
@@ -291,10 +331,13 @@ def reduce_scatter_into(
     return handle
 
 
-def all_reduce(tensor: torch.Tensor, topo: Topology, average: bool = False, async_op: bool = True) -> Handle:
+def all_reduce(
+    tensor: torch.Tensor, topo: Topology, average: bool = False, async_op: bool = True, what: str = ""
+) -> Handle:
     """tensor = sum (or mean) over ranks of tensor, in place."""
     if not topo.is_distributed:
         return DoneHandle()
+    check_same_collective("all-reduce", tensor.numel(), what, topo)
     with naming_failures("all-reduce", tensor.numel(), topo):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
     divisor = topo.world_size if average else 1

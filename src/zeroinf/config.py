@@ -336,6 +336,14 @@ class Config:
     engine's own hold this one on the CPU (gloo), while on CUDA that group's (NCCL's watchdog) holds:
     pass `timeout=` to `init_process_group`, or let `zeroinf.init_distributed` make the group
     (comm.py [Note: the collective timeout over a process group made elsewhere])."""
+    check_collectives: bool = False
+    """Before each of the engine's collectives (unit all-gathers, gradient reduce-scatters, its
+    all-reduces), one small all-reduce checks that every rank is calling the same one: kind, size
+    and unit. On a mismatch every rank stops with a CollectiveError naming what each rank called,
+    where gloo aborts the process, NCCL hangs, or buffers of equal size are silently mixed. For
+    finding where ranks diverge (a layer skipped on some ranks at stage 3, an evaluation on one
+    rank); it adds a round trip to every collective and takes the overlap away, so leave it off to
+    train (comm.py [Note: checking that the ranks call the same collectives])."""
     reuse_step_memory: bool | str = AUTO
     """From the second step on, keep the memory a step frees for the next step instead of giving
     buffers above 32 MiB back to the OS, which the next step faults in again page by page (glibc;
@@ -408,6 +416,7 @@ class Config:
         if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing != AUTO:
             raise ConfigError("activation_checkpointing", self.activation_checkpointing, 'use true, false or "auto"')
         _bool("offload_activations", self.offload_activations)
+        _bool("check_collectives", self.check_collectives)
         if not isinstance(self.reuse_step_memory, bool) and self.reuse_step_memory != AUTO:
             raise ConfigError("reuse_step_memory", self.reuse_step_memory, 'use true, false or "auto"')
         _positive_int("checkpoint_every", self.checkpoint_every)

@@ -510,7 +510,7 @@ class Engine:
         agreed_at_start = self._agreement is not None and self._agreement.every_parameter_reached
         if self.topo.is_distributed and not agreed_at_start:
             flags = torch.tensor(agreed, dtype=torch.int32, device=self.topo.device)
-            all_reduce(flags, self.topo, async_op=False)
+            all_reduce(flags, self.topo, async_op=False, what="which parameters got gradients")
             self.counter.add("all_reduce")
             agreed = (flags > 0).tolist()
         offset = 0
@@ -635,7 +635,7 @@ def shard(
     from zeroinf.integrations.peft_layers import install_gathered_merges, refuse_unsupported_adapters
 
     refuse_unsupported_adapters(module, checkpointing=cfg.activation_checkpointing is True)
-    topo = topology or default_topology(cfg.collective_timeout_s)
+    topo = (topology or default_topology(cfg.collective_timeout_s)).with_config(cfg)
     if cfg.is_auto:
         cfg = resolve_auto(module, cfg, topo)
         refuse_unsupported_adapters(module, checkpointing=cfg.activation_checkpointing is True)

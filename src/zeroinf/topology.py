@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,15 @@ class Topology:
     # Seconds a wait on one of the engine's collectives may take (comm.py [Note: the collective timeout
     # over a process group made elsewhere]); None: the process group's own timeout.
     wait_timeout_s: float | None = None
+    # Check before each of the engine's collectives that every rank calls the same one
+    # (Config.check_collectives; comm.py [Note: checking that the ranks call the same collectives]).
+    check_collectives: bool = False
+
+    def with_config(self, cfg: Any) -> Topology:
+        """This topology with what a config asks of it (`check_collectives`)."""
+        if cfg.check_collectives and self.is_distributed and not self.check_collectives:
+            return dataclasses.replace(self, check_collectives=True)
+        return self
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -655,7 +655,7 @@ class AdamW(StepInBackward, torch.optim.Optimizer):
             # (one tiny all-reduce), so all of them raise rather than one leaving the others to hang.
             given = torch.zeros(topo.world_size, dtype=torch.int64, device=topo.device)
             given[topo.rank] = int(state.get("rank", topo.rank))
-            all_reduce(given, topo, async_op=False)
+            all_reduce(given, topo, async_op=False, what="the ranks of the optimizer states loaded")
             owners = [int(r) for r in given.tolist()]
             if owners != list(range(topo.world_size)):
                 raise ValueError(

@@ -45,7 +45,7 @@ def global_grad_norm(
     if sharded:
         if sq.device != topo.device:  # host shards under NCCL: the collective runs on the device
             sq = sq.to(topo.device)
-        all_reduce(sq, topo, async_op=False)
+        all_reduce(sq, topo, async_op=False, what="the gradient norm")
     return sq.sqrt()
 
 

@@ -119,7 +119,7 @@ def optimizer_state(opt: AdamW, params: Iterable[torch.Tensor] | None = None) ->
                     flat[k, dst].copy_(view[start - unit.owned_start : end - unit.owned_start])
             offset += slot.numel
         if sharded:
-            all_reduce(flat, engine.topo, async_op=False)
+            all_reduce(flat, engine.topo, async_op=False, what=f"optimizer states of unit {unit.name}")
         flat = flat.cpu()
         offset = 0
         for (pi, p), slot in zip(wanted, slots, strict=True):

@@ -208,6 +208,8 @@ def init(
             "model exists; choose it first: cfg = zeroinf.plan(<preset, HF folder or meta-device module>, cfg).config"
         )
     topo = topology or default_topology(cfg.collective_timeout_s if cfg is not None else 600.0)
+    if cfg is not None:
+        topo = topo.with_config(cfg)
     park_dtype = cfg.param_torch_dtype if cfg is not None else None
     park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype, defer_values)
     _active.append(park)

@@ -367,7 +367,7 @@ class ParamPark:
             return
         flags = torch.tensor([int(_parkable(p)) for p in candidates], dtype=torch.int32, device=self.topo.device)
         if self.topo.is_distributed:  # parking decides later collectives: all ranks must agree
-            all_reduce(flags, self.topo, async_op=False)
+            all_reduce(flags, self.topo, async_op=False, what="which parameters zeroinf.init parks")
         for p, ok in zip(candidates, flags.tolist(), strict=True):
             if ok == self.topo.world_size:
                 self.park(p)
@@ -554,7 +554,7 @@ class ParamPark:
         """The full flat values from every rank's slice (world > 1), in the parked dtype."""
         piece = self.store.take(entry.key, self.topo.device)
         full = torch.empty(piece.numel() * self.topo.world_size, dtype=piece.dtype, device=piece.device)
-        all_gather_into(full, piece, self.topo, async_op=False)
+        all_gather_into(full, piece, self.topo, async_op=False, what="a parameter zeroinf.init parked")
         return full[: entry.numel]
 
     def forget_unreachable(self) -> None:

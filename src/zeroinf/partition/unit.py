@@ -133,6 +133,7 @@ class ShardedUnit(UnitGradients):
         unit_grads.py [Note: gradient accumulation buffer]). `grad_pool`: where gradient buffers come
         from and go back to, shared by an engine's units (partition/grad_pool.py)."""
         self.name = name or "<root>"
+        self.what = f"unit {self.name}"  # how a checked collective names it (Config.check_collectives)
         self.frozen = frozen  # parameters without gradients: gathered like the rest, never stepped
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -230,7 +231,7 @@ class ShardedUnit(UnitGradients):
         if sharded:  # the shard goes from the files to its home; the unit never exists whole here
             self.param_flat.untyped_storage().resize_(0)
         else:
-            all_gather_into(self.param_flat, shard.to(device), self.topo, async_op=False)
+            all_gather_into(self.param_flat, shard.to(device), self.topo, async_op=False, what=self.what)
         self.initial_master = None
         self._master_taken = False
         owned = (self.owned_start, self.owned_end)
@@ -393,7 +394,7 @@ class ShardedUnit(UnitGradients):
         storage.resize_(self.unsharded_bytes)
         self.ledger.reserve(Tier.DEVICE, self.unsharded_bytes, "param_unsharded")
         with torch.autograd._unsafe_preserve_version_counter(self.param_flat):
-            self._gather_handle = all_gather_into(self.param_flat, shard, self.topo)
+            self._gather_handle = all_gather_into(self.param_flat, shard, self.topo, what=self.what)
         self.counter.add("all_gather")
         self.state = ParamState.UNSHARDING
 
@@ -481,13 +482,15 @@ class ShardedUnit(UnitGradients):
             self.transfers.wait_uploads()
             self.home.shard.copy_(source.read(self.layout, start, end, torch.float32))  # type: ignore[union-attr]
             if self.state is ParamState.UNSHARDED:
-                all_gather_into(self.param_flat, self.home.finish_load(), self.topo, async_op=False)  # type: ignore[union-attr]
+                all_gather_into(
+                    self.param_flat, self.home.finish_load(), self.topo, async_op=False, what=self.what  # type: ignore[union-attr]
+                )
             return
         shard = source.read(self.layout, start, end, self.param_flat.dtype).to(self.topo.device)
         if self.home is not None:
             self.home.store(shard)
         if self.state is ParamState.UNSHARDED:
-            all_gather_into(self.param_flat, shard, self.topo, async_op=False)
+            all_gather_into(self.param_flat, shard, self.topo, async_op=False, what=self.what)
         if self.frozen:
             return
         owned = (self.owned_start, self.owned_end)
@@ -520,7 +523,7 @@ class ShardedUnit(UnitGradients):
                 return DoneHandle()
         self.transfers.order_uploads()  # the all-gather reads the shard just uploaded
         self.counter.add("all_gather")
-        gather = all_gather_into(self.param_flat, source, self.topo)
+        gather = all_gather_into(self.param_flat, source, self.topo, what=self.what)
         self._refresh_handle = gather if release is None else ThenHandle(gather, release)
         return self._refresh_handle
 

@@ -188,12 +188,14 @@ class UnitGradients:
         self._zero_unwritten_slots()
         if self.policy.shard_grads:
             self._rs_out = self._reduce_target()
-            self._grad_handles = [reduce_scatter_into(self._rs_out, self.grad_flat, self.topo, average=True)]
+            what = f"gradients of unit {self.name}"  # Config.check_collectives names it so
+            self._grad_handles = [reduce_scatter_into(self._rs_out, self.grad_flat, self.topo, average=True, what=what)]
             self.counter.add("reduce_scatter")
         else:
             chunk = max(1, self.bucket_bytes // self.grad_flat.element_size())
             self._grad_handles = [
-                all_reduce(piece, self.topo, average=True) for piece in torch.split(self.grad_flat, chunk)
+                all_reduce(piece, self.topo, average=True, what=f"gradients of unit {self.name}")
+                for piece in torch.split(self.grad_flat, chunk)
             ]
             self.counter.add("all_reduce", len(self._grad_handles))
         self.grad_state = GradState.REDUCING

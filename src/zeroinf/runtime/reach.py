@@ -67,7 +67,7 @@ class ReachAgreement:
             [int(r) for unit_reached in self._reached for r in unit_reached] + [int(any(r)) for r in self._reached],
             dtype=torch.int32, device=topo.device,
         )
-        self._handle: Handle | None = all_reduce(self._counts, topo)
+        self._handle: Handle | None = all_reduce(self._counts, topo, what="which parameters this backward reaches")
         counter.add("all_reduce")
         self.reached_anywhere = True  # some rank's backward reaches a unit parameter
         self.every_parameter_reached = False  # which parameters get a gradient is agreed already
