@@ -32,6 +32,7 @@ from zeroinf.activations import ActivationOffloader, apply_activation_checkpoint
 from zeroinf.comm import all_reduce
 from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
+from zeroinf.memory_text import MemoryReport
 from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.partition.init import (
     InitFn,
@@ -726,13 +727,13 @@ def engine_of(module: nn.Module) -> Engine:
     return engine
 
 
-def memory_report(module: nn.Module) -> dict[str, Any]:
+def memory_report(module: nn.Module) -> MemoryReport:
     """Live and peak bytes per tier (by tag) and collectives per step, from the engine's own accounting.
 
     `peak_bytes` covers the window since the last optimizer step; `last_step` holds the previous
-    step's snapshot (peaks included).
+    step's snapshot (peaks included). A dict; `print()` shows it as a short table (memory_text.py).
     """
     engine = engine_of(module)
-    report = engine.memory_report()
+    report = MemoryReport(engine.memory_report())
     report["last_step"] = getattr(engine, "ledger_step_peaks", None)
     return report
