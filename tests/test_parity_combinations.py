@@ -34,10 +34,9 @@ from tests.test_parity import assert_matches_reference
 SEED, COUNT, WORLD = 2026, 24, 2
 
 
-def _draw(i: int, rng: random.Random) -> Case:
-    stage = rng.choice([0, 1, 2, 3, 3])
-    accum = rng.choice([1, 1, 2])
-    clip = rng.choice([None, None, 0.05, 100.0])
+def draw_offload(rng: random.Random, stage: int) -> dict[str, Any]:
+    """The tiers of states, parameters (stage 3) and gradients (stages 2-3, states off the device),
+    and how the step runs with states off the device."""
     offload: dict[str, Any] = {"optimizer": rng.choice(["device", "host", "nvme"])}
     if stage == 3:
         offload["params"] = rng.choice(["device", "host", "nvme"])
@@ -46,6 +45,15 @@ def _draw(i: int, rng: random.Random) -> Case:
     if offload["optimizer"] != "device":
         offload["step_in_backward"] = rng.choice([True, False, "auto"])
         offload["step_thread"] = rng.choice([True, False, "auto"])
+    return offload
+
+
+def _draw(i: int, rng: random.Random) -> Case:
+    stage = rng.choice([0, 1, 2, 3, 3])
+    accum = rng.choice([1, 1, 2])
+    clip = rng.choice([None, None, 0.05, 100.0])
+    offload = draw_offload(rng, stage)
+    if offload["optimizer"] != "device":
         if rng.random() < 0.3:
             offload["sub_group_numel"] = rng.choice([512, 2048, 8192])
     if offload.get("params") == "nvme" and rng.random() < 0.4:

@@ -23,6 +23,7 @@ import zeroinf
 from tests._harness import run_ranks
 from tests._parity import LR, Case, build_model, global_batch, train_reference
 from tests.test_parity import TOLERANCES
+from tests.test_parity_combinations import draw_offload
 
 SEED, PAIRS, BATCH, SAVE_WORLD = 7, 9, 12, 2
 LOAD_WORLDS = (1, 2, 3)
@@ -30,14 +31,7 @@ LOAD_WORLDS = (1, 2, 3)
 
 def _config(rng: random.Random, clip: float | None) -> dict[str, Any]:
     stage = rng.choice([0, 1, 2, 3, 3])
-    offload: dict[str, Any] = {"optimizer": rng.choice(["device", "host", "nvme"])}
-    if stage == 3:
-        offload["params"] = rng.choice(["device", "host", "nvme"])
-    if stage >= 2 and offload["optimizer"] != "device":
-        offload["gradients"] = rng.choice(["device", "host", "nvme"])
-    if offload["optimizer"] != "device":
-        offload["step_in_backward"] = rng.choice([True, False, "auto"])
-        offload["step_thread"] = rng.choice([True, False])
+    offload = draw_offload(rng, stage)
     fields: dict[str, Any] = {"stage": stage, "grad_accum_steps": rng.choice([1, 2]), "grad_clip_norm": clip}
     if stage == 3:
         fields["persist_threshold_bytes"] = rng.choice([0, 20_000])

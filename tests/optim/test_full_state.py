@@ -23,7 +23,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
-from tests._parity import LR, build_model, global_batch
+from tests._parity import LR, build_model, global_batch, train_rank_slices
 from tests.optim.test_split_states import SMALL_IO, _budget
 from tests.test_parity import TOLERANCES
 
@@ -55,11 +55,6 @@ def _plain() -> tuple[list[float], dict[str, dict[str, torch.Tensor]], dict[str,
     return losses, states, model.state_dict()
 
 
-def _rows(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    per = t.shape[0] // world
-    return t[rank * per : (rank + 1) * per]
-
-
 def _sharded(stage: int, offload: dict[str, Any], world: int = 1, rank: int = 0) -> dict[str, Any]:
     """The same loop on a sharded model: losses (averaged over ranks), the states read after BEFORE
     steps by name, the weights at the end."""
@@ -67,25 +62,15 @@ def _sharded(stage: int, offload: dict[str, Any], world: int = 1, rank: int = 0)
     model = zeroinf.shard(build_model(), cfg)
     opt = zeroinf.AdamW(model, lr=LR)
     named = dict(model.named_parameters())
-    losses, states = [], {}
-    for step in range(BEFORE + AFTER):
-        if step == BEFORE:
-            read = zeroinf.optimizer_state(opt)
-            states = {n: read[p] for n, p in named.items()}
-            zero = {"exp_avg": torch.zeros, "exp_avg_sq": torch.zeros}
-            reset = {named[n]: {"step": 0, **{k: make(SHAPES[n]) for k, make in zero.items()}} for n in RESET}
-            zeroinf.set_optimizer_state(opt, reset)
-            again = zeroinf.optimizer_state(opt, [named[RESET[0]]])[named[RESET[0]]]
-            assert float(again["step"]) == 0 and not again["exp_avg"].any() and not again["exp_avg_sq"].any()
-        x, y = (_rows(t, world, rank) for t in global_batch(step))
-        loss = model(x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        if world > 1:
-            torch.distributed.all_reduce(loss := loss.detach().clone())
-            loss /= world
-        losses.append(loss.item())
+    losses = train_rank_slices(model, opt, rank, world, 0, BEFORE)
+    read = zeroinf.optimizer_state(opt)
+    states = {n: read[p] for n, p in named.items()}
+    zero = {"exp_avg": torch.zeros, "exp_avg_sq": torch.zeros}
+    reset = {named[n]: {"step": 0, **{k: make(SHAPES[n]) for k, make in zero.items()}} for n in RESET}
+    zeroinf.set_optimizer_state(opt, reset)
+    again = zeroinf.optimizer_state(opt, [named[RESET[0]]])[named[RESET[0]]]
+    assert float(again["step"]) == 0 and not again["exp_avg"].any() and not again["exp_avg_sq"].any()
+    losses += train_rank_slices(model, opt, rank, world, BEFORE, BEFORE + AFTER)
     return {"losses": losses, "states": states, "weights": model.state_dict()}
 
 
