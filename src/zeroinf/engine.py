@@ -637,6 +637,11 @@ def shard(
 
     refuse_unsupported_adapters(module, checkpointing=cfg.activation_checkpointing is True)
     topo = (topology or default_topology(cfg.collective_timeout_s)).with_config(cfg)
+    if topo.check_collectives and topo.rank == 0:
+        get_logger().warning(
+            "Config.check_collectives is on: each collective waits for a check across ranks first (for finding "
+            "where ranks diverge; turn it off to train at speed)"
+        )
     if cfg.is_auto:
         cfg = resolve_auto(module, cfg, topo)
         refuse_unsupported_adapters(module, checkpointing=cfg.activation_checkpointing is True)
