@@ -42,8 +42,10 @@ def buffer_in_compute_dtype(module: nn.Module, name: str, buffer: torch.Tensor, 
 # dtype is a training choice, not a property of the checkpoint) and says what it did once.
 def warn_if_upcast(module: nn.Module, dtype: torch.dtype, rank: int) -> None:
     """Warn (rank 0) when floating parameters of `module` are narrower than the compute `dtype`."""
+    if rank != 0:
+        return
     narrower = [p for p in module.parameters() if p.is_floating_point() and p.element_size() < dtype.itemsize]
-    if rank != 0 or not narrower:
+    if not narrower:
         return
     total = sum(p.numel() for p in module.parameters())
     share = sum(p.numel() for p in narrower) / max(total, 1)

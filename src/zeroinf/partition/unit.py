@@ -133,7 +133,6 @@ class ShardedUnit(UnitGradients):
         unit_grads.py [Note: gradient accumulation buffer]). `grad_pool`: where gradient buffers come
         from and go back to, shared by an engine's units (partition/grad_pool.py)."""
         self.name = name or "<root>"
-        self.what = f"unit {self.name}"  # how a checked collective names it (Config.check_collectives)
         self.frozen = frozen  # parameters without gradients: gathered like the rest, never stepped
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]

@@ -104,6 +104,11 @@ class UnitGradients:
     _landing: Landing | None
     _read_buffer: torch.Tensor | None
 
+    @property
+    def what(self) -> str:
+        """How a checked collective names this unit (Config.check_collectives)."""
+        return f"unit {self.name}"
+
     # -- gradients ------------------------------------------------------------------------------------
     def _ensure_grad_flat(self) -> torch.Tensor:
         if self.grad_flat is None:
@@ -188,13 +193,13 @@ class UnitGradients:
         self._zero_unwritten_slots()
         if self.policy.shard_grads:
             self._rs_out = self._reduce_target()
-            what = f"gradients of unit {self.name}"  # Config.check_collectives names it so
+            what = f"gradients of {self.what}"
             self._grad_handles = [reduce_scatter_into(self._rs_out, self.grad_flat, self.topo, average=True, what=what)]
             self.counter.add("reduce_scatter")
         else:
             chunk = max(1, self.bucket_bytes // self.grad_flat.element_size())
             self._grad_handles = [
-                all_reduce(piece, self.topo, average=True, what=f"gradients of unit {self.name}")
+                all_reduce(piece, self.topo, average=True, what=f"gradients of {self.what}")
                 for piece in torch.split(self.grad_flat, chunk)
             ]
             self.counter.add("all_reduce", len(self._grad_handles))
