@@ -3,7 +3,8 @@
 At world 2, stage 3, in one spawned group each: a layer skipped on one rank only (LayerDrop drawn
 per rank), which gloo answered by aborting the process from C++, and an evaluation run on rank 0
 alone, which waited for the collective timeout, now stop at once on every rank with a
-CollectiveError naming what each rank was calling. With the check on, training that calls the same
+CollectiveError naming what each rank was calling; the same with ZEROINF_CHECK_COLLECTIVES=1 in
+the environment and the config left alone. With the check on, training that calls the same
 collectives everywhere is bitwise what it is without (stages 0-3, parameters and states on NVMe, a
 layer skipped on one rank at stages 0-2, where that is allowed).
 """
@@ -129,6 +130,17 @@ def test_an_evaluation_on_one_rank_is_named_before_the_timeout(results: list[dic
         got = results[rank]["eval 3 True"]
         assert "error" in got and "run evaluations on every rank" in got["error"], got
         assert got["seconds"] < 30  # the collective timeout is 60 s
+
+
+def _skip_named_by_the_environment(rank: int, world: int, folder: str) -> Any:
+    return _train(rank, world, 3, False, SKIPS, folder, False)
+
+
+def test_the_environment_turns_it_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZEROINF_CHECK_COLLECTIVES=1 (the ranks inherit the environment) with the config's default."""
+    monkeypatch.setenv("ZEROINF_CHECK_COLLECTIVES", "1")
+    got = run_ranks(_skip_named_by_the_environment, 2, str(tmp_path), timeout_s=120)
+    assert all("the ranks called different collectives" in r.get("error", "") for r in got), got
 
 
 def test_the_setting_is_validated(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ def naming_failures(kind: str, numel: int, topo: Topology) -> Iterator[None]:
             "there: skip inside the layer, by sample, instead; likewise `generate` must run as many forwards on "
             "every rank: Hugging Face turns synced_gpus on for a sharded model, except where a model's own "
             "generate defaults it off (Whisper): pass synced_gpus=True). To find where the ranks part, run again "
-            "with Config(check_collectives=True)"
+            "with Config(check_collectives=True) or ZEROINF_CHECK_COLLECTIVES=1 in the environment"
         ) from exc
 
 

@@ -343,7 +343,8 @@ class Config:
     where gloo aborts the process, NCCL hangs, or buffers of equal size are silently mixed. For
     finding where ranks diverge (a layer skipped on some ranks at stage 3, an evaluation on one
     rank); it adds a round trip to every collective and takes the overlap away, so leave it off to
-    train (comm.py [Note: checking that the ranks call the same collectives])."""
+    train (comm.py [Note: checking that the ranks call the same collectives]). The environment
+    variable ZEROINF_CHECK_COLLECTIVES=1 turns it on for every model without editing the script."""
     reuse_step_memory: bool | str = AUTO
     """From the second step on, keep the memory a step frees for the next step instead of giving
     buffers above 32 MiB back to the OS, which the next step faults in again page by page (glibc;
