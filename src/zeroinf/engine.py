@@ -639,8 +639,8 @@ def shard(
     topo = (topology or default_topology(cfg.collective_timeout_s)).with_config(cfg)
     if topo.check_collectives and topo.rank == 0:
         get_logger().warning(
-            "Config.check_collectives is on: each collective waits for a check across ranks first (for finding "
-            "where ranks diverge; turn it off to train at speed)"
+            "collective checks are on (Config.check_collectives or ZEROINF_CHECK_COLLECTIVES=1): each collective "
+            "waits for a check across ranks first (for finding where ranks diverge; turn it off to train at speed)"
         )
     if cfg.is_auto:
         cfg = resolve_auto(module, cfg, topo)
