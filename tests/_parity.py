@@ -326,6 +326,25 @@ def train_micro_steps(
     return losses
 
 
+def step_over_micro_batches(
+    opt: Any, loss_of: Callable[[int, int], torch.Tensor], rows: int, accum: int, world: int
+) -> float:
+    """One optimizer step over this rank's `rows` rows in `accum` micro-batches, `loss_of(start,
+    stop)` being the loss of rows [start, stop); the step's loss averaged over ranks."""
+    micro = rows // accum
+    total = torch.zeros(())
+    for m in range(accum):
+        loss = loss_of(m * micro, (m + 1) * micro) / accum
+        opt.backward(loss)
+        total += loss.detach()
+    opt.step()
+    opt.zero_grad()
+    if world > 1:
+        torch.distributed.all_reduce(total)
+        total /= world
+    return total.item()
+
+
 def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Two state dicts with the same names and bit-for-bit equal tensors."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

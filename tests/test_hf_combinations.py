@@ -20,7 +20,7 @@ import torch
 import zeroinf
 from tests._harness import run_ranks
 from tests._hf import BETAS, GLOBAL_BATCH, WEIGHT_DECAY, build, global_batch, needs_model_type
-from tests._parity import LR
+from tests._parity import LR, step_over_micro_batches
 from tests.test_parity_combinations import draw_offload
 
 SEED, COUNT, WORLD, STEPS = 12, 12, 2, 3
@@ -77,21 +77,11 @@ def _sharded(case: dict[str, Any], rank: int, world: int, folder: str) -> dict[s
     model = zeroinf.shard(model, cfg)
     opt = zeroinf.AdamW(model, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
     accum, per = cfg.grad_accum_steps, GLOBAL_BATCH // world
-    micro, losses = per // accum, []
+    losses = []
     for step in range(STEPS):
         x = global_batch(step)[rank * per : (rank + 1) * per]
-        total = torch.zeros(())
-        for m in range(accum):
-            rows = x[m * micro : (m + 1) * micro]
-            loss = model(input_ids=rows, labels=rows).loss / accum
-            opt.backward(loss)
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-            total /= world
-        losses.append(total.item())
+        lm_loss = lambda a, b, x=x: model(input_ids=x[a:b], labels=x[a:b]).loss  # noqa: E731
+        losses.append(step_over_micro_batches(opt, lm_loss, per, accum, world))
     full = model.state_dict()  # a collective at stage 3
     names = {n for n, _ in model.named_parameters()}
     zeroinf.engine_of(model).close()

@@ -21,7 +21,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
-from tests._parity import LR, Case, build_model, global_batch, train_reference
+from tests._parity import LR, Case, build_model, global_batch, step_over_micro_batches, train_reference
 from tests.test_parity import TOLERANCES
 from tests.test_parity_combinations import draw_offload
 
@@ -69,21 +69,10 @@ def _build(pair: dict[str, Any], side: str, rank: int, folder: str) -> tuple[tor
 
 def _steps(model: Any, opt: Any, accum: int, rank: int, world: int, start: int, stop: int) -> list[float]:
     per = BATCH // world
-    micro = per // accum
     losses = []
     for step in range(start, stop):
         x, y = (t[rank * per : (rank + 1) * per] for t in global_batch(step, batch=BATCH))
-        total = torch.zeros(())
-        for m in range(accum):
-            loss = model(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / accum
-            total += loss.detach()
-            opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-            total /= world
-        losses.append(total.item())
+        losses.append(step_over_micro_batches(opt, lambda a, b, x=x, y=y: model(x[a:b], y[a:b]), per, accum, world))
     return losses
 
 
