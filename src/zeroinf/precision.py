@@ -50,9 +50,10 @@ def warn_if_upcast(module: nn.Module, dtype: torch.dtype, rank: int) -> None:
     total = sum(p.numel() for p in module.parameters())
     share = sum(p.numel() for p in narrower) / max(total, 1)
     found = sorted({str(p.dtype).removeprefix("torch.") for p in narrower})
+    compute = str(dtype).removeprefix("torch.")
     warnings.warn(
         f"{share:.0%} of the model's parameters are {'/'.join(found)}, but Config.param_dtype is "
-        f"{str(dtype).removeprefix('torch.')}: zeroinf computes in {str(dtype).removeprefix('torch.')} (the values "
+        f"{compute}: zeroinf computes in {compute} (the values "
         "are upcast exactly; masters are fp32 either way), so they take twice the memory they had. For "
         "bf16 compute set Config(param_dtype='bf16') (or 'auto'; the Trainer: bf16=True)",
         UserWarning, stacklevel=_first_frame_outside_zeroinf(),

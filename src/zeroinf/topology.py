@@ -24,12 +24,15 @@ import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from zeroinf.telemetry import get_logger
+
+if TYPE_CHECKING:
+    from zeroinf.config import Config
 
 if dist.is_available() and not dist.is_initialized():
     import torch.distributed.nn  # noqa: F401  - see [Note: a process group that outlives destroy_process_group]
@@ -117,7 +120,7 @@ class Topology:
     # (Config.check_collectives; comm.py [Note: checking that the ranks call the same collectives]).
     check_collectives: bool = False
 
-    def with_config(self, cfg: Any) -> Topology:
+    def with_config(self, cfg: Config) -> Topology:
         """This topology with what a config asks of it (`check_collectives`, or the environment's
         ZEROINF_CHECK_COLLECTIVES=1: turned on without touching the training script)."""
         wanted = cfg.check_collectives or os.environ.get(CHECK_COLLECTIVES_ENV) == "1"
