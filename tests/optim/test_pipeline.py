@@ -230,14 +230,14 @@ def test_removing_the_swap_folder_during_a_step_fails_that_step(
 ) -> None:
     model, opt = _nvme_optimizer(tmp_path / "swap", sub_group_numel=1024)
     _train_step(model, opt)
-    real_update = opt._adamw
+    real_update = opt._update_sub_group
 
     def update_then_remove(sub_group: SubGroup, *args: object) -> None:
         real_update(sub_group, *args)  # type: ignore[arg-type]
         if sub_group.index == 1 and (tmp_path / "swap").exists():
             shutil.rmtree(tmp_path / "swap")
 
-    monkeypatch.setattr(opt, "_adamw", update_then_remove)
+    monkeypatch.setattr(opt, "_update_sub_group", update_then_remove)
     error = _step_in_thread(model, opt)
     assert isinstance(error, AioError) and error.op == "write", error
     assert "zeroinf-rank0-optimizer_" in error.path

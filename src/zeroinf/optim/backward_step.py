@@ -78,7 +78,7 @@ class BackwardStep:
 
     speculative: bool
     coef: float  # the gradient factor it stepped with: 1 / loss scale, no clipping
-    hyper: list[dict[str, Any]]  # each group's lr, betas, eps, weight_decay at backward time
+    hyper: list[dict[str, Any]]  # each group's hyperparameters (lr, betas, ...) at backward time
     stream: SubGroupStream
     stepped: list[int] = field(default_factory=list)  # units, in the order backward completed them
     squares: dict[int, torch.Tensor] = field(default_factory=dict)  # track_grad_norm: stepped units' squares
@@ -87,13 +87,14 @@ class BackwardStep:
 
 
 class StepInBackward:
-    """What zeroinf.AdamW does inside backward ([Note: the step inside backward]). A part of AdamW
-    (its base class) with a concept of its own: AdamW sets the attributes below and provides the
-    update of one sub-group (`_update_fn`) and the loss scale."""
+    """What a sharded optimizer does inside backward ([Note: the step inside backward]). A part of
+    optim/sharded.py's ShardedOptimizerBase (its base class) with a concept of its own: that class
+    sets the attributes below and provides the update of one sub-group (`_update_fn`) and the loss scale."""
 
     engine: Engine
     states: ResidentStateStore | NvmeStateStore | SplitStateStore
     param_groups: list[dict[str, Any]]
+    hyperparameter_keys: tuple[str, ...]  # the group entries an update reads
     pending_save: Any
     track_grad_norm: bool
     step_mode: str | None  # None, "final" or "speculative" (planner/unit_plan.py step_in_backward_mode)
@@ -106,14 +107,14 @@ class StepInBackward:
     _background: BackgroundSteps | None  # kernels stepped inside backward on a worker thread
     # runtime/failed_backward.py: a backward that raised after a final step had stepped units in it
     _partly_stepped: RuntimeError | None
-    # AdamW's update of one staged sub-group: (grad_of, done, handles, hyper, background, then) -> update
+    # The update of one staged sub-group: (grad_of, done, handles, hyper, background, then) -> update
     _update_fn: Callable[..., Callable[[Staged], None]]
 
     @property
     def loss_scale(self) -> float:
         raise NotImplementedError
 
-    def require_current(self) -> None:  # AdamW's: stop once a newer optimizer took the states over
+    def require_current(self) -> None:  # the optimizer's: stop once a newer optimizer took the states over
         raise NotImplementedError
 
     def _install_step_in_backward(self) -> None:
@@ -156,7 +157,7 @@ class StepInBackward:
             self.engine.transfers.retire()
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
-        return [{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")} for group in self.param_groups]
+        return [{k: group[k] for k in self.hyperparameter_keys} for group in self.param_groups]
 
     def _open_session(self) -> BackwardStep:
         """The first unit of a step is ready inside backward: get the states ready to be stepped."""

@@ -27,7 +27,7 @@ def refuse_unsupported(name: str, **flags: bool) -> None:
 
 
 def model_of_params(
-    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], name: str = "zeroinf.AdamW"
 ) -> tuple[nn.Module, list[dict[str, Any]]]:
     """The sharded model that `params` (parameters, or param groups as torch.optim takes them) belong
     to, and the groups restricted to the parameters it trains.
@@ -46,7 +46,7 @@ def model_of_params(
     items: list[Any] = [params] if isinstance(params, torch.Tensor) else list(params)
     grouped = any(isinstance(item, dict) for item in items)
     if grouped and not all(isinstance(item, dict) for item in items):
-        raise TypeError("zeroinf.AdamW: pass parameters, or param groups (dicts), not a mix of both")
+        raise TypeError(f"{name}: pass parameters, or param groups (dicts), not a mix of both")
     groups: list[dict[str, Any]] = [dict(item) for item in items] if grouped else [{"params": items}]
     engines: dict[int, Engine] = {}
     strays = 0
@@ -62,15 +62,15 @@ def model_of_params(
                 engines[id(engine)] = engine
     if not engines:
         raise TypeError(
-            "zeroinf.AdamW: these parameters belong to no sharded model. Shard it first, then build the "
+            f"{name}: these parameters belong to no sharded model. Shard it first, then build the "
             "optimizer: model = zeroinf.shard(model, cfg); opt = zeroinf.AdamW(model.parameters(), lr=...) "
             "(or zeroinf.AdamW(model, ...))"
         )
     if len(engines) > 1 or strays:
         raise ValueError(
-            "zeroinf.AdamW: the parameters come from "
+            f"{name}: the parameters come from "
             + ("several sharded models" if len(engines) > 1 else f"a sharded model and {strays} other tensors")
-            + "; one zeroinf.AdamW trains exactly one sharded model: build one per model"
+            + f"; one {name} trains exactly one sharded model: build one per model"
         )
     owner = next(iter(engines.values()))
     for group in groups:
