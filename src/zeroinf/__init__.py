@@ -18,6 +18,7 @@ from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.adamw import Adam, AdamW
 from zeroinf.optim.full_state import optimizer_state, set_optimizer_state
+from zeroinf.optim.torch_optimizer import ShardedOptimizer
 from zeroinf.partition.gathered import gathered
 from zeroinf.partition.init import init
 from zeroinf.planner.api import plan
@@ -37,6 +38,7 @@ __all__ = [
     "Ledger",
     "LossScaleConfig",
     "OffloadConfig",
+    "ShardedOptimizer",
     "Tier",
     "TiledLinear",
     "Topology",

@@ -408,9 +408,10 @@ class Engine:
             if self.optimizer_io is None:  # e.g. torch.optim.AdamW(model.parameters()): it saw no gradients
                 raise RuntimeError(
                     f"backward pass {self.micro_step + 1} since the model was sharded, and no zeroinf optimizer "
-                    "steps it: build the optimizer with zeroinf.AdamW(model, ...). A torch.optim optimizer over "
-                    "model.parameters() finds no gradients there (the engine keeps them, reduced and sharded) "
-                    "and changes nothing"
+                    "steps it: build the optimizer with zeroinf.AdamW(model, ...), or shard a torch optimizer's "
+                    "update with zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=...). A "
+                    "torch.optim optimizer over model.parameters() finds no gradients there (the engine keeps "
+                    "them, reduced and sharded) and changes nothing"
                 )
             raise RuntimeError(
                 f"backward pass {self.micro_step + 1} since the last optimizer step, but grad_accum_steps is "

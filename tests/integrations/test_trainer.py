@@ -377,12 +377,30 @@ def test_epoch_not_divisible_by_accumulation_is_refused_before_training(tmp_path
         trainer.train()
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_another_optim_is_the_plain_trainers_torch_optimizer_sharded(tmp_path, stage: int) -> None:
+    """`optim="sgd"` (with momentum through optim_args): the Trainer picks torch's SGD as the plain one
+    does and shards its update with zeroinf.ShardedOptimizer; the same losses, norms and weights."""
+    overrides = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 1.0}
+    plain = summary(run_plain("llama", str(tmp_path / "plain"), **overrides))
+    trainer = run_zeroinf("llama", str(tmp_path / "ours"), stage, **overrides)
+    assert isinstance(trainer.optimizer, zeroinf.ShardedOptimizer)
+    assert trainer.optimizer.optimizer_class is torch.optim.SGD
+    assert [g["momentum"] for g in trainer.optimizer.param_groups] == [0.9, 0.9]
+    _assert_parity(summary(trainer), plain, f"sgd, stage {stage}")
+
+
+def test_an_optim_that_cannot_be_sharded_is_refused_with_the_reason(tmp_path) -> None:
+    with pytest.raises(ValueError, match="Adafactor's update is not elementwise"):
+        run_zeroinf("llama", str(tmp_path), 3, optim="adafactor")
+
+
 def test_refuses_a_foreign_optimizer_and_conflicting_config(tmp_path) -> None:
     from tests._hf import build
 
     args = training_arguments(str(tmp_path))
     model = build("llama")
-    with pytest.raises(TrainerArgumentsError, match="pass a zeroinf.AdamW"):
+    with pytest.raises(TrainerArgumentsError, match=r"pass a zeroinf.AdamW \(or zeroinf.ShardedOptimizer\)"):
         Trainer(model=model, args=args, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
     with pytest.raises(TrainerArgumentsError, match="grad_accum_steps=4 but gradient_accumulation_steps=2"):
         Trainer(model=build("llama"), args=args, zeroinf_config=zeroinf.Config(grad_accum_steps=4))

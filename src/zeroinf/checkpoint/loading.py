@@ -54,6 +54,22 @@ def _check_model(body: dict[str, Any], engine: Engine, ckpt: str) -> None:
             )
 
 
+ADAM_STATES = ["exp_avg", "exp_avg_sq"]  # what checkpoints that name no states were saved with
+
+
+def _check_optimizer(body: dict[str, Any], optimizer: Any, ckpt: str) -> None:
+    """The checkpoint's states are the ones this optimizer keeps, so none is read as another."""
+    saved = body["optimizer"].get("states", ADAM_STATES)
+    ours = list(optimizer.state_names)
+    if saved != ours:
+        raise CheckpointError(
+            f"{os.path.join(ckpt, MANIFEST)}: saved by {body['optimizer'].get('class', 'zeroinf.AdamW')}, keeping "
+            f"{saved or 'no state'} per parameter, and loaded into {optimizer.display_name}, keeping "
+            f"{ours or 'no state'}: its states would be read as others. Load it with the optimizer that saved it; "
+            "for the weights alone, zeroinf.consolidate(ckpt, folder) then zeroinf.load_weights(model, folder)"
+        )
+
+
 @interrupts.entry_point
 def load(
     path: str | os.PathLike[str], model: nn.Module, optimizer: Any, *, load_rng: bool = True
@@ -73,6 +89,7 @@ def load(
         ckpt = resolve(os.fspath(path))
         body = read_manifest(ckpt)
         _check_model(body, engine, ckpt)
+        _check_optimizer(body, optimizer, ckpt)
         data = DataFiles(ckpt, body["files"])
         data.check_all_present()
     except CheckpointError as e:

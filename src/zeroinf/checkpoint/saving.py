@@ -364,6 +364,9 @@ def _manifest_head(model: nn.Module, engine: Engine, optimizer: Any, step: int, 
             for unit in engine.frozen_units if not unit.resident for slot in unit.layout.slots
         },
         "optimizer": {
+            # what the two state slots beside the master hold (optim/sharded.py `state_names`): load checks it
+            "class": optimizer.display_name,
+            "states": list(optimizer.state_names),
             "step_count": int(optimizer.step_count),
             "param_groups": groups,
             "scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None,

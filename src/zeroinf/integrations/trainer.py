@@ -75,12 +75,15 @@ from zeroinf.config import Config
 from zeroinf.engine import engine_of, sharded_engine
 from zeroinf.integrations.peft_layers import is_peft_model
 from zeroinf.integrations.trainer_args import (
+    ADAMW_OPTIMS,
     TrainerArgumentsError,
     asked_dtype,
     asks_checkpointing,
     config_for_trainer,
 )
 from zeroinf.optim.adamw import AdamW
+from zeroinf.optim.sharded import ShardedOptimizerBase
+from zeroinf.optim.torch_optimizer import ShardedOptimizer
 from zeroinf.partition.unit import full_numel
 
 ZEROINF_DIR = "zeroinf"
@@ -252,14 +255,17 @@ class Trainer(transformers.Trainer):
         the whole unsharded model to the device first, which is what offloading avoids)."""
 
     def _check_optimizer(self, optimizer: Any) -> None:
-        if not isinstance(optimizer, AdamW) or optimizer.engine is not engine_of(self._sharded_model()):
+        if not isinstance(optimizer, ShardedOptimizerBase) or optimizer.engine is not engine_of(self._sharded_model()):
             raise TrainerArgumentsError(
-                f"optimizers=({type(optimizer).__name__}, ...): pass a zeroinf.AdamW built on this Trainer's model "
-                "(zeroinf.AdamW(trainer_model, ...)), or leave optimizers unset to get one from TrainingArguments"
+                f"optimizers=({type(optimizer).__name__}, ...): pass a zeroinf.AdamW (or zeroinf.ShardedOptimizer) "
+                "built on this Trainer's model (zeroinf.AdamW(trainer_model, ...)), or leave optimizers unset to "
+                "get one from TrainingArguments"
             )
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """zeroinf.AdamW with the plain Trainer's param groups and hyperparameters."""
+        """zeroinf.AdamW with the plain Trainer's param groups and hyperparameters; for another `optim`
+        (sgd, adagrad, rmsprop, ...), the torch optimizer the plain Trainer picks, sharded by
+        zeroinf.ShardedOptimizer (which refuses one it cannot compute over shards, such as adafactor)."""
         if self.optimizer is None:
             model = self._sharded_model()
             decay = set(self.get_decay_parameter_names(model))
@@ -268,13 +274,19 @@ class Trainer(transformers.Trainer):
                 {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                 {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
             ]
+            groups = [g for g in groups if g["params"]]
+            if str(getattr(self.args.optim, "value", self.args.optim)) not in ADAMW_OPTIMS:  # a str enum
+                cls, settings = self.get_optimizer_cls_and_kwargs(self.args, cast(Any, model))
+                self.optimizer = ShardedOptimizer(cls, groups, track_grad_norm=True, **settings)
+                self._check_optimizer(self.optimizer)
+                return self.optimizer
             self.optimizer = AdamW(
                 model,
                 lr=self.args.learning_rate,
                 betas=(self.args.adam_beta1, self.args.adam_beta2),
                 eps=self.args.adam_epsilon,
                 weight_decay=self.args.weight_decay,
-                param_groups=[g for g in groups if g["params"]],
+                param_groups=groups,
                 track_grad_norm=True,  # the Trainer logs grad_norm every step, clipping or not
             )
             self._check_optimizer(self.optimizer)
@@ -285,8 +297,8 @@ class Trainer(transformers.Trainer):
         if self.args.torch_compile:
             model = self._compiled(model)
         out = super().compute_loss(model, inputs, *args, **kwargs)
-        scale = self.optimizer.loss_scale if isinstance(self.optimizer, AdamW) else 1.0
-        if isinstance(self.optimizer, AdamW) and torch.is_grad_enabled():
+        scale = self.optimizer.loss_scale if isinstance(self.optimizer, ShardedOptimizerBase) else 1.0
+        if isinstance(self.optimizer, ShardedOptimizerBase) and torch.is_grad_enabled():
             self.optimizer.engine.loss_scaled = True  # the backward of this loss carries the scale
         if scale == 1.0 or not torch.is_grad_enabled():
             return out

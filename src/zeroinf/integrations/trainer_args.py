@@ -41,7 +41,8 @@ AUTO_BATCH_NEEDS_UNDO = (
 )
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
-"""`TrainingArguments.optim` values zeroinf.AdamW stands in for (the same update rule)."""
+"""`TrainingArguments.optim` values zeroinf.AdamW stands in for (the same update rule); the Trainer
+shards any other through zeroinf.ShardedOptimizer (integrations/trainer.py `create_optimizer`)."""
 
 
 class TrainerArgumentsError(ValueError):
@@ -64,12 +65,7 @@ def refused_arguments(args: Any) -> list[str]:
     if getattr(args, "fp16_full_eval", False) or getattr(args, "bf16_full_eval", False):
         problems.append("fp16_full_eval/bf16_full_eval cast the sharded model: leave them False")
     optim = _name(getattr(args, "optim", ADAMW_OPTIMS[0]))
-    if optim not in ADAMW_OPTIMS:
-        problems.append(
-            f"optim={optim!r}: zeroinf trains with zeroinf.AdamW (sharded states on their tier); "
-            "use optim='adamw_torch'"
-        )
-    if getattr(args, "optim_args", None):
+    if optim in ADAMW_OPTIMS and getattr(args, "optim_args", None):
         problems.append(f"optim_args={args.optim_args!r}: zeroinf.AdamW takes no extra arguments; leave it unset")
     if getattr(args, "deepspeed", None):
         problems.append("deepspeed is set: zeroinf replaces DeepSpeed here; leave it unset")

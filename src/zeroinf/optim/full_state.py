@@ -37,22 +37,29 @@ from zeroinf.optim.states import StateViews
 from zeroinf.partition.flat_buffer import ParamSlot
 
 if TYPE_CHECKING:
-    from zeroinf.optim.adamw import AdamW
+    from zeroinf.optim.sharded import ShardedOptimizerBase as AdamW
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-KINDS = ("master", *MOMENTS)  # the order of StateViews
+
+def _kinds(opt: AdamW) -> tuple[str, ...]:
+    """The states `StateViews` holds, in its order, as the optimizer names them: master, then Adam's
+    `exp_avg` and `exp_avg_sq` (or a torch optimizer's own names, optim/torch_optimizer.py)."""
+    return ("master", *opt.state_names)
 
 
 class ShardedStateView(defaultdict[torch.Tensor, Any]):
-    """`opt.state` of a zeroinf.AdamW: empty, as nothing is kept per parameter object, but a lookup
+    """`opt.state` of a sharded optimizer: empty, as nothing is kept per parameter object, but a lookup
     names where the state is instead of a bare KeyError (and a write is refused, not ignored)."""
+
+    def __init__(self, names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> None:
+        super().__init__()
+        self.names = names
 
     def __missing__(self, key: Any) -> Any:
         raise KeyError(
-            "zeroinf.AdamW keeps no per-parameter entry in optimizer.state: the states are sharded over the "
+            "a zeroinf optimizer keeps no per-parameter entry in optimizer.state: the states are sharded over the "
             "ranks and kept on their tier. Read a parameter's whole state with zeroinf.optimizer_state(optimizer, "
-            "[param]) (step, exp_avg, exp_avg_sq, master) and write moments with zeroinf.set_optimizer_state "
-            "(both collectives, between steps)"
+            f"[param]) ({', '.join(('step', *self.names, 'master'))}) and write it with "
+            "zeroinf.set_optimizer_state (both collectives, between steps)"
         )
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -96,8 +103,9 @@ def _overlap(unit_start: int, unit_end: int, slot_start: int, slot_end: int) -> 
 @torch.no_grad()
 def optimizer_state(opt: AdamW, params: Iterable[torch.Tensor] | None = None) -> dict[torch.Tensor, dict[str, Any]]:
     """The whole optimizer state of each of `params` (default: every trained parameter; gather what
-    you need), keyed by parameter: `step` (a float tensor, as torch's), `exp_avg`, `exp_avg_sq` and
-    `master`, fp32 tensors on the CPU shaped as the parameter. A collective (module docstring)."""
+    you need), keyed by parameter: `step` (a float tensor, as torch's), the optimizer's states
+    (`exp_avg`, `exp_avg_sq` for Adam; `opt.state_names`) and `master`, fp32 tensors on the CPU shaped
+    as the parameter. A collective (module docstring)."""
     _require_between_steps(opt, "optimizer_state")
     engine = opt.engine
     chosen = [p for u in engine.units for p in u.params] if params is None else list(params)
@@ -108,14 +116,15 @@ def optimizer_state(opt: AdamW, params: Iterable[torch.Tensor] | None = None) ->
         views = opt.states.read_unit(ui)
         slots = [unit.layout.slots[pi] for pi, _ in wanted]
         numel = sum(s.numel for s in slots)
-        flat = torch.zeros(len(KINDS), numel, dtype=torch.float32, device=engine.topo.device)
+        kinds = _kinds(opt)
+        flat = torch.zeros(len(kinds), numel, dtype=torch.float32, device=engine.topo.device)
         offset = 0
         for slot in slots:
             piece = _overlap(unit.owned_start, unit.owned_end, slot.offset, slot.offset + slot.numel)
             if piece is not None:
                 start, end = piece
                 dst = slice(offset + start - slot.offset, offset + end - slot.offset)
-                for k, view in enumerate(views):
+                for k, view in enumerate(views[: len(kinds)]):
                     flat[k, dst].copy_(view[start - unit.owned_start : end - unit.owned_start])
             offset += slot.numel
         if sharded:
@@ -124,7 +133,7 @@ def optimizer_state(opt: AdamW, params: Iterable[torch.Tensor] | None = None) ->
         offset = 0
         for (pi, p), slot in zip(wanted, slots, strict=True):
             out[p] = {"step": torch.tensor(float(opt.param_steps[ui][pi]))}
-            for k, kind in enumerate(KINDS):
+            for k, kind in enumerate(kinds):
                 out[p][kind] = flat[k, offset : offset + slot.numel].view(slot.shape).clone()
             offset += slot.numel
     return out
@@ -132,7 +141,8 @@ def optimizer_state(opt: AdamW, params: Iterable[torch.Tensor] | None = None) ->
 
 @torch.no_grad()
 def set_optimizer_state(opt: AdamW, states: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-    """Write `exp_avg`, `exp_avg_sq` (full tensors shaped as the parameter) and `step` of the given
+    """Write states (`exp_avg`, `exp_avg_sq` for Adam: `opt.state_names`; full tensors shaped as the
+    parameter) and `step` of the given
     parameters; keys left out keep their values. Every rank passes the same values. A collective
     in the sense that every rank must call it, as each writes only its own piece."""
     _require_between_steps(opt, "set_optimizer_state")
@@ -141,10 +151,10 @@ def set_optimizer_state(opt: AdamW, states: Mapping[torch.Tensor, Mapping[str, A
     located = sorted(_locate(opt, states).items())
     for ui, wanted in located:
         for pi, p in wanted:
-            _check_given(states[p], engine.units[ui].layout.slots[pi])
+            _check_given(states[p], engine.units[ui].layout.slots[pi], opt.state_names)
     for ui, wanted in located:
         unit = engine.units[ui]
-        if any(kind in states[p] for _, p in wanted for kind in MOMENTS):
+        if any(kind in states[p] for _, p in wanted for kind in opt.state_names):
             views = opt.states.read_unit(ui)
             for pi, p in wanted:
                 slot = unit.layout.slots[pi]
@@ -152,7 +162,7 @@ def set_optimizer_state(opt: AdamW, states: Mapping[torch.Tensor, Mapping[str, A
                 if piece is None:
                     continue
                 start, end = piece
-                for k, kind in enumerate(KINDS):
+                for k, kind in enumerate(_kinds(opt)):
                     if kind in states[p]:
                         given = torch.as_tensor(states[p][kind], dtype=torch.float32).reshape(-1)
                         views[k][start - unit.owned_start : end - unit.owned_start].copy_(
@@ -164,8 +174,8 @@ def set_optimizer_state(opt: AdamW, states: Mapping[torch.Tensor, Mapping[str, A
                 opt.param_steps[ui][pi] = int(float(torch.as_tensor(states[p]["step"])))
 
 
-def _check_given(given: Mapping[str, Any], slot: ParamSlot) -> None:
-    unknown = set(given) - {"step", *MOMENTS}
+def _check_given(given: Mapping[str, Any], slot: ParamSlot, names: tuple[str, ...]) -> None:
+    unknown = set(given) - {"step", *names}
     if "master" in unknown:
         raise ValueError(
             "zeroinf.set_optimizer_state: the master weights change with the parameter they round to; write "
@@ -173,14 +183,14 @@ def _check_given(given: Mapping[str, Any], slot: ParamSlot) -> None:
         )
     if unknown:
         raise ValueError(
-            f"zeroinf.set_optimizer_state: unknown state {sorted(unknown)} for {slot.name}; known: step, exp_avg, "
-            "exp_avg_sq"
+            f"zeroinf.set_optimizer_state: unknown state {sorted(unknown)} for {slot.name}; known: "
+            f"{', '.join(('step', *names))}"
         )
     if "step" in given:
         step = float(torch.as_tensor(given["step"]))
         if step < 0 or step != int(step):
             raise ValueError(f"zeroinf.set_optimizer_state: step = {step} of {slot.name} is not a count of steps")
-    for kind in MOMENTS:
+    for kind in names:
         if kind in given and tuple(torch.as_tensor(given[kind]).shape) != tuple(slot.shape):
             raise ValueError(
                 f"zeroinf.set_optimizer_state: {kind} of {slot.name} has shape "

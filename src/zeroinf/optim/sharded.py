@@ -141,7 +141,7 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
             )
         groups = list(param_groups) if param_groups is not None else [{"params": trainable}]
         super().__init__(groups, defaults)
-        self.state = ShardedStateView()  # optim/full_state.py [Note: a parameter's optimizer state]
+        self.state = ShardedStateView(self.state_names)  # optim/full_state.py [Note: a parameter's optimizer state]
         self._check_groups_cover(trainable)
         fp16 = self.engine.cfg.param_dtype == "fp16"
         self.scaler = DynamicLossScaler(self.engine.cfg.loss_scale) if fp16 else None
@@ -563,6 +563,7 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
             "master": [u.master for u in units],
             "exp_avg": [u.exp_avg for u in units],
             "exp_avg_sq": [u.exp_avg_sq for u in units],
+            "state_names": list(self.state_names),  # what exp_avg and exp_avg_sq hold
             "param_steps": [list(steps) for steps in self.param_steps],
             "step_count": self.step_count,
             "param_groups": groups,
@@ -577,6 +578,12 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
         self.require_current()
         if self.pending_save is not None:  # its writer still reads the states about to be replaced
             self.pending_save.wait()
+        saved_names = list(state.get("state_names", ("exp_avg", "exp_avg_sq")))
+        if saved_names != list(self.state_names):
+            raise ValueError(
+                f"{self.display_name}.load_state_dict: the state was saved by an optimizer keeping {saved_names} per "
+                f"parameter, this one keeps {list(self.state_names)}: load it into the optimizer that saved it"
+            )
         here = (self.engine.topo.world_size, self.engine.cfg.stage)
         there = (state["world_size"], state["stage"])
         if here != there:

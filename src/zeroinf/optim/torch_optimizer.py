@@ -1,0 +1,304 @@
+"""zeroinf.ShardedOptimizer: any elementwise torch.optim optimizer over the shards a rank owns.
+
+    opt = zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9)
+    opt = zeroinf.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # the same
+
+[Note: a torch optimizer over shards]
+FSDP2 takes any torch optimizer, and DeepSpeed's ZeRO wraps a "client optimizer" over its flat fp32
+partitions. zeroinf does what DeepSpeed does, with the checks it leaves out: everything around the
+update (sharded fp32 masters on their tier, the swap pipeline, clipping, fp16 scaling, the step inside
+backward, checkpoints and resharding, `optimizer_state`) is optim/sharded.py's, and the update of a
+staged sub-group is the torch optimizer's own `step()`, run on views: each run of one parameter
+inside the sub-group becomes a 1-D tensor viewing the master (its `.grad` the gradient's piece), and
+the optimizer's per-parameter states are views of the store's two state slots, handed over before
+the step and taken back after it. So the arithmetic is torch's, and training matches the torch
+optimizer on the unsharded model (tests/optim/test_torch_optimizer.py, stages 0-3 on every tier).
+
+That holds only for an update that is elementwise: element i of the new parameter and states depends
+only on element i of the old ones and of the gradient (SGD, Adagrad, RMSprop, Adadelta, Adamax,
+RAdam, Rprop, Adam/AdamW, Lion). A rank steps its own piece of a parameter alone, and the piece is
+flattened, so an update that reads the whole parameter (LAMB's and LARS's trust ratios, Adafactor's
+relative step size and factored moments, Shampoo, Muon) would compute something else. The
+constructor steps the optimizer on a small parameter whole and split in two, and flat and as a
+matrix, and refuses it where the results differ, naming why; an optimizer that needs a closure
+(LBFGS) is refused too. Its state must be at most two tensors shaped as the parameter (the store's
+slots) and `step`: `NAdam` (a per-parameter `mu_product`), `ASGD` (`eta`, `mu`) and Adam with
+`amsgrad=True` (three tensors) are refused with what they keep.
+
+A parameter's first step runs in a fresh instance of the optimizer built over its pieces, so the
+optimizer creates its own initial state as it would (SGD's momentum is the first gradient,
+Adagrad's sum starts at `initial_accumulator_value`, Rprop's step sizes at lr); later steps run in
+one kept instance whose `state` is the store's views and whose `step` is the parameter's count.
+States the optimizer replaced instead of updating in place are copied back into the slots.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroinf.engine import engine_of
+from zeroinf.optim.pipeline import StateViews, SubGroup
+from zeroinf.optim.sharded import ShardedOptimizerBase
+from zeroinf.optim.torch_args import model_of_params
+
+MAX_STATES = 2  # tensors shaped as the parameter that the store keeps beside the master (exp_avg, exp_avg_sq)
+
+
+class UnsupportedOptimizer(ValueError):
+    """A torch optimizer whose update zeroinf cannot compute over shards; the message says why."""
+
+
+def constructor_settings(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The entries of an optimizer's `defaults` its constructor takes (torch's AdamW keeps
+    `decoupled_weight_decay` among its defaults but does not take it)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in parameters}
+
+
+def _probe_lr(defaults: dict[str, Any]) -> dict[str, Any]:
+    settings = dict(defaults)
+    if "lr" in settings and not float(settings["lr"]):  # lr 0 (a warm-up's start) would hide a difference
+        settings["lr"] = 1e-2
+    return settings
+
+
+def _run(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], grads: list[list[torch.Tensor]],
+         settings: dict[str, Any]) -> torch.optim.Optimizer:
+    opt = cls(params, **settings)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    return opt
+
+
+def inspect_optimizer(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> tuple[str, ...]:
+    """The names of the per-parameter states `cls` keeps (at most two), after checking that its update
+    is elementwise and keeps nothing else but `step` ([Note: a torch optimizer over shards])."""
+    name = cls.__name__
+    settings = _probe_lr(defaults)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, generator=gen)
+    x[:8] *= 50.0  # halves of very different size: a per-parameter norm or RMS differs between them
+    grads = []
+    for _ in range(3):
+        g = torch.randn(16, generator=gen)
+        g[8:] *= 0.01
+        grads.append(g)
+    whole = x.clone()
+    halves = [x[:8].clone(), x[8:].clone()]
+    matrix = x.clone().view(4, 4)
+    try:
+        one = _run(cls, [whole], [[g] for g in grads], settings)
+        _run(cls, halves, [[g[:8], g[8:]] for g in grads], settings)
+        _run(cls, [matrix], [[g.view(4, 4)] for g in grads], settings)
+    except TypeError as err:
+        if "closure" in str(err):
+            raise UnsupportedOptimizer(
+                f"zeroinf.ShardedOptimizer: {name}.step needs a closure (it re-evaluates the loss, as LBFGS "
+                "does); zeroinf steps each rank's shard of the parameters once per step, without one"
+            ) from err
+        raise
+    split = torch.cat(halves)
+    if not torch.allclose(whole, split, rtol=1e-5, atol=1e-6):
+        raise UnsupportedOptimizer(
+            f"zeroinf.ShardedOptimizer: {name}'s update is not elementwise: a parameter stepped whole and in two "
+            f"pieces ends differently (largest difference {float((whole - split).abs().max()):.3g}), as with "
+            "per-parameter norms (LAMB, LARS), Adafactor's relative step size, Shampoo or Muon. zeroinf steps "
+            "each rank's piece of a parameter alone, so it cannot compute this update; use an elementwise "
+            "one (SGD, Adagrad, RMSprop, Adam, AdamW, Lion, ...)"
+        )
+    if not torch.allclose(whole, matrix.reshape(-1), rtol=1e-5, atol=1e-6):
+        raise UnsupportedOptimizer(
+            f"zeroinf.ShardedOptimizer: {name}'s update depends on the parameter's shape (a matrix and the same "
+            "numbers flat end differently, as with factored moments); zeroinf steps flat pieces of parameters, "
+            "so it cannot compute this update; use an elementwise optimizer (SGD, Adagrad, RMSprop, Adam, ...)"
+        )
+    names: list[str] = []
+    others: list[str] = []
+    for key, value in one.state[whole].items():
+        if key == "step" or value is None:  # SGD without momentum keeps its buffer as None
+            continue
+        if isinstance(value, torch.Tensor) and value.shape == whole.shape and value.dtype == torch.float32:
+            names.append(str(key))
+        else:
+            others.append(str(key))
+    if others:
+        raise UnsupportedOptimizer(
+            f"zeroinf.ShardedOptimizer: {name} keeps per-parameter state {others} that is neither a tensor shaped "
+            "as the parameter (fp32) nor `step`; zeroinf keeps a parameter's state as fp32 tensors sharded "
+            "like it, so it cannot keep these"
+        )
+    if len(names) > MAX_STATES:
+        raise UnsupportedOptimizer(
+            f"zeroinf.ShardedOptimizer: {name} with these settings keeps {len(names)} tensors per parameter "
+            f"({', '.join(names)}); zeroinf keeps at most {MAX_STATES} beside the fp32 master (Adam's moments' "
+            "room). Choose settings that keep fewer (Adam without amsgrad, RMSprop without centered or momentum)"
+        )
+    return tuple(names)
+
+
+class ShardedOptimizer(ShardedOptimizerBase):
+    """A torch.optim optimizer (any subclass of torch.optim.Optimizer with an elementwise update) over a
+    sharded model ([Note: a torch optimizer over shards]). Two forms, the same optimizer:
+
+        zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9)
+        zeroinf.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    The parameters (or param groups) are those torch.optim takes: every trainable parameter of one
+    sharded model. `param_groups` hold the user's parameters and the optimizer's hyperparameters, so
+    LR schedulers work unchanged. `track_grad_norm` as `zeroinf.AdamW`'s."""
+
+    def __init__(
+        self,
+        optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer,
+        params: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]] | None = None,
+        *,
+        track_grad_norm: bool = False,
+        **settings: Any,
+    ) -> None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if params is not None or settings:
+                raise TypeError(
+                    "zeroinf.ShardedOptimizer: given a built optimizer, it takes its parameters and settings from "
+                    "it; pass either ShardedOptimizer(torch.optim.SGD(params, lr=...)) or "
+                    "ShardedOptimizer(torch.optim.SGD, params, lr=...)"
+                )
+            if isinstance(optimizer, ShardedOptimizerBase):
+                raise TypeError(f"zeroinf.ShardedOptimizer: {type(optimizer).__name__} is sharded already")
+            cls: type[torch.optim.Optimizer] = type(optimizer)
+            defaults = dict(optimizer.defaults)
+            settings = constructor_settings(cls, defaults)
+            groups: Any = [dict(g) for g in optimizer.param_groups]
+        elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+            if issubclass(optimizer, ShardedOptimizerBase):
+                raise TypeError(
+                    f"zeroinf.ShardedOptimizer: {optimizer.__name__} is zeroinf's own: build it directly "
+                    f"(zeroinf.{optimizer.__name__}(model, ...))"
+                )
+            if params is None:
+                raise TypeError(
+                    f"zeroinf.ShardedOptimizer({optimizer.__name__}, ...) needs the parameters: "
+                    f"ShardedOptimizer({optimizer.__name__}, model.parameters(), lr=...)"
+                )
+            cls = optimizer
+            # torch validates the settings and fills its defaults on a stand-in parameter: building it on
+            # the model's would allocate states for them (Adagrad's sum) only to drop them.
+            defaults = dict(cls([torch.zeros(1)], **settings).defaults)
+            settings = constructor_settings(cls, defaults)
+            groups = params
+        else:
+            raise TypeError(
+                "zeroinf.ShardedOptimizer takes a torch.optim.Optimizer class (with parameters and settings) or "
+                f"a built one, not {type(optimizer).__name__}"
+            )
+        self.optimizer_class = cls
+        self.hyperparameter_keys = tuple(defaults)
+        self._settings = settings  # the constructor's arguments for the instances that run the update
+        self._kept: torch.optim.Optimizer | None = None  # runs steps after a parameter's first
+        self._kept_lock = threading.Lock()  # the update may run on the background worker (optim/background.py)
+        # a `step` state as the optimizer made it (a tensor: its dtype and device; or a number), if it keeps one
+        self._step_like: torch.Tensor | int | float | None = None
+        # Everything is checked before the base class builds (or takes over) any state. Param groups may
+        # differ in settings that change the states kept (SGD's momentum 0 keeps none): each group's names,
+        # placed in the store's slots by their place in the union.
+        owner, given = (groups, None) if isinstance(groups, nn.Module) else model_of_params(groups, self.display_name)
+        group_settings = [
+            {k: v for k, v in {**defaults, **g}.items() if k != "params"} for g in (given or [{}])
+        ]
+        per_group = [inspect_optimizer(cls, constructor_settings(cls, g)) for g in group_settings]
+        union = tuple(dict.fromkeys(n for names in per_group for n in names))
+        if len(union) > MAX_STATES:
+            raise UnsupportedOptimizer(
+                f"zeroinf.ShardedOptimizer: {cls.__name__}'s param groups keep {len(union)} different tensors "
+                f"per parameter together ({', '.join(union)}); zeroinf keeps at most {MAX_STATES}"
+            )
+        moment_dtype = engine_of(owner).cfg.offload.moment_dtype
+        if moment_dtype != "fp32":
+            raise ValueError(
+                f"zeroinf.ShardedOptimizer: offload.moment_dtype = {moment_dtype!r} is zeroinf.AdamW's (its "
+                "moments with stochastic rounding); a torch optimizer's states stay fp32: set moment_dtype='fp32'"
+            )
+        self.state_names = union  # what the store's two state slots hold
+        super().__init__(owner, given, defaults, track_grad_norm)
+        self._group_names = per_group
+        self._group_slots = [[union.index(n) for n in names] for names in per_group]
+
+    @property
+    def display_name(self) -> str:
+        return f"zeroinf.ShardedOptimizer({self.optimizer_class.__name__})"
+
+    def _update_sub_group(
+        self, sg: SubGroup, views: StateViews, grad: torch.Tensor, hyper: list[dict[str, Any]] | None = None
+    ) -> None:
+        """The torch optimizer's step over one sub-group, one call per param group it holds."""
+        had_grad, steps = self.engine.units[sg.unit_index].param_had_grad, self.param_steps[sg.unit_index]
+        store_slots = (views.exp_avg, views.exp_avg_sq)
+        for gi, all_cuts in self._sub_group_runs[sg.index]:
+            slots = [store_slots[k] for k in self._group_slots[gi]]
+            cuts = [cut for cut in all_cuts if had_grad[cut[0]]]
+            if not cuts:
+                continue
+            group = self.param_groups[gi] if hyper is None else hyper[gi]
+            settings = {k: group[k] for k in self.hyperparameter_keys}
+            pieces = [views.master[a:b] for _, a, b, _ in cuts]
+            for piece, (_, a, b, _) in zip(pieces, cuts, strict=True):
+                piece.grad = grad[a:b]
+            with self._kept_lock:
+                self._step_pieces(pieces, [steps[slot] for slot, *_ in cuts], settings, self._group_names[gi],
+                                  [[s[a:b] for s in slots] for _, a, b, _ in cuts])
+            for piece, (_, a, b, _) in zip(pieces, cuts, strict=True):
+                piece.grad = None
+                target = views.master[a:b]
+                if piece.data_ptr() != target.data_ptr():  # the optimizer set `p.data` instead of writing it
+                    target.copy_(piece)
+
+    def _step_pieces(self, pieces: list[torch.Tensor], counts: list[int], settings: dict[str, Any],
+                     names: tuple[str, ...], states: list[list[torch.Tensor]]) -> None:
+        first = any(n == 0 for n in counts)
+        group = {"params": pieces, **settings}
+        if first:  # torch makes the first step's states itself ([Note: a torch optimizer over shards])
+            opt = self.optimizer_class([group], **self._settings)
+        else:
+            if self._kept is None:
+                self._kept = self.optimizer_class([{**group, "params": [torch.zeros(1)]}], **self._settings)
+            opt = self._kept
+            opt.param_groups = [group]
+            opt.state = defaultdict(dict)
+        for piece, n, views in zip(pieces, counts, states, strict=True):
+            if n == 0:
+                continue
+            state = opt.state[piece]
+            state.clear()
+            state.update(zip(names, views, strict=True))
+            if isinstance(self._step_like, torch.Tensor):
+                state["step"] = torch.full_like(self._step_like, float(n))
+            elif self._step_like is not None:
+                state["step"] = type(self._step_like)(n)
+        opt.step()
+        for piece, views in zip(pieces, states, strict=True):
+            state = opt.state[piece]
+            for name, view in zip(names, views, strict=True):
+                kept = state.get(name)
+                if not isinstance(kept, torch.Tensor) or kept.shape != view.shape:
+                    raise RuntimeError(
+                        f"{self.display_name}: after its step the optimizer holds no state {name!r} shaped as "
+                        "the parameter, which it kept when zeroinf inspected it; its state depends on more than "
+                        "its settings, which zeroinf cannot shard"
+                    )
+                if kept.data_ptr() != view.data_ptr():  # made anew (a first step) or replaced
+                    view.copy_(kept)
+            step = state.get("step")
+            if self._step_like is None and isinstance(step, torch.Tensor | int | float):
+                self._step_like = step.detach().clone() if isinstance(step, torch.Tensor) else step
+        opt.state = defaultdict(dict)  # hold no views of staging buffers between calls
+        opt.param_groups = [{**group, "params": []}]

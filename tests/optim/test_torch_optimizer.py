@@ -1,0 +1,295 @@
+"""zeroinf.ShardedOptimizer: a torch optimizer's own update over the shards (optim/torch_optimizer.py
+[Note: a torch optimizer over shards]).
+
+Against the same torch optimizer on the plain model, same seed and batches, 4 steps: losses and
+weights **bitwise** equal at world 1, for SGD (momentum, Nesterov, weight decay; and plain),
+Adagrad, RMSprop, Rprop, Adamax, RAdam, Adadelta and torch's AdamW; at stages 0-3 with the states on
+the device, the host (the step inside backward) and NVMe (stage 3: parameters there too), split
+between host and NVMe, and with clipping (the speculative step inside backward, undone when it
+clips). Param groups whose settings keep different states (momentum in one, none in the other) with
+an LR scheduler; the built-optimizer form equals the class form. World 2 in one spawned group to the
+parity suite's fp32 tolerances. A checkpoint saved mid-run resumes bitwise (stage 3 on NVMe into
+stage 1 in memory), `optimizer_state` reads torch's `momentum_buffer`, and loading an SGD checkpoint
+into AdamW is refused. What cannot be computed over shards is refused with the reason: updates that
+are not elementwise (Adafactor) or depend on the shape, per-parameter scalars (NAdam, ASGD), more
+than two states (amsgrad), a closure (LBFGS), bf16 moments.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zeroinf
+from tests._harness import run_ranks
+from tests._parity import build_model, global_batch, train_rank_slices
+from tests.optim.test_split_states import SMALL_IO, _budget
+from tests.test_parity import TOLERANCES
+from zeroinf.optim.torch_optimizer import UnsupportedOptimizer
+
+STEPS = 4
+SGD_MOMENTUM = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01})
+OPTIMIZERS = {
+    "sgd-momentum": SGD_MOMENTUM,
+    "sgd": (torch.optim.SGD, {"lr": 0.05}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3, "weight_decay": 0.01}),
+    "rprop": (torch.optim.Rprop, {"lr": 1e-3}),
+    "adamax": (torch.optim.Adamax, {"lr": 1e-3}),
+    "radam": (torch.optim.RAdam, {"lr": 1e-3, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    "adadelta": (torch.optim.Adadelta, {"lr": 0.5}),
+    "torch-adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}),
+}
+
+
+def _placements(folder: Path) -> dict[str, tuple[int, dict[str, Any], dict[str, Any]]]:
+    """name -> (stage, offload, other Config fields)."""
+    nvme = str(folder)
+    split = {"params": "nvme", "optimizer": "host", "max_host_bytes": _budget(folder, 1, 0.5, params="nvme"),
+             "nvme_dir": nvme, **SMALL_IO}
+    return {
+        "stage0-device": (0, {}, {}),
+        "stage1-host": (1, {"optimizer": "host"}, {}),
+        "stage2-host": (2, {"optimizer": "host"}, {}),
+        "stage3-device": (3, {}, {}),
+        "stage3-nvme": (3, {"params": "nvme", "optimizer": "nvme", "nvme_dir": nvme, **SMALL_IO}, {}),
+        "stage3-split": (3, split, {}),
+        "stage3-host-clipped": (3, {"optimizer": "host", "step_in_backward": True}, {"grad_clip_norm": 0.05}),
+    }
+
+
+def _plain(cls: type[torch.optim.Optimizer], settings: dict[str, Any], clip: float | None = None,
+           steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    model = build_model()
+    opt = cls(model.parameters(), **settings)
+    losses = []
+    for step in range(steps):
+        loss = model(*global_batch(step))
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict(), opt
+
+
+def _sharded(cls: type[torch.optim.Optimizer], settings: dict[str, Any], stage: int, offload: dict[str, Any],
+             world: int = 1, rank: int = 0, **cfg: Any) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """Losses, weights, and the speculative steps undone (clipping)."""
+    config = zeroinf.Config(stage=stage, persist_threshold_bytes=0, offload=offload, **cfg)
+    model = zeroinf.shard(build_model(), config)
+    opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
+    losses = train_rank_slices(model, opt, rank, world, 0, STEPS)
+    weights = model.state_dict()
+    opt.close()
+    return losses, weights, opt.rollbacks
+
+
+def _assert_equal(got: tuple[Any, ...], want: tuple[Any, ...],
+                  what: str, exact: bool = True) -> None:
+    rtol, atol = (0.0, 0.0) if exact else TOLERANCES["fp32"]
+    assert len(got[0]) == len(want[0]), what
+    for a, b in zip(got[0], want[0], strict=True):
+        assert math.isclose(a, b, rel_tol=rtol, abs_tol=0.0), (what, got[0], want[0])
+    for name, ref in want[1].items():
+        assert torch.allclose(got[1][name], ref, rtol=0.0, atol=atol), (what, name)
+
+
+# Every optimizer in memory at stage 3 and on the host with the step inside backward; SGD with
+# momentum (one state) and torch's AdamW (two) at every placement.
+CASES = [(o, p) for o in OPTIMIZERS for p in ("stage3-device", "stage2-host")] + [
+    (o, p) for o in ("sgd-momentum", "torch-adamw", "adagrad")
+    for p in ("stage0-device", "stage1-host", "stage3-nvme", "stage3-split", "stage3-host-clipped")
+]
+
+
+@pytest.mark.parametrize(("optimizer", "placement"), CASES)
+def test_bitwise_equal_to_the_torch_optimizer(optimizer: str, placement: str, tmp_path: Path) -> None:
+    cls, settings = OPTIMIZERS[optimizer]
+    stage, offload, cfg = _placements(tmp_path)[placement]
+    want = _plain(cls, settings, clip=cfg.get("grad_clip_norm"))
+    start = build_model().state_dict()
+    assert max(float((want[1][k] - v).abs().max()) for k, v in start.items()) > 1e-4, "the reference must move"
+    # zeroinf's clipping coefficient sums the squares in another order than torch's clip_grad_norm_:
+    # clipped steps agree to the parity suite's fp32 tolerances (tests/optim/test_clip.py)
+    exact = "grad_clip_norm" not in cfg
+    got = _sharded(cls, settings, stage, offload, **cfg)
+    _assert_equal(got, want, f"{optimizer} at {placement}", exact)
+    assert got[2] == (0 if exact else 1), "clipping undoes the first step taken inside backward, then holds back"
+
+
+def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Matrices with momentum and weight decay; vectors without either (SGD keeps no state for them)."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for _, p in named if p.dim() > 1], "momentum": 0.9, "weight_decay": 0.01},
+        {"params": [p for _, p in named if p.dim() <= 1], "momentum": 0.0, "weight_decay": 0.0},
+    ]
+
+
+def _with_schedule(model: torch.nn.Module, opt: Any) -> list[float]:
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / STEPS)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*global_batch(step))
+        loss.backward()  # zeroinf: the engine takes the gradients (no fp16 scale to apply)
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_param_groups_keeping_different_states_and_a_schedule(tmp_path: Path) -> None:
+    plain_model = build_model()
+    plain_opt = torch.optim.SGD(_groups(plain_model), lr=0.05)
+    want = (_with_schedule(plain_model, plain_opt), plain_model.state_dict())
+    offload = {"params": "nvme", "optimizer": "nvme", "nvme_dir": str(tmp_path), **SMALL_IO}
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload))
+    built = torch.optim.SGD(_groups(model), lr=0.05)  # the built-optimizer form
+    opt = zeroinf.ShardedOptimizer(built)
+    assert opt.state_names == ("momentum_buffer",)
+    assert [g["momentum"] for g in opt.param_groups] == [0.9, 0.0]
+    _assert_equal((_with_schedule(model, opt), model.state_dict()), want, "groups and schedule")
+    opt.close()
+
+
+def _world2(rank: int, world: int, folder: str) -> dict[str, Any]:
+    out = {}
+    for name, (stage, offload) in {
+        "stage1-device": (1, {}),
+        "stage3-nvme": (3, {"params": "nvme", "optimizer": "nvme", "nvme_dir": f"{folder}/r{rank}", **SMALL_IO}),
+    }.items():
+        for optimizer in ("sgd-momentum", "adagrad"):
+            cls, settings = OPTIMIZERS[optimizer]
+            out[f"{optimizer} {name}"] = _sharded(cls, settings, stage, offload, world, rank)
+    return out
+
+
+def test_world_2(tmp_path: Path) -> None:
+    got = run_ranks(_world2, 2, str(tmp_path))
+    for case, result in got[0].items():
+        assert result[0] == got[1][case][0], case
+        cls, settings = OPTIMIZERS[case.split()[0]]
+        _assert_equal(result, _plain(cls, settings), f"world 2, {case}", exact=False)
+
+
+def test_checkpoint_resumes_bitwise_and_refuses_another_optimizer(tmp_path: Path) -> None:
+    cls, settings = SGD_MOMENTUM
+    want_losses, want_weights, plain_opt = _plain(cls, settings)
+    nvme = {"params": "nvme", "optimizer": "nvme", "nvme_dir": str(tmp_path / "swap"), **SMALL_IO}
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=nvme))
+    opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
+    first = train_rank_slices(model, opt, 0, 1, 0, 2)
+    zeroinf.save(tmp_path / "ckpt", model, opt, step=2)
+    opt.close()
+    resumed = zeroinf.shard(build_model(seed=5), zeroinf.Config(stage=1))  # other weights, stage, placement
+    opt2 = zeroinf.ShardedOptimizer(cls, resumed.parameters(), **settings)
+    zeroinf.load(tmp_path / "ckpt", resumed, opt2)
+    rest = train_rank_slices(resumed, opt2, 0, 1, 2, STEPS)
+    _assert_equal((first + rest, resumed.state_dict()), (want_losses, want_weights), "resumed")
+    # torch's momentum_buffer, read whole: after the 4 steps it equals the plain optimizer's
+    named = dict(resumed.named_parameters())
+    read = zeroinf.optimizer_state(opt2)
+    plain_states = [plain_opt.state[p] for p in plain_opt.param_groups[0]["params"]]  # in named_parameters' order
+    for (name, _), state in zip(build_model().named_parameters(), plain_states, strict=True):
+        assert set(read[named[name]]) == {"step", "momentum_buffer", "master"}, name
+        assert torch.equal(read[named[name]]["momentum_buffer"], state["momentum_buffer"]), name
+        assert float(read[named[name]]["step"]) == STEPS, name
+    with pytest.raises(KeyError, match="momentum_buffer"):
+        opt2.state[named["tok.weight"]]
+    adamw_model = zeroinf.shard(build_model(), zeroinf.Config(stage=1))
+    adamw = zeroinf.AdamW(adamw_model, lr=1e-3)
+    with pytest.raises(zeroinf.CheckpointError, match=r"ShardedOptimizer\(SGD\), keeping \['momentum_buffer'\]"):
+        zeroinf.load(tmp_path / "ckpt", adamw_model, adamw)
+    with pytest.raises(ValueError, match=r"keeping \['momentum_buffer'\].*this one keeps \['exp_avg', 'exp_avg_sq'\]"):
+        adamw.load_state_dict(opt2.state_dict())
+
+
+def test_set_optimizer_state_writes_the_torch_states() -> None:
+    cls, settings = SGD_MOMENTUM
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, persist_threshold_bytes=0))
+    opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
+    train_rank_slices(model, opt, 0, 1, 0, 1)
+    p = dict(model.named_parameters())["tok.weight"]
+    shape = dict(build_model().named_parameters())["tok.weight"].shape  # at stage 3 `p` is a placeholder
+    zeroinf.set_optimizer_state(opt, {p: {"momentum_buffer": torch.full(shape, 2.0)}})
+    assert bool((zeroinf.optimizer_state(opt, [p])[p]["momentum_buffer"] == 2.0).all())
+    with pytest.raises(ValueError, match="unknown state.*known: step, momentum_buffer"):
+        zeroinf.set_optimizer_state(opt, {p: {"exp_avg": torch.zeros(1)}})
+
+
+def test_a_second_optimizer_takes_over_from_adamw() -> None:
+    """optim/succession.py: masters kept, states reset; the torch optimizer's first step makes its own."""
+    cls, settings = SGD_MOMENTUM
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=2))
+    train_rank_slices(model, zeroinf.AdamW(model, lr=1e-3), 0, 1, 0, 1)
+    plain = build_model()
+    plain.load_state_dict(model.state_dict())
+    opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
+    plain_opt = cls(plain.parameters(), **settings)
+    for step in range(1, 3):
+        got = train_rank_slices(model, opt, 0, 1, step, step + 1)
+        loss = plain(*global_batch(step))
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        assert got == [loss.item()], step
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("cls", "settings", "message"),
+    [
+        (torch.optim.Adafactor, {}, "Adafactor's update is not elementwise"),
+        (torch.optim.NAdam, {}, r"NAdam keeps per-parameter state \['mu_product'\]"),
+        (torch.optim.ASGD, {}, r"ASGD keeps per-parameter state \['eta', 'mu'\]"),
+        (torch.optim.Adam, {"amsgrad": True}, "keeps 3 tensors per parameter.*max_exp_avg_sq"),
+        (torch.optim.RMSprop, {"centered": True, "momentum": 0.9}, "keeps 3 tensors per parameter"),
+        (torch.optim.LBFGS, {}, "LBFGS.step needs a closure"),
+    ],
+)
+def test_what_cannot_be_sharded_is_refused_with_the_reason(cls: Any, settings: dict[str, Any], message: str) -> None:
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=1))
+    with pytest.raises(UnsupportedOptimizer, match=message):
+        zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
+
+
+class ShapeDependent(torch.optim.Optimizer):
+    """An update by the parameter's row norms: elementwise over a flat parameter, not over a matrix."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                rows = p.grad if p.dim() == 1 else p.grad / p.grad.norm(dim=1, keepdim=True)
+                p.sub_(rows, alpha=group["lr"])
+
+
+def test_other_refusals() -> None:
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=1))
+    with pytest.raises(UnsupportedOptimizer, match="depends on the parameter's shape"):
+        zeroinf.ShardedOptimizer(ShapeDependent, model.parameters())
+    with pytest.raises(TypeError, match="takes its parameters and settings from it"):
+        zeroinf.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), lr=0.2)
+    with pytest.raises(TypeError, match="is zeroinf's own"):
+        zeroinf.ShardedOptimizer(zeroinf.AdamW, model.parameters())
+    with pytest.raises(TypeError, match="needs the parameters"):
+        zeroinf.ShardedOptimizer(torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="takes a torch.optim.Optimizer class"):
+        zeroinf.ShardedOptimizer("sgd", model.parameters())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ShardedOptimizer\(SGD\): these parameters belong to no sharded model"):
+        zeroinf.ShardedOptimizer(torch.optim.SGD, build_model().parameters(), lr=0.1)
+    bf16 = zeroinf.shard(build_model(), zeroinf.Config(stage=1, offload={"optimizer": "host", "moment_dtype": "bf16"}))
+    with pytest.raises(ValueError, match="moment_dtype = 'bf16' is zeroinf.AdamW's"):
+        zeroinf.ShardedOptimizer(torch.optim.SGD, bf16.parameters(), lr=0.1, momentum=0.9)
+    adamw = zeroinf.AdamW(bf16, lr=1e-3)  # nothing was built or taken over by the refused one
+    assert zeroinf.engine_of(bf16).optimizer_ref() is adamw
