@@ -12,7 +12,9 @@ What differs from the plain Trainer, and where it happens:
   model], [Note: sharding after the Trainer's constructor]).
 - Compute dtype: `bf16=True` / `fp16=True` become `Config.param_dtype` (trainer_args.py).
 - Optimizer: `zeroinf.AdamW` with the Trainer's param groups (weight decay except biases and norms)
-  and its lr, betas, eps; the Trainer's LR scheduler runs on it unchanged.
+  and its lr, betas, eps; for another `optim` (sgd, adagrad, rmsprop), the torch optimizer the plain
+  Trainer picks, over the same groups, through `zeroinf.ShardedOptimizer`. The Trainer's LR
+  scheduler runs on it unchanged.
 - Accumulation and clipping: `gradient_accumulation_steps` and `max_grad_norm` go into the Config
   (trainer_args.py). The Trainer does not clip; the engine does, exactly across shards, and its
   norm is logged as `grad_norm` every step, as the plain Trainer logs it (`AdamW(track_grad_norm=True)`).
