@@ -10,7 +10,9 @@ clips). Param groups whose settings keep different states (momentum in one, none
 an LR scheduler; the built-optimizer form equals the class form. World 2 in one spawned group to the
 parity suite's fp32 tolerances. A checkpoint saved mid-run resumes bitwise (stage 3 on NVMe into
 stage 1 in memory), `optimizer_state` reads torch's `momentum_buffer`, and loading an SGD checkpoint
-into AdamW is refused. What cannot be computed over shards is refused with the reason: updates that
+into AdamW is refused. In memory only the states kept take room (ledger: 4 bytes per owned element
+and state, on the device, the host and a split's host part), and a successor keeping more grows the
+store and trains as torch. What cannot be computed over shards is refused with the reason: updates that
 are not elementwise (Adafactor) or depend on the shape, per-parameter scalars (NAdam, ASGD), more
 than two states (amsgrad), a closure (LBFGS), bf16 moments.
 """
@@ -241,6 +243,63 @@ def test_a_second_optimizer_takes_over_from_adamw() -> None:
         plain_opt.zero_grad()
         assert got == [loss.item()], step
     assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def _state_bytes(model: torch.nn.Module, tier: zeroinf.Tier) -> int:
+    return zeroinf.engine_of(model).ledger.live_bytes(tier, "optimizer_state")
+
+
+@pytest.mark.parametrize("placement", ["host", "device", "split"])
+def test_only_the_states_kept_take_memory(placement: str, tmp_path: Path) -> None:
+    """4 bytes per owned element and state kept: SGD with momentum one, plain SGD none, AdamW two
+    (the masters live in the parameter shards here, [Note: masters in the memory shard]); the split's
+    NVMe part keeps both slots on disk."""
+    offload: dict[str, Any] = {"device": {}, "host": {"optimizer": "host"}}.get(placement, {})
+    if placement == "split":
+        offload = {"params": "nvme", "optimizer": "host", "max_host_bytes": _budget(tmp_path, 1, 0.5, params="nvme"),
+                   "nvme_dir": str(tmp_path), **SMALL_IO}
+    tier = zeroinf.Tier.DEVICE if placement == "device" else zeroinf.Tier.HOST
+    kept = {}
+    for name, build in {
+        "adamw": lambda m: zeroinf.AdamW(m, lr=1e-3),
+        "sgd-momentum": lambda m: zeroinf.ShardedOptimizer(torch.optim.SGD, m.parameters(), lr=0.1, momentum=0.9),
+        "sgd": lambda m: zeroinf.ShardedOptimizer(torch.optim.SGD, m.parameters(), lr=0.1),
+    }.items():
+        model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload))
+        before = _state_bytes(model, tier)
+        opt = build(model)
+        train_rank_slices(model, opt, 0, 1, 0, 1)
+        kept[name] = _state_bytes(model, tier) - before
+        if placement != "split":
+            numel = sum(u.owned_numel for u in zeroinf.engine_of(model).units)
+            assert kept[name] == 4 * numel * {"adamw": 2, "sgd-momentum": 1, "sgd": 0}[name], (name, kept[name], numel)
+        opt.close()
+    assert kept["adamw"] - kept["sgd-momentum"] == kept["sgd-momentum"] - kept["sgd"] > 0, kept
+
+
+def test_a_successor_with_more_states_grows_the_store_and_trains_as_torch() -> None:
+    """SGD (no state) then torch's AdamW (two) on the host: the store gains its slots, zeroed, and
+    the ledger follows; training equals torch's from the same weights."""
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload={"optimizer": "host"})
+    model = zeroinf.shard(build_model(), cfg)
+    train_rank_slices(model, zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1), 0, 1, 0, 1)
+    numel = sum(u.owned_numel for u in zeroinf.engine_of(model).units)
+    assert _state_bytes(model, zeroinf.Tier.HOST) == 0
+    opt = zeroinf.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+    assert _state_bytes(model, zeroinf.Tier.HOST) == 8 * numel
+    plain = build_model()
+    plain.load_state_dict(model.state_dict())
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    for step in range(1, 3):
+        got = train_rank_slices(model, opt, 0, 1, step, step + 1)
+        loss = plain(*global_batch(step))
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        assert got == [loss.item()], step
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+    opt.close()
+    assert _state_bytes(model, zeroinf.Tier.HOST) == 0
 
 
 @pytest.mark.parametrize(

@@ -268,6 +268,10 @@ class NvmeStateStore:
                 dst[start:end].copy_(src)
         return out
 
+    def keep_moments(self, moments: int) -> None:
+        """Nothing: the swap files keep both state slots whatever the optimizer uses (their sizes are
+        the unit plan's, optim/states.py `build_state_store`)."""
+
     def write_unit(self, unit_index: int, states: StateViews) -> None:
         self.require_healthy()
         self._write_pieces(unit_index, states, SWAP_KINDS)

@@ -205,7 +205,7 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
         # A model that had an optimizer: its states (masters kept, moments reset) become this one's, and
         # its fp16 loss scale (the gradients' range, which a torch loop's GradScaler keeps across optimizers).
         previous = self.engine.optimizer_ref() if self.engine.optimizer_ref is not None else None
-        inherited = inherit_states(self.engine)
+        inherited = inherit_states(self.engine, len(self.state_names))
         if previous is not None and previous.scaler is not None and self.scaler is not None:
             self.scaler.load_state_dict(previous.scaler.state_dict())
         self.states = inherited if inherited is not None else build_state_store(
@@ -214,6 +214,7 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
             master_homes=[
                 cast(MasterHome, unit.home) if held else None for unit, held in zip(units, in_param_file, strict=True)
             ],
+            moments=len(self.state_names),
         )
         self._pipeline = SubGroupPipeline(self.states, offload.io_timeout_s)
         self._unit_sub_groups: list[list[int]] = [[] for _ in units]

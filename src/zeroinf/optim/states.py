@@ -69,6 +69,12 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.dtype == torch.float32 else t.float()
 
 
+def absent_slot(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A state slot the optimizer does not use (SGD keeps one tensor, Adam two): reads as `numel`
+    zeros and holds no memory (one element seen through stride 0). Never written: stores skip it."""
+    return torch.zeros((), dtype=dtype, device=device).expand(numel)
+
+
 def wait_all(handles: Sequence[AioHandle]) -> None:
     """Wait for every handle, then raise the first error (no buffer is reused while a transfer runs)."""
     for h in handles:
@@ -117,6 +123,8 @@ class OptimizerStateStore(Protocol):
 
     def write_unit(self, unit_index: int, states: StateViews) -> None: ...
 
+    def keep_moments(self, moments: int) -> None: ...  # the slots beside the master that hold memory
+
     # Checkpoints stream a unit's states piece by piece (one sub-group on NVMe), never whole units.
     def segment_bounds(self, unit_index: int) -> list[tuple[int, int]]: ...  # owned-local [start, end)
 
@@ -151,19 +159,22 @@ class OptimizerStateStore(Protocol):
 
 
 class ResidentStateStore:
-    """States that stay in memory on `device` or `host`: one tensor per unit and state kind."""
+    """States that stay in memory on `device` or `host`: one tensor per unit and state kind. Only the
+    first `moments` of the two slots beside the master hold memory (the optimizer's `state_names`);
+    the others are `absent_slot`s."""
 
     staging_slots = None
 
     def __init__(
         self, masters: Sequence[torch.Tensor] | MasterSource, tier: Tier, ledger: Ledger, max_host_bytes: int | None,
-        moment_dtype: torch.dtype = torch.float32,
+        moment_dtype: torch.dtype = torch.float32, moments: int = 2,
     ) -> None:
         source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
         self.tier, self.ledger, self.traffic = tier, ledger, StepTraffic()
         self.sub_groups = plan_sub_groups(source.numels, None)
         self.moment_dtype = moment_dtype
-        self._element_bytes = _FP32_BYTES + 2 * moment_dtype.itemsize  # the three states of one element
+        self.moments = moments
+        self._element_bytes = _FP32_BYTES + moments * moment_dtype.itemsize  # the states of one element
         # A shared master is its unit's parameter shard: counted there, not allocated here.
         self._shared = [source.is_shared(i) for i in range(len(source.numels))]
         self._nbytes = sum(
@@ -181,26 +192,63 @@ class ResidentStateStore:
                 'or use offload.optimizer = "nvme"',
             )
             # One initial master at a time: copied into its states, then dropped (the states and all
-            # the masters never exist together: 12, not 16 bytes per element at the peak). Only the
-            # master crosses to the device (updated parameters): the moments are never pinned.
+            # the masters never exist together: 12, not 16 bytes per element at the peak).
             for i, numel in enumerate(source.numels):
-                moments = [
-                    host_zeros(numel, moment_dtype, ledger, "optimizer_state", pin=False) for _ in STATE_KINDS[1:]
-                ]
+                slots = [self._new_slot(k, numel, torch.device("cpu")) for k in range(len(STATE_KINDS) - 1)]
                 if self._shared[i]:
-                    self.states.append(StateViews(source.take(i), *moments))
+                    self.states.append(StateViews(source.take(i), *slots))
                     continue
-                views = StateViews(host_zeros(numel, torch.float32, ledger, "optimizer_state"), *moments)
+                views = StateViews(host_zeros(numel, torch.float32, ledger, "optimizer_state"), *slots)
                 views.master.copy_(source.take(i))
                 self.states.append(views)
         else:
             for i in range(len(source.numels)):
                 master = source.take(i)
-                zeros = [torch.zeros_like(master, dtype=moment_dtype) for _ in STATE_KINDS[1:]]
-                self.states.append(StateViews(master, *zeros))
+                slots = [self._new_slot(k, master.numel(), master.device) for k in range(len(STATE_KINDS) - 1)]
+                self.states.append(StateViews(master, *slots))
             ledger.reserve(Tier.DEVICE, self._nbytes, "optimizer_state")
         self._closed = False
         self._backups: dict[int, StateViews] | None = None  # while speculating: states before the update
+
+    def _new_slot(self, k: int, numel: int, device: torch.device) -> torch.Tensor:
+        """Zeros for state slot `k` (0: exp_avg's, 1: exp_avg_sq's), or an absent slot past `moments`."""
+        return absent_slot(numel, self.moment_dtype, device) if k >= self.moments else self._zeros(numel, device)
+
+    def _zeros(self, numel: int, device: torch.device) -> torch.Tensor:
+        if self.tier is Tier.HOST:  # only the master crosses to the device: the moments are never pinned
+            return host_zeros(numel, self.moment_dtype, self.ledger, "optimizer_state", pin=False)
+        return torch.zeros(numel, dtype=self.moment_dtype, device=device)
+
+    def _held(self, views: StateViews) -> tuple[torch.Tensor, ...]:
+        """The tensors of a unit's states that hold memory: the master and the first `moments` slots."""
+        return tuple(views[: 1 + self.moments])
+
+    def keep_moments(self, moments: int) -> None:
+        """Hold `moments` slots beside each master from here on (a new optimizer of the model keeps
+        another number, optim/succession.py): slots added start at zero, slots dropped are freed."""
+        if moments == self.moments:
+            return
+        before = self._nbytes
+        for i, views in enumerate(self.states):
+            numel, device = views.master.numel(), views.master.device
+            slots = list(views[1:])
+            for k in range(len(slots)):
+                if self.moments <= k < moments:
+                    slots[k] = self._zeros(numel, device)
+                elif moments <= k < self.moments:
+                    if self.tier is Tier.HOST:
+                        release_host(slots[k], self.ledger, "optimizer_state")
+                    slots[k] = absent_slot(numel, self.moment_dtype, device)
+            self.states[i] = StateViews(views.master, *slots)
+        moment_bytes = (moments - self.moments) * self.moment_dtype.itemsize
+        self.moments = moments
+        self._element_bytes += moment_bytes
+        self._nbytes += moment_bytes * sum(v.master.numel() for v in self.states)
+        if self.tier is not Tier.HOST:
+            if self._nbytes > before:
+                self.ledger.reserve(Tier.DEVICE, self._nbytes - before, "optimizer_state")
+            else:
+                self.ledger.release(Tier.DEVICE, before - self._nbytes, "optimizer_state")
 
     def swaps(self, index: int) -> bool:
         return False  # in memory: no staging slot
@@ -210,7 +258,10 @@ class ResidentStateStore:
         self.traffic.add(self.tier, "read", self._element_bytes * sg.numel)
         unit = self.states[sg.unit_index]
         if self._backups is not None and index not in self._backups:
-            self._backups[index] = StateViews(*(t[sg.start : sg.end].clone() for t in unit))
+            held = len(self._held(unit))
+            self._backups[index] = StateViews(
+                *(t[sg.start : sg.end].clone() if k < held else t[sg.start : sg.end] for k, t in enumerate(unit))
+            )
             self.ledger.reserve(self.tier, self._element_bytes * sg.numel, "optimizer_backup")
         return Pending("swap_in", Staged(sg, StateViews(*(t[sg.start : sg.end] for t in unit))))
 
@@ -226,7 +277,7 @@ class ResidentStateStore:
         """Put back the states of every sub-group updated since `speculate()`."""
         for index, saved in (self._backups or {}).items():
             sg = self.sub_groups[index]
-            for dst, src in zip(self.states[sg.unit_index], saved, strict=True):
+            for dst, src in zip(self._held(self.states[sg.unit_index]), saved, strict=False):
                 dst[sg.start : sg.end].copy_(src)
         self._drop_backups()
 
@@ -246,7 +297,7 @@ class ResidentStateStore:
         return StateViews(*(_fp32(t) for t in self.states[unit_index]))
 
     def write_unit(self, unit_index: int, states: StateViews) -> None:
-        for dst, src in zip(self.states[unit_index], states, strict=True):
+        for dst, src in zip(self._held(self.states[unit_index]), states, strict=False):  # absent slots stay zero
             dst.copy_(src)
 
     def segment_bounds(self, unit_index: int) -> list[tuple[int, int]]:
@@ -262,12 +313,12 @@ class ResidentStateStore:
     @contextlib.contextmanager
     def segment_for_write(self, unit_index: int, start: int, end: int) -> Iterator[StateViews]:
         views = StateViews(*(t[start:end] for t in self.states[unit_index]))
-        if views.master.device.type == "cpu" and self.moment_dtype == torch.float32:
+        if views.master.device.type == "cpu" and self.moment_dtype == torch.float32 and self.moments == 2:
             yield views  # filled in place
             return
         staged = StateViews(*(torch.empty(end - start, dtype=torch.float32) for _ in STATE_KINDS))
         yield staged
-        for dst, src in zip(views, staged, strict=True):
+        for dst, src in zip(self._held(views), staged, strict=False):
             dst.copy_(src)
 
     def check(self, op: str) -> None:
@@ -297,7 +348,8 @@ class ResidentStateStore:
         self._drop_backups()
         if self.tier is Tier.HOST:
             for views, shared in zip(self.states, self._shared, strict=True):
-                for t in views[1:] if shared else views:
+                held = self._held(views)
+                for t in held[1:] if shared else held:
                     release_host(t, self.ledger, "optimizer_state")
         else:
             self.ledger.release(Tier.DEVICE, self._nbytes, "optimizer_state")
@@ -339,6 +391,7 @@ class SplitStateStore:
 
     def __init__(self, host: ResidentStateStore, nvme: NvmeStateStore, split: OptimizerSplit) -> None:
         self.host, self.nvme, self.split = host, nvme, split
+        self.keep_moments = host.keep_moments  # the NVMe part keeps both slots (NvmeStateStore.keep_moments)
         self.traffic = StepTraffic()
         host.traffic = nvme.traffic = self.traffic  # one account; each part adds under its own tier
         self.staging_slots = nvme.staging_slots
@@ -435,19 +488,22 @@ class SplitStateStore:
 def build_state_store(
     masters: MasterSource, cfg: OffloadConfig, ledger: Ledger, rank: int, shadow: bool = False,
     split: OptimizerSplit | None = None, tier: NvmeTier | None = None, master_homes: Sequence[MasterHome | None] = (),
+    moments: int = 2,
 ) -> ResidentStateStore | NvmeStateStore | SplitStateStore:
     """The store for `cfg.optimizer`, taking ownership of the initial fp32 masters (one per unit);
     `shadow`: NVMe states get a second slot per sub-group for the speculative step; `split`: the
     units' states over host and NVMe (the unit plan's `optimizer_split()`); `tier`: the engine's
     NVMe tier, whose optimizer lane the swap files use (a tier of its own when None); `master_homes`:
-    per unit, the parameter file holding its masters, or None ([Note: masters in the parameter file])."""
+    per unit, the parameter file holding its masters, or None ([Note: masters in the parameter file]);
+    `moments`: how many of the two state slots beside the master the optimizer uses; states in
+    memory hold only those (NVMe swap files keep both: a slot count per file is not done)."""
     from zeroinf.optim.nvme_states import NvmeStateStore  # it builds on this module's pieces
     if split is not None:
         # Each part takes its units' masters one at a time, each dropped once stored.
         nvme = NvmeStateStore(masters.subset(split.nvme_units), cfg, ledger, rank, shadow=shadow, tier=tier)
         try:
             host = ResidentStateStore(
-                masters.subset(split.host_units), Tier.HOST, ledger, None, DTYPES[cfg.moment_dtype]
+                masters.subset(split.host_units), Tier.HOST, ledger, None, DTYPES[cfg.moment_dtype], moments
             )
         except BaseException:
             nvme.close()
@@ -456,4 +512,6 @@ def build_state_store(
         return SplitStateStore(host, nvme, split)
     if cfg.optimizer == "nvme":
         return NvmeStateStore(masters, cfg, ledger, rank, shadow=shadow, tier=tier, master_homes=master_homes)
-    return ResidentStateStore(masters, Tier(cfg.optimizer), ledger, cfg.max_host_bytes, DTYPES[cfg.moment_dtype])
+    return ResidentStateStore(
+        masters, Tier(cfg.optimizer), ledger, cfg.max_host_bytes, DTYPES[cfg.moment_dtype], moments
+    )

@@ -41,7 +41,7 @@ RETIRED = (
 )
 
 
-def inherit_states(engine: Engine) -> Store | None:
+def inherit_states(engine: Engine, moments: int = 2) -> Store | None:
     """The states of the model's previous zeroinf.AdamW, its moments zeroed, for a new one; None
     when the model has had none. Refuses (leaving the previous one as it was) off a step boundary."""
     if engine.optimizer_io is None:
@@ -61,6 +61,7 @@ def inherit_states(engine: Engine) -> Store | None:
     engine.backward_step = engine.backward_prepare = None
     engine.backward_step_barrier = engine.backward_abandoned = None
     engine.transfers.wait_uploads()  # the last step's parameter uploads may still read the masters rewritten here
+    store.keep_moments(moments)  # the new optimizer's state slots (optim/states.py ResidentStateStore)
     for ui in range(len(engine.units)):
         master = store.read_unit(ui).master
         store.write_unit(ui, StateViews(master, torch.zeros_like(master), torch.zeros_like(master)))
