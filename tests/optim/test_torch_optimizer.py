@@ -8,7 +8,8 @@ the device, the host (the step inside backward) and NVMe (stage 3: parameters th
 between host and NVMe, and with clipping (the speculative step inside backward, undone when it
 clips). Param groups whose settings keep different states (momentum in one, none in the other) with
 an LR scheduler; the built-optimizer form equals the class form. World 2 in one spawned group to the
-parity suite's fp32 tolerances. A checkpoint saved mid-run resumes bitwise (stage 3 on NVMe into
+parity suite's fp32 tolerances. A third-party optimizer written as lion-pytorch is (an `int` step,
+`p.data` replaced) trains bitwise too. A checkpoint saved mid-run resumes bitwise (stage 3 on NVMe into
 stage 1 in memory), `optimizer_state` reads torch's `momentum_buffer`, and loading an SGD checkpoint
 into AdamW is refused. In memory only the states kept take room (ledger: 4 bytes per owned element
 and state, on the device, the host and a split's host part), and a successor keeping more grows the
@@ -211,6 +212,36 @@ def test_checkpoint_resumes_bitwise_and_refuses_another_optimizer(tmp_path: Path
         zeroinf.load(tmp_path / "ckpt", adamw_model, adamw)
     with pytest.raises(ValueError, match=r"keeping \['momentum_buffer'\].*this one keeps \['exp_avg', 'exp_avg_sq'\]"):
         adamw.load_state_dict(opt2.state_dict())
+
+
+class Lion(torch.optim.Optimizer):
+    """A third-party optimizer as lion-pytorch writes one: Lion's sign update, an `int` step count,
+    and the parameter replaced through `p.data` rather than written in place."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                state["step"] += 1
+                update = (state["exp_avg"] * beta1 + p.grad * (1 - beta1)).sign()
+                p.data = p * (1 - group["lr"] * group["weight_decay"]) - group["lr"] * update
+                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+@pytest.mark.parametrize("placement", ["stage3-nvme", "stage2-host", "stage1-host"])
+def test_a_third_party_optimizer(placement: str, tmp_path: Path) -> None:
+    settings = {"lr": 1e-3, "weight_decay": 0.1}
+    stage, offload, cfg = _placements(tmp_path)[placement]
+    _assert_equal(_sharded(Lion, settings, stage, offload, **cfg), _plain(Lion, settings), f"Lion at {placement}")
 
 
 def test_set_optimizer_state_writes_the_torch_states() -> None:
