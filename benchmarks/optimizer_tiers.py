@@ -2,6 +2,7 @@
 
     python benchmarks/optimizer_tiers.py --params 50e6 --dir /tmp --rounds 5
     python benchmarks/optimizer_tiers.py --params 200e6 --sub-groups 4194304 --moment-dtypes fp32,bf16
+    python benchmarks/optimizer_tiers.py --params 100e6 --sub-groups 4194304 --optimizers adamw,torch-adamw,sgd
 
 One model per setting (a stack of square Linear units, stage 0, world 1) gets a gradient once per
 round from a one-token backward, then only `optimizer.step()` is timed (`step_in_backward` off, so
@@ -13,7 +14,11 @@ over the step time), the host bytes the offload held, the time of the same swaps
 (`io_only_median_s`) and the overlap of update and I/O: (io + update - step) / min(io, update),
 with the host setting's step of the same moment dtype as the update time (1: the shorter one fully
 hidden; 0: in sequence). `--moment-dtypes fp32,bf16` runs every setting with each dtype of Adam's
-moments (`offload.moment_dtype`), interleaved like the rest.
+moments (`offload.moment_dtype`), interleaved like the rest. `--optimizers` runs every setting
+with each optimizer: `adamw` is zeroinf.AdamW (its fused kernel, the default), the others a torch
+optimizer through zeroinf.ShardedOptimizer (`torch-adamw`: torch's fused AdamW, the same update as
+`adamw` through the generic path; `sgd`: SGD with momentum 0.9; `adagrad`); each entry also gives
+the optimizer-state bytes per parameter the ledger holds on the setting's tier.
 """
 
 from __future__ import annotations
@@ -47,12 +52,20 @@ class Stack(nn.Module):
         return x.sum()
 
 
-def build(name: str, offload: zeroinf.OffloadConfig, layers: int, width: int) -> dict:
+OPTIMIZERS = {
+    "adamw": lambda model: zeroinf.AdamW(model, lr=1e-4),
+    "torch-adamw": lambda model: zeroinf.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-4, fused=True),
+    "sgd": lambda model: zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=1e-4, momentum=0.9),
+    "adagrad": lambda model: zeroinf.ShardedOptimizer(torch.optim.Adagrad, model.parameters(), lr=1e-4),
+}
+
+
+def build(name: str, offload: zeroinf.OffloadConfig, layers: int, width: int, optimizer: str = "adamw") -> dict:
     torch.manual_seed(0)
     cfg = zeroinf.Config(stage=0, offload=offload)
     model = zeroinf.shard(Stack(layers, width), cfg, Topology.single(torch.device("cpu")))
-    opt = zeroinf.AdamW(model, lr=1e-4)
-    return {"name": name, "model": model, "opt": opt, "x": torch.randn(1, width), "times_s": []}
+    opt = OPTIMIZERS[optimizer](model)
+    return {"name": name, "model": model, "opt": opt, "x": torch.randn(1, width), "times_s": [], "optimizer": optimizer}
 
 
 def timed_step(run: dict) -> None:
@@ -82,7 +95,12 @@ def main() -> None:
         "--sub-groups", default="1048576,4194304,16777216", help="nvme sub_group_numel values"
     )
     parser.add_argument("--moment-dtypes", default="fp32", help="offload.moment_dtype values, e.g. fp32,bf16")
+    parser.add_argument("--optimizers", default="adamw", help=f"any of {','.join(OPTIMIZERS)}")
     args = parser.parse_args()
+    optimizers = args.optimizers.split(",")
+    unknown = [o for o in optimizers if o not in OPTIMIZERS]
+    if unknown:
+        parser.error(f"--optimizers: unknown {unknown}; choose from {','.join(OPTIMIZERS)}")
     layers = max(1, round(args.params / args.width**2))
     swap_root = Path(tempfile.mkdtemp(prefix="zeroinf-bench-opt-", dir=args.dir))
     settings = []
@@ -104,7 +122,11 @@ def main() -> None:
                     ),
                 )
             )
-    runs = [build(name, offload, layers, args.width) for name, offload in settings]
+    runs = [
+        build(name if optimizer == "adamw" else f"{name} {optimizer}", offload, layers, args.width, optimizer)
+        for name, offload in settings for optimizer in optimizers
+        if optimizer == "adamw" or offload.moment_dtype == "fp32"  # bf16 moments are zeroinf.AdamW's
+    ]
     for run in runs:  # warm-up: first touch of every buffer and file
         timed_step(run)
         run["times_s"].clear()
@@ -114,11 +136,11 @@ def main() -> None:
             timed_step(run)
     results: list[dict] = []
     numel = sum(p.numel() for p in runs[0]["model"].parameters())
-    host_step = {}  # moment dtype: the host setting's median step, the update time without I/O
+    host_step = {}  # (moment dtype, optimizer): the host setting's median step, the update time without I/O
     for run in runs:
         moments = zeroinf.engine_of(run["model"]).cfg.offload.moment_dtype
         if run["opt"].states.tier is Tier.HOST:
-            host_step[moments] = statistics.median(run["times_s"])
+            host_step[moments, run["optimizer"]] = statistics.median(run["times_s"])
     for run in runs:
         opt, ledger = run["opt"], zeroinf.engine_of(run["model"]).ledger
         median = statistics.median(run["times_s"])
@@ -131,6 +153,13 @@ def main() -> None:
             "state_bytes_moved_last_step": moved,
             "host_bytes": ledger.live_bytes(Tier.HOST),
             "sub_groups": len(opt.states.sub_groups),
+            # in memory the "optimizer_state" tag (the master only where it is not the parameter shard),
+            # on NVMe the swap files ("optimizer_master", "optimizer_exp_avg", ..., aligned)
+            "optimizer_state_bytes_per_param": round(
+                sum(n for tag, n in ledger.snapshot()[opt.states.tier.value]["by_tag"].items()
+                    if tag == "optimizer_state" or tag.startswith("optimizer_") and opt.states.tier is Tier.NVME)
+                / numel, 2
+            ),
         }
         if opt.states.tier is Tier.NVME:
             entry["disk_GBps"] = round(
@@ -139,7 +168,7 @@ def main() -> None:
             # The update (the host setting's step) and the I/O alone, against the step doing both:
             # overlap 1 means the shorter of the two is fully hidden, 0 means they ran in sequence.
             moments = zeroinf.engine_of(run["model"]).cfg.offload.moment_dtype
-            io_s, update_s = statistics.median(run["io_only_s"]), host_step[moments]
+            io_s, update_s = statistics.median(run["io_only_s"]), host_step[moments, run["optimizer"]]
             entry["io_only_median_s"] = round(io_s, 4)
             entry["overlap"] = round((io_s + update_s - median) / min(io_s, update_s), 2)
         results.append(entry)
