@@ -342,6 +342,8 @@ def test_a_successor_with_more_states_grows_the_store_and_trains_as_torch() -> N
         (torch.optim.Adam, {"amsgrad": True}, "keeps 3 tensors per parameter.*max_exp_avg_sq"),
         (torch.optim.RMSprop, {"centered": True, "momentum": 0.9}, "keeps 3 tensors per parameter"),
         (torch.optim.LBFGS, {}, "LBFGS.step needs a closure"),
+        (torch.optim.Muon, {}, "Muon with .* fails on a flat 1-D tensor.*Muon only supports 2D parameters"),
+        (torch.optim.SGD, {"lr": -1.0}, "SGD with .* fails on a flat 1-D tensor.*Invalid learning rate"),
     ],
 )
 def test_what_cannot_be_sharded_is_refused_with_the_reason(cls: Any, settings: dict[str, Any], message: str) -> None:

@@ -20,8 +20,8 @@ RAdam, Rprop, Adam/AdamW, Lion). A rank steps its own piece of a parameter alone
 flattened, so an update that reads the whole parameter (LAMB's and LARS's trust ratios, Adafactor's
 relative step size and factored moments, Shampoo, Muon) would compute something else. The
 constructor steps the optimizer on a small parameter whole and split in two, and flat and as a
-matrix, and refuses it where the results differ, naming why; an optimizer that needs a closure
-(LBFGS) is refused too. Its state must be at most two tensors shaped as the parameter (the store's
+matrix, and refuses it where the results differ, naming why; one that needs a closure (LBFGS) or
+fails on a flat tensor (Muon takes only matrices: it orthogonalizes them whole) is refused too. Its state must be at most two tensors shaped as the parameter (the store's
 slots) and `step`: `NAdam` (a per-parameter `mu_product`), `ASGD` (`eta`, `mu`) and Adam with
 `amsgrad=True` (three tensors) are refused with what they keep.
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 import inspect
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ from zeroinf.optim.pipeline import StateViews, SubGroup
 from zeroinf.optim.sharded import ShardedOptimizerBase
 from zeroinf.optim.torch_args import model_of_params
 
+T = TypeVar("T")
 MAX_STATES = 2  # tensors shaped as the parameter that the store keeps beside the master (exp_avg, exp_avg_sq)
 
 
@@ -81,6 +82,25 @@ def _run(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], grads: li
     return opt
 
 
+def _on_a_flat_piece(cls: type[torch.optim.Optimizer], settings: dict[str, Any], run: Callable[[], T]) -> T:
+    """`run()` (building or stepping `cls` over flat 1-D tensors, as zeroinf runs it on each rank's
+    pieces of the parameters), its failure explained."""
+    try:
+        return run()
+    except UnsupportedOptimizer:
+        raise
+    except Exception as err:
+        if isinstance(err, TypeError) and "closure" in str(err):
+            raise UnsupportedOptimizer(
+                f"zeroinf.ShardedOptimizer: {cls.__name__}.step needs a closure (it re-evaluates the loss, as "
+                "LBFGS does); zeroinf steps each rank's shard of the parameters once per step, without one"
+            ) from err
+        raise UnsupportedOptimizer(
+            f"zeroinf.ShardedOptimizer: {cls.__name__} with {settings} fails on a flat 1-D tensor, the form in "
+            f"which zeroinf steps each rank's piece of a parameter: {type(err).__name__}: {err}"
+        ) from err
+
+
 def inspect_optimizer(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> tuple[str, ...]:
     """The names of the per-parameter states `cls` keeps (at most two), after checking that its update
     is elementwise and keeps nothing else but `step` ([Note: a torch optimizer over shards])."""
@@ -97,17 +117,13 @@ def inspect_optimizer(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]
     whole = x.clone()
     halves = [x[:8].clone(), x[8:].clone()]
     matrix = x.clone().view(4, 4)
+    one = _on_a_flat_piece(cls, settings, lambda: _run(cls, [whole], [[g] for g in grads], settings))
+    _on_a_flat_piece(cls, settings, lambda: _run(cls, halves, [[g[:8], g[8:]] for g in grads], settings))
     try:
-        one = _run(cls, [whole], [[g] for g in grads], settings)
-        _run(cls, halves, [[g[:8], g[8:]] for g in grads], settings)
         _run(cls, [matrix], [[g.view(4, 4)] for g in grads], settings)
-    except TypeError as err:
-        if "closure" in str(err):
-            raise UnsupportedOptimizer(
-                f"zeroinf.ShardedOptimizer: {name}.step needs a closure (it re-evaluates the loss, as LBFGS "
-                "does); zeroinf steps each rank's shard of the parameters once per step, without one"
-            ) from err
-        raise
+        stepped_as_matrix = True
+    except Exception:  # it will only see flat pieces: refusing matrices is no concern
+        stepped_as_matrix = False
     split = torch.cat(halves)
     if not torch.allclose(whole, split, rtol=1e-5, atol=1e-6):
         raise UnsupportedOptimizer(
@@ -117,7 +133,7 @@ def inspect_optimizer(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]
             "each rank's piece of a parameter alone, so it cannot compute this update; use an elementwise "
             "one (SGD, Adagrad, RMSprop, Adam, AdamW, Lion, ...)"
         )
-    if not torch.allclose(whole, matrix.reshape(-1), rtol=1e-5, atol=1e-6):
+    if stepped_as_matrix and not torch.allclose(whole, matrix.reshape(-1), rtol=1e-5, atol=1e-6):
         raise UnsupportedOptimizer(
             f"zeroinf.ShardedOptimizer: {name}'s update depends on the parameter's shape (a matrix and the same "
             "numbers flat end differently, as with factored moments); zeroinf steps flat pieces of parameters, "
@@ -193,7 +209,7 @@ class ShardedOptimizer(ShardedOptimizerBase):
             cls = optimizer
             # torch validates the settings and fills its defaults on a stand-in parameter: building it on
             # the model's would allocate states for them (Adagrad's sum) only to drop them.
-            defaults = dict(cls([torch.zeros(1)], **settings).defaults)
+            defaults = dict(_on_a_flat_piece(cls, settings, lambda: cls([torch.zeros(1)], **settings)).defaults)
             settings = constructor_settings(cls, defaults)
             groups = params
         else:
