@@ -244,6 +244,21 @@ def test_a_third_party_optimizer(placement: str, tmp_path: Path) -> None:
     _assert_equal(_sharded(Lion, settings, stage, offload, **cfg), _plain(Lion, settings), f"Lion at {placement}")
 
 
+def test_a_checkpoint_of_states_in_memory_resumes_on_nvme(tmp_path: Path) -> None:
+    """Saved from a host store holding one slot (the other absent: saved as zeros), loaded into NVMe swap files."""
+    cls, settings = SGD_MOMENTUM
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=1, offload={"optimizer": "host"}))
+    opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
+    losses = train_rank_slices(model, opt, 0, 1, 0, 2)
+    zeroinf.save(tmp_path / "ckpt", model, opt, step=2)
+    nvme = {"params": "nvme", "optimizer": "nvme", "nvme_dir": str(tmp_path / "swap"), **SMALL_IO}
+    resumed = zeroinf.shard(build_model(seed=5), zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=nvme))
+    opt2 = zeroinf.ShardedOptimizer(cls, resumed.parameters(), **settings)
+    zeroinf.load(tmp_path / "ckpt", resumed, opt2)
+    losses += train_rank_slices(resumed, opt2, 0, 1, 2, STEPS)
+    _assert_equal((losses, resumed.state_dict()), _plain(cls, settings), "host -> NVMe")
+
+
 def test_set_optimizer_state_writes_the_torch_states() -> None:
     cls, settings = SGD_MOMENTUM
     model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, persist_threshold_bytes=0))
