@@ -8,9 +8,12 @@ accumulate micro-steps, call `torch.nn.utils.clip_grad_norm_` before the step (h
 seeds; it must return torch's norm). Each seed draws a stage (0-3), the tiers of parameters and
 optimizer states, accumulation (1 or 2) and clipping, and a legal sequence of those operations; every loss, every
 evaluation, every `state_dict` read and the final weights must equal `torch.optim.AdamW(fused=True)`
-on the same model: bitwise without clipping, within 1e-5 with it (torch's `clip_grad_norm_` sums
-the squares in another order, and Adam turns the last-bit difference of the coefficient into
-differences of about 1e-8 after a few steps).
+on the same model, whether zeroinf.AdamW or torch's AdamW through zeroinf.ShardedOptimizer (every
+third seed) steps the sharded one: bitwise without clipping, within 1e-5 (relative and absolute) with
+it: torch's `clip_grad_norm_` sums the squares in another order, and Adam turns the last-bit
+difference of the coefficient into differences of about 1e-8 after a few steps, but up to 1.4e-6
+(half a thousandth of a step at lr 3e-3) where a gradient of about Adam's eps meets a first moment
+that nearly cancels it (seeds 88, 447, 480 and 568 of 600 drawn, with an absolute 1e-6).
 
 "Legal" leaves out what zeroinf refuses with an error by design (a `step()` without the
 configured number of backward passes, a backward too many) and reads between a backward and its
@@ -69,15 +72,23 @@ def test_a_random_loop_equals_plain_pytorch(seed: int, tmp_path: Any) -> None:
     call_clip = clip is not None and random.Random(f"clip {seed}").random() < 0.5
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return torch.equal(a, b) if clip is None else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        return torch.equal(a, b) if clip is None else torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
     torch.manual_seed(0)
     ref = build_model()
     torch.manual_seed(0)
     model = zeroinf.shard(build_model(), cfg)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, fused=True)
-    opt = zeroinf.AdamW(model, lr=LR, weight_decay=0.1)
-    where = f"seed {seed}, stage {cfg.stage}, {cfg.offload.params}/{cfg.offload.optimizer}, {drawn}, {call_clip}, {seq}"
+    # every third seed runs torch's own AdamW over the shards (zeroinf.ShardedOptimizer): the same reference
+    generic = seed % 3 == 2
+    opt: Any = (
+        zeroinf.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=LR, weight_decay=0.1, fused=True)
+        if generic else zeroinf.AdamW(model, lr=LR, weight_decay=0.1)
+    )
+    where = (
+        f"seed {seed}, stage {cfg.stage}, {cfg.offload.params}/{cfg.offload.optimizer}, {drawn}, {call_clip}, "
+        f"{'ShardedOptimizer' if generic else 'AdamW'}, {seq}"
+    )
     pending = 0
     try:
         for i, op in enumerate(seq):
