@@ -323,6 +323,30 @@ def test_only_the_states_kept_take_memory(placement: str, tmp_path: Path) -> Non
     assert kept["adamw"] - kept["sgd-momentum"] == kept["sgd-momentum"] - kept["sgd"] > 0, kept
 
 
+def test_only_the_states_kept_move_to_and_from_nvme(tmp_path: Path) -> None:
+    """optim/nvme_states.py [Note: state slots an optimizer does not use, on NVMe]: a step reads and
+    writes 4 bytes per owned element for the master and for each state kept; and it trains as torch."""
+    moved = {}
+    for name, (cls, settings), kept in (("adamw", OPTIMIZERS["torch-adamw"], 2), ("sgd-momentum", SGD_MOMENTUM, 1),
+                                        ("sgd", OPTIMIZERS["sgd"], 0)):
+        offload = {"optimizer": "nvme", "nvme_dir": str(tmp_path / name), "step_in_backward": False, **SMALL_IO}
+        model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload))
+        opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
+        losses = train_rank_slices(model, opt, 0, 1, 0, STEPS - 1)
+        before = opt.states.engine.stats()  # the swap files' own I/O engine: the bytes that really moved
+        losses += train_rank_slices(model, opt, 0, 1, STEPS - 1, STEPS)
+        after = opt.states.engine.stats()
+        numel = sum(u.owned_numel for u in zeroinf.engine_of(model).units)
+        traffic = opt.states.traffic.last_step
+        assert traffic["nvme_read_bytes"] == traffic["nvme_written_bytes"] == 4 * (1 + kept) * numel, (name, traffic)
+        read, written = after.bytes_read - before.bytes_read, after.bytes_written - before.bytes_written
+        assert read == written == 4 * (1 + kept) * numel, (name, read, written)
+        _assert_equal((losses, model.state_dict()), _plain(cls, settings), f"{name} on NVMe")
+        moved[name] = traffic["nvme_read_bytes"]
+        opt.close()
+    assert moved["adamw"] > moved["sgd-momentum"] > moved["sgd"]
+
+
 def test_a_successor_with_more_states_grows_the_store_and_trains_as_torch() -> None:
     """SGD (no state) then torch's AdamW (two) on the host: the store gains its slots, zeroed, and
     the ledger follows; training equals torch's from the same weights."""
@@ -346,6 +370,28 @@ def test_a_successor_with_more_states_grows_the_store_and_trains_as_torch() -> N
     assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
     opt.close()
     assert _state_bytes(model, zeroinf.Tier.HOST) == 0
+
+
+def test_on_nvme_a_successor_reads_no_stale_states(tmp_path: Path) -> None:
+    """zeroinf.AdamW leaves moments in the swap files, SGD (no state) steps past them without reading
+    or clearing them, then torch's AdamW must start from zero moments: the same as torch from the weights."""
+    offload = {"optimizer": "nvme", "nvme_dir": str(tmp_path), "step_in_backward": False, **SMALL_IO}
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=2, offload=offload))
+    train_rank_slices(model, zeroinf.AdamW(model, lr=1e-3), 0, 1, 0, 2)
+    train_rank_slices(model, zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1), 0, 1, 2, 3)
+    plain = build_model()
+    plain.load_state_dict(model.state_dict())
+    opt = zeroinf.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    for step in range(3, 5):
+        got = train_rank_slices(model, opt, 0, 1, step, step + 1)
+        loss = plain(*global_batch(step))
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        assert got == [loss.item()], step
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+    opt.close()
 
 
 @pytest.mark.parametrize(

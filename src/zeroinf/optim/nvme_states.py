@@ -30,6 +30,16 @@ for backward (8), the moments in and out (16), the new shard (4); 32 when steppe
 step (clipping, fp16) keeps the masters before the step in a second slot, which the parameter file
 does not have: those runs keep the master file.
 
+[Note: state slots an optimizer does not use, on NVMe]
+A sub-group's staging buffer and the swap files have room for the master and two slots, Adam's
+moments; a torch optimizer through zeroinf.ShardedOptimizer may keep fewer (SGD with momentum one,
+plain SGD none: `moments`). The slots it does not keep are neither read nor written: on swap-in
+their views are zeroed in the buffer (a memset, against 4 bytes per element each way on disk), so
+state dicts and checkpoints read zeros there as the stores in memory give them. Their room in the
+files stays allocated (the files are sized by the unit plan before any optimizer exists) but takes
+no disk bandwidth. A later optimizer keeping more (optim/succession.py) first sets `moments`, then
+writes every slot it keeps, so no stale bytes of an earlier one are read.
+
 [Note: fresh swap files read as zeros]
 The swap files are preallocated with posix_fallocate, after which reads of the allocated range
 return zeros, so only the master weights are written at start; the moments start at zero for free.
@@ -88,6 +98,7 @@ class NvmeStateStore:
         shadow: bool = False,
         tier: NvmeTier | None = None,
         master_homes: Sequence[MasterHome | None] = (),
+        moments: int = 2,
     ) -> None:
         assert cfg.nvme_dir is not None  # OffloadConfig requires it for nvme
         source = masters if isinstance(masters, MasterSource) else MasterSource.of(list(masters))
@@ -104,6 +115,7 @@ class NvmeStateStore:
         self.moment_dtype = DTYPES[cfg.moment_dtype]
         self._offsets = plan.state_offsets
         self._kind_bytes = dict(zip(SWAP_KINDS, plan.itemsizes, strict=True))  # per element
+        self.moments = moments  # [Note: state slots an optimizer does not use, on NVMe]
         assembly_numel = plan.assembly_numel
         check_host_cap(
             plan.host_bytes + aio.workers * aio.block_bytes,
@@ -181,8 +193,12 @@ class NvmeStateStore:
         key = shadow_key(sg.key) if slot else sg.key
         home = self._master_homes[sg.unit_index]
         handles = []
+        live = SWAP_KINDS[: 1 + self.moments]
         for kind, t in zip(kinds, views, strict=False):
-            if home is None or kind != SWAP_KINDS[0]:
+            if kind not in live:  # [Note: state slots an optimizer does not use, on NVMe]
+                if op == "swap_in":
+                    t.zero_()
+            elif home is None or kind != SWAP_KINDS[0]:
                 handles.append(transfer(key, kind, t))
             elif op == "swap_out":
                 home.write_range(sg.start, sg.end, t)
@@ -210,7 +226,7 @@ class NvmeStateStore:
             raise
         # This store's files only: a master read from the parameter file counts as parameter traffic.
         home = self._master_homes[sg.unit_index]
-        own = sum(n for kind, n in self._kind_bytes.items() if home is None or kind != SWAP_KINDS[0])
+        own = sum(n for kind, n in self._live_kind_bytes().items() if home is None or kind != SWAP_KINDS[0])
         self.traffic.add(Tier.NVME, "read", own * sg.numel)
         return Pending("swap_in", staged, handles)
 
@@ -230,7 +246,8 @@ class NvmeStateStore:
             raise
         if self._written_aside is not None:
             self._written_aside.add(sg.index)
-        self.traffic.add(Tier.NVME, "written", sum(self._kind_bytes[kind] for kind in kinds) * sg.numel)
+        live = self._live_kind_bytes()
+        self.traffic.add(Tier.NVME, "written", sum(live.get(kind, 0) for kind in kinds) * sg.numel)
         return Pending("swap_out", staged, handles, release_when_done=True)
 
     # -- the speculative step: updates go to each sub-group's other slot until commit or rollback --------
@@ -268,9 +285,14 @@ class NvmeStateStore:
                 dst[start:end].copy_(src)
         return out
 
+    def _live_kind_bytes(self) -> dict[str, int]:
+        """Bytes per element of the state kinds the optimizer uses (the master and `moments` slots)."""
+        return {kind: n for kind, n in self._kind_bytes.items() if kind in SWAP_KINDS[: 1 + self.moments]}
+
     def keep_moments(self, moments: int) -> None:
-        """Nothing: the swap files keep both state slots whatever the optimizer uses (their sizes are
-        the unit plan's, optim/states.py `build_state_store`)."""
+        """Read and write only `moments` slots beside the master from here on (a new optimizer of the
+        model keeps another number; optim/succession.py then writes every slot it keeps)."""
+        self.moments = moments
 
     def write_unit(self, unit_index: int, states: StateViews) -> None:
         self.require_healthy()

@@ -391,7 +391,6 @@ class SplitStateStore:
 
     def __init__(self, host: ResidentStateStore, nvme: NvmeStateStore, split: OptimizerSplit) -> None:
         self.host, self.nvme, self.split = host, nvme, split
-        self.keep_moments = host.keep_moments  # the NVMe part keeps both slots (NvmeStateStore.keep_moments)
         self.traffic = StepTraffic()
         host.traffic = nvme.traffic = self.traffic  # one account; each part adds under its own tier
         self.staging_slots = nvme.staging_slots
@@ -411,6 +410,10 @@ class SplitStateStore:
             for sg in by_local.get((id(part), li), []):
                 self.sub_groups.append(SubGroup(len(self.sub_groups), ui, sg.start, sg.end, sg.unit_numel))
                 self._local.append((part, sg))
+
+    def keep_moments(self, moments: int) -> None:
+        self.host.keep_moments(moments)
+        self.nvme.keep_moments(moments)
 
     def swaps(self, index: int) -> bool:
         return self._local[index][0] is self.nvme
@@ -496,11 +499,14 @@ def build_state_store(
     NVMe tier, whose optimizer lane the swap files use (a tier of its own when None); `master_homes`:
     per unit, the parameter file holding its masters, or None ([Note: masters in the parameter file]);
     `moments`: how many of the two state slots beside the master the optimizer uses; states in
-    memory hold only those (NVMe swap files keep both: a slot count per file is not done)."""
+    memory hold only those, NVMe swap files move only those (optim/nvme_states.py [Note: state slots
+    an optimizer does not use, on NVMe])."""
     from zeroinf.optim.nvme_states import NvmeStateStore  # it builds on this module's pieces
     if split is not None:
         # Each part takes its units' masters one at a time, each dropped once stored.
-        nvme = NvmeStateStore(masters.subset(split.nvme_units), cfg, ledger, rank, shadow=shadow, tier=tier)
+        nvme = NvmeStateStore(
+            masters.subset(split.nvme_units), cfg, ledger, rank, shadow=shadow, tier=tier, moments=moments
+        )
         try:
             host = ResidentStateStore(
                 masters.subset(split.host_units), Tier.HOST, ledger, None, DTYPES[cfg.moment_dtype], moments
@@ -511,7 +517,9 @@ def build_state_store(
         get_logger().info("%s", split.describe())
         return SplitStateStore(host, nvme, split)
     if cfg.optimizer == "nvme":
-        return NvmeStateStore(masters, cfg, ledger, rank, shadow=shadow, tier=tier, master_homes=master_homes)
+        return NvmeStateStore(
+            masters, cfg, ledger, rank, shadow=shadow, tier=tier, master_homes=master_homes, moments=moments
+        )
     return ResidentStateStore(
         masters, Tier(cfg.optimizer), ledger, cfg.max_host_bytes, DTYPES[cfg.moment_dtype], moments
     )

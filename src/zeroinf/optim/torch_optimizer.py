@@ -21,9 +21,11 @@ flattened, so an update that reads the whole parameter (LAMB's and LARS's trust 
 relative step size and factored moments, Shampoo, Muon) would compute something else. The
 constructor steps the optimizer on a small parameter whole and split in two, and flat and as a
 matrix, and refuses it where the results differ, naming why; one that needs a closure (LBFGS) or
-fails on a flat tensor (Muon takes only matrices: it orthogonalizes them whole) is refused too. Its state must be at most two tensors shaped as the parameter (the store's
-slots) and `step`: `NAdam` (a per-parameter `mu_product`), `ASGD` (`eta`, `mu`) and Adam with
-`amsgrad=True` (three tensors) are refused with what they keep.
+fails on a flat tensor (Muon takes only matrices: it orthogonalizes them whole) is refused too.
+Its state must be at most two tensors shaped as the parameter (the store's slots) and `step`:
+`NAdam` (a per-parameter `mu_product`), `ASGD` (`eta`, `mu`) and Adam with `amsgrad=True` (three
+tensors) are refused with what they keep. Only the slots it keeps take memory or move to and from
+NVMe (optim/states.py `absent_slot`, optim/nvme_states.py).
 
 A parameter's first step runs in a fresh instance of the optimizer built over its pieces, so the
 optimizer creates its own initial state as it would (SGD's momentum is the first gradient,
