@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import zeroinf
-from tests._parity import LR, build_model, global_batch
+from tests._parity import LR, build_model
+from tests.gpu._loop import train_then_close
 from tests.optim.test_moment_dtype import BETAS, STEPS, WEIGHT_DECAY, train_reference
 
 pytestmark = [
@@ -33,18 +34,7 @@ def _train(tiers: dict[str, str], folder: Path) -> tuple[list[float], dict[str, 
     model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, offload=offload, persist_threshold_bytes=0),
                           zeroinf.Topology.single(CUDA))
     opt = zeroinf.AdamW(model, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
-    losses = []
-    for step in range(STEPS):
-        x, y = (t.to(CUDA) for t in global_batch(step))
-        loss = model(x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    weights = {n: t.detach().float().cpu() for n, t in model.state_dict().items()}
-    opt.close()
-    zeroinf.engine_of(model).close()
-    return losses, weights
+    return train_then_close(model, opt, STEPS, CUDA)
 
 
 def test_bf16_moments_on_the_gpu_and_beside_it(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 
 import zeroinf
 from tests._parity import LR, build_model, global_batch
+from tests.gpu._loop import train_then_close
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,17 +54,7 @@ def _sharded(cls: type[torch.optim.Optimizer], settings: dict[str, Any], tiers: 
     model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, offload=offload, persist_threshold_bytes=0),
                           zeroinf.Topology.single(CUDA))
     opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
-    losses = []
-    for step in range(STEPS):
-        loss = model(*(t.to(CUDA) for t in global_batch(step)))
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    weights = {n: t.detach().float().cpu() for n, t in model.state_dict().items()}
-    opt.close()
-    zeroinf.engine_of(model).close()
-    return losses, weights
+    return train_then_close(model, opt, STEPS, CUDA)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

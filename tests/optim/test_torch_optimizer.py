@@ -272,16 +272,13 @@ def test_set_optimizer_state_writes_the_torch_states() -> None:
         zeroinf.set_optimizer_state(opt, {p: {"exp_avg": torch.zeros(1)}})
 
 
-def test_a_second_optimizer_takes_over_from_adamw() -> None:
-    """optim/succession.py: masters kept, states reset; the torch optimizer's first step makes its own."""
-    cls, settings = SGD_MOMENTUM
-    model = zeroinf.shard(build_model(), zeroinf.Config(stage=2))
-    train_rank_slices(model, zeroinf.AdamW(model, lr=1e-3), 0, 1, 0, 1)
+def _continues_as_torch(model: torch.nn.Module, opt: Any, cls: type[torch.optim.Optimizer],
+                        settings: dict[str, Any], start: int, stop: int) -> None:
+    """Steps `start`..`stop` of the sharded model equal torch's optimizer started on its weights now."""
     plain = build_model()
     plain.load_state_dict(model.state_dict())
-    opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
     plain_opt = cls(plain.parameters(), **settings)
-    for step in range(1, 3):
+    for step in range(start, stop):
         got = train_rank_slices(model, opt, 0, 1, step, step + 1)
         loss = plain(*global_batch(step))
         loss.backward()
@@ -289,6 +286,14 @@ def test_a_second_optimizer_takes_over_from_adamw() -> None:
         plain_opt.zero_grad()
         assert got == [loss.item()], step
     assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_a_second_optimizer_takes_over_from_adamw() -> None:
+    """optim/succession.py: masters kept, states reset; the torch optimizer's first step makes its own."""
+    cls, settings = SGD_MOMENTUM
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=2))
+    train_rank_slices(model, zeroinf.AdamW(model, lr=1e-3), 0, 1, 0, 1)
+    _continues_as_torch(model, zeroinf.ShardedOptimizer(cls, model.parameters(), **settings), cls, settings, 1, 3)
 
 
 def _state_bytes(model: torch.nn.Module, tier: zeroinf.Tier) -> int:
@@ -357,17 +362,7 @@ def test_a_successor_with_more_states_grows_the_store_and_trains_as_torch() -> N
     assert _state_bytes(model, zeroinf.Tier.HOST) == 0
     opt = zeroinf.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
     assert _state_bytes(model, zeroinf.Tier.HOST) == 8 * numel
-    plain = build_model()
-    plain.load_state_dict(model.state_dict())
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    for step in range(1, 3):
-        got = train_rank_slices(model, opt, 0, 1, step, step + 1)
-        loss = plain(*global_batch(step))
-        loss.backward()
-        plain_opt.step()
-        plain_opt.zero_grad()
-        assert got == [loss.item()], step
-    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+    _continues_as_torch(model, opt, torch.optim.AdamW, {"lr": 1e-3}, 1, 3)
     opt.close()
     assert _state_bytes(model, zeroinf.Tier.HOST) == 0
 
@@ -379,18 +374,8 @@ def test_on_nvme_a_successor_reads_no_stale_states(tmp_path: Path) -> None:
     model = zeroinf.shard(build_model(), zeroinf.Config(stage=2, offload=offload))
     train_rank_slices(model, zeroinf.AdamW(model, lr=1e-3), 0, 1, 0, 2)
     train_rank_slices(model, zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1), 0, 1, 2, 3)
-    plain = build_model()
-    plain.load_state_dict(model.state_dict())
     opt = zeroinf.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    for step in range(3, 5):
-        got = train_rank_slices(model, opt, 0, 1, step, step + 1)
-        loss = plain(*global_batch(step))
-        loss.backward()
-        plain_opt.step()
-        plain_opt.zero_grad()
-        assert got == [loss.item()], step
-    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+    _continues_as_torch(model, opt, torch.optim.AdamW, {"lr": 1e-3}, 3, 5)
     opt.close()
 
 
