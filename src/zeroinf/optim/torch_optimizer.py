@@ -197,6 +197,9 @@ class ShardedOptimizer(ShardedOptimizerBase):
             defaults = dict(optimizer.defaults)
             settings = constructor_settings(cls, defaults)
             groups: Any = [dict(g) for g in optimizer.param_groups]
+            # States it built at construction (Adagrad's sum: a full-size copy per parameter at stages 0-2)
+            # would stay held by the caller's object: the sharded optimizer keeps its own.
+            optimizer.state.clear()
         elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
             if issubclass(optimizer, ShardedOptimizerBase):
                 raise TypeError(
