@@ -18,6 +18,7 @@ from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.adamw import Adam, AdamW
 from zeroinf.optim.full_state import optimizer_state, set_optimizer_state
+from zeroinf.optim.torch_format import full_optimizer_state_dict, load_full_optimizer_state_dict
 from zeroinf.optim.torch_optimizer import ShardedOptimizer
 from zeroinf.partition.gathered import gathered
 from zeroinf.partition.init import init
@@ -46,9 +47,11 @@ __all__ = [
     "ema_update",
     "engine_of",
     "from_pretrained",
+    "full_optimizer_state_dict",
     "gathered",
     "init",
     "init_distributed",
+    "load_full_optimizer_state_dict",
     "load_weights",
     "load",
     "memory_report",

@@ -135,6 +135,16 @@ class AdamW(ShardedOptimizerBase):
             self._step_tensors[key] = tensors
         return tensors
 
+    @property
+    def torch_group_settings(self) -> dict[str, Any]:
+        """The settings torch's own AdamW (Adam) keeps in each param group beside the hyperparameters,
+        as zeroinf runs the update: the fused kernel (optim/torch_format.py exports them, so a torch
+        optimizer loading the export runs the same kernel, bit for bit)."""
+        return {
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+            "fused": True, "decoupled_weight_decay": self._update is functional_adamw,
+        }
+
     def _release_update(self) -> None:
         if self._bf16_moments is not None:
             self._bf16_moments.close()

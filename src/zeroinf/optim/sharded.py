@@ -93,8 +93,15 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
     # What the update calls the store's two states beside the master (`StateViews.exp_avg`, `.exp_avg_sq`),
     # as torch.optim names them in `optimizer.state[p]`; a subclass using one has one name.
     state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    keeps_step = True  # torch.optim's state of a stepped parameter holds `step` (Adam's; SGD's does not)
     # The param-group entries an update reads: a step inside backward uses their values at backward time.
     hyperparameter_keys: tuple[str, ...] = ("lr", "betas", "eps", "weight_decay")
+
+    @property
+    def torch_group_settings(self) -> dict[str, Any]:
+        """Settings torch's optimizer of the same rule keeps in each param group that `param_groups`
+        here leave out (optim/torch_format.py): none, unless a subclass says."""
+        return {}
 
     @property
     def display_name(self) -> str:

@@ -40,7 +40,7 @@ import inspect
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -103,9 +103,14 @@ def _on_a_flat_piece(cls: type[torch.optim.Optimizer], settings: dict[str, Any],
         ) from err
 
 
-def inspect_optimizer(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> tuple[str, ...]:
-    """The names of the per-parameter states `cls` keeps (at most two), after checking that its update
-    is elementwise and keeps nothing else but `step` ([Note: a torch optimizer over shards])."""
+class Inspected(NamedTuple):
+    names: tuple[str, ...]  # the per-parameter tensors it keeps, in the order it makes them
+    keeps_step: bool  # whether its state holds a `step` (Adam's does, SGD's not)
+
+
+def inspect_optimizer(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> Inspected:
+    """The per-parameter states `cls` keeps (at most two tensors, and `step` or not), after checking
+    that its update is elementwise and keeps nothing else ([Note: a torch optimizer over shards])."""
     name = cls.__name__
     settings = _probe_lr(defaults)
     gen = torch.Generator().manual_seed(0)
@@ -162,7 +167,7 @@ def inspect_optimizer(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]
             f"({', '.join(names)}); zeroinf keeps at most {MAX_STATES} beside the fp32 master (Adam's moments' "
             "room). Choose settings that keep fewer (Adam without amsgrad, RMSprop without centered or momentum)"
         )
-    return tuple(names)
+    return Inspected(tuple(names), "step" in one.state[whole])
 
 
 class ShardedOptimizer(ShardedOptimizerBase):
@@ -236,7 +241,8 @@ class ShardedOptimizer(ShardedOptimizerBase):
         group_settings = [
             {k: v for k, v in {**defaults, **g}.items() if k != "params"} for g in (given or [{}])
         ]
-        per_group = [inspect_optimizer(cls, constructor_settings(cls, g)) for g in group_settings]
+        inspected = [inspect_optimizer(cls, constructor_settings(cls, g)) for g in group_settings]
+        per_group = [found.names for found in inspected]
         union = tuple(dict.fromkeys(n for names in per_group for n in names))
         if len(union) > MAX_STATES:
             raise UnsupportedOptimizer(
@@ -250,6 +256,7 @@ class ShardedOptimizer(ShardedOptimizerBase):
                 "moments with stochastic rounding); a torch optimizer's states stay fp32: set moment_dtype='fp32'"
             )
         self.state_names = union  # what the store's two state slots hold
+        self.keeps_step = any(found.keeps_step for found in inspected)
         super().__init__(owner, given, defaults, track_grad_norm)
         self._group_names = per_group
         self._group_slots = [[union.index(n) for n in names] for names in per_group]
