@@ -540,7 +540,9 @@ class Engine:
                 "torch.distributed.checkpoint's get_/set_optimizer_state_dict do to create optimizer state): "
                 "zeroinf.AdamW keeps its states sharded on their tiers, not in optimizer.state, and takes "
                 "gradients from backward only. Save and load them with zeroinf.save / zeroinf.load (sharded, "
-                "resharding to any world size); the model's weights alone: model.state_dict() / load_state_dict"
+                "resharding to any world size), or whole in torch.optim's format with "
+                "zeroinf.full_optimizer_state_dict / load_full_optimizer_state_dict; the model's weights alone: "
+                "model.state_dict() / load_state_dict"
             )
         if self.micro_step != self.cfg.grad_accum_steps:
             raise RuntimeError(
