@@ -406,12 +406,34 @@ def test_refuses_a_foreign_optimizer_and_conflicting_config(tmp_path) -> None:
         Trainer(model=build("llama"), args=args, zeroinf_config=zeroinf.Config(grad_accum_steps=4))
 
 
+@pytest.mark.parametrize("offload", [None, {"params": "nvme", "optimizer": "nvme"}])
+def test_resumes_a_plain_trainers_checkpoint(tmp_path, offload) -> None:
+    """integrations/trainer.py [Note: resuming a plain Trainer's checkpoint]: the plain Trainer's
+    checkpoint-2 (model.safetensors, optimizer.pt in torch.optim's format) resumed at stage 3, in
+    memory and on NVMe: steps 3-4 log the uninterrupted plain run's losses and learning rates and end
+    with its weights, within the parity tolerances."""
+    plain = run_plain("llama", str(tmp_path / "plain"), save_strategy="steps", save_steps=2)
+    ckpt = tmp_path / "plain" / "checkpoint-2"
+    assert (ckpt / "optimizer.pt").is_file() and not (ckpt / "zeroinf").exists()
+    if offload is not None:
+        offload = zeroinf.OffloadConfig(**offload, nvme_dir=str(tmp_path / "swap"))
+    resumed = run_zeroinf("llama", str(tmp_path / "ours"), 3, resume_from_checkpoint=str(ckpt), offload=offload)
+    expected, got = logged(plain), logged(resumed)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert got[step] == pytest.approx(expected[step], rel=RTOL), step
+    assert logged(resumed, "learning_rate") == logged(plain, "learning_rate")
+    weights = resumed.model.state_dict()
+    for name, ref in plain.model.state_dict().items():
+        torch.testing.assert_close(weights[name], ref, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_resume_needs_a_zeroinf_checkpoint(tmp_path) -> None:
     from tests._hf import build
 
     os.makedirs(tmp_path / "checkpoint-2")
     trainer = Trainer(model=build("llama"), args=training_arguments(str(tmp_path)), train_dataset=ArithmeticSequences())
-    with pytest.raises(ValueError, match="has no zeroinf/ folder"):
+    with pytest.raises(ValueError, match="has no zeroinf/ folder.*or from a plain Trainer's"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
 

@@ -69,7 +69,7 @@ from typing import Any, cast
 import torch
 import transformers
 from torch import nn
-from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import TrainerCallback
 
 import zeroinf
@@ -407,11 +407,14 @@ class Trainer(transformers.Trainer):
     # -- resuming --------------------------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         # Weights and optimizer states load together once the optimizer exists (_load_optimizer_and_scheduler).
-        if not os.path.isdir(os.path.join(resume_from_checkpoint, ZEROINF_DIR)):
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, ZEROINF_DIR)) and not _plain_checkpoint(
+            resume_from_checkpoint
+        ):
             raise ValueError(
                 f"{resume_from_checkpoint} has no {ZEROINF_DIR}/ folder: zeroinf resumes from the sharded checkpoints "
-                "it writes (a checkpoint saved with save_only_model=True, or by another Trainer, cannot be resumed; "
-                "load such weights with from_pretrained before building this Trainer)"
+                f"it writes, or from a plain Trainer's ({SAFE_WEIGHTS_NAME} and {OPTIMIZER_NAME}); a checkpoint "
+                "saved with save_only_model=True cannot be resumed: load such weights with from_pretrained before "
+                "building this Trainer"
             )
 
     def _load_best_model(self) -> None:
@@ -425,10 +428,30 @@ class Trainer(transformers.Trainer):
         if checkpoint is None:
             return
         # RNG: the Trainer restores its own files once it has skipped the trained batches.
-        zeroinf.load(os.path.join(checkpoint, ZEROINF_DIR), self._sharded_model(), self.optimizer, load_rng=False)
+        if os.path.isdir(os.path.join(checkpoint, ZEROINF_DIR)):
+            zeroinf.load(os.path.join(checkpoint, ZEROINF_DIR), self._sharded_model(), self.optimizer, load_rng=False)
+        else:  # [Note: resuming a plain Trainer's checkpoint]
+            zeroinf.load_weights(self._sharded_model(), os.path.join(checkpoint, SAFE_WEIGHTS_NAME))
+            state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+            zeroinf.load_full_optimizer_state_dict(cast(ShardedOptimizerBase, self.optimizer), state)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+def _plain_checkpoint(folder: str) -> bool:
+    """Whether `folder` is a checkpoint of the plain Trainer with one safetensors file and its optimizer.
+
+    [Note: resuming a plain Trainer's checkpoint]
+    A fine-tune started with `transformers.Trainer` that outgrows the GPU continues here: its
+    `checkpoint-N/` holds the weights (`model.safetensors`) and the optimizer in torch.optim's format
+    (`optimizer.pt`), which `zeroinf.load_weights` and `zeroinf.load_full_optimizer_state_dict`
+    (optim/torch_format.py) load at any world size, stage and placement; the scheduler, the trainer
+    state and the RNG files are the Trainer's own. Both Trainers build the same param groups (decay and
+    no-decay, `get_decay_parameter_names`), so the optimizer's indices line up; a mismatch is refused
+    naming the group sizes. The continued steps equal the plain run's within the parity tolerances
+    (tests/integrations/test_trainer.py)."""
+    return all(os.path.isfile(os.path.join(folder, name)) for name in (SAFE_WEIGHTS_NAME, OPTIMIZER_NAME))
 
 
 class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
