@@ -428,6 +428,27 @@ def test_resumes_a_plain_trainers_checkpoint(tmp_path, offload) -> None:
         torch.testing.assert_close(weights[name], ref, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _resume_plain_rank(rank: int, world: int, ckpt: str, root: str) -> dict:
+    trainer = run_zeroinf("llama", root, 3, resume_from_checkpoint=ckpt, per_device_train_batch_size=4 // world)
+    return summary(trainer, rank)
+
+
+def test_a_plain_trainers_checkpoint_resumes_at_world_2(tmp_path) -> None:
+    """The plain Trainer's world-1 checkpoint-2 resumed by two ranks (per-rank batch 2: the same global
+    batches): steps 3-4 and the final weights as the uninterrupted plain run, both ranks logging alike."""
+    plain = run_plain("llama", str(tmp_path / "plain"), save_strategy="steps", save_steps=2)
+    ckpt = str(tmp_path / "plain" / "checkpoint-2")
+    ranks = run_ranks(_resume_plain_rank, 2, ckpt, str(tmp_path / "ours"), timeout_s=240)
+    assert ranks[0]["loss"] == ranks[1]["loss"]
+    expected = logged(plain)
+    for step in (3, 4):
+        assert ranks[0]["loss"][step] == pytest.approx(expected[step], rel=RTOL), step
+    for name, ref in plain.model.state_dict().items():
+        torch.testing.assert_close(
+            ranks[0]["weights"][name], ref, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 def test_resume_needs_a_zeroinf_checkpoint(tmp_path) -> None:
     from tests._hf import build
 
