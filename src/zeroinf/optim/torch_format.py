@@ -105,8 +105,9 @@ def load_full_optimizer_state_dict(opt: ShardedOptimizerBase, state_dict: Mappin
                 f"zeroinf.load_full_optimizer_state_dict: parameter {index} has no `step`, which {name}'s update "
                 "needs (its bias corrections): the state dict comes from an optimizer of another kind"
             )
-        # An optimizer without a step count (SGD) only needs to know the parameter was stepped: its
-        # first step makes the states anew (optim/torch_optimizer.py [Note: a torch optimizer over shards]).
+        # An optimizer without a step count (SGD) still needs the parameter counted as stepped: at 0 its
+        # next step would be a first one, which makes the states anew (SGD's momentum restarted from the
+        # gradient; optim/torch_optimizer.py [Note: a torch optimizer over shards]).
         step = entry.get("step", 1)
         states[p] = {**{n: entry[n] for n in opt.state_names if n in entry}, "step": step}
     set_optimizer_state(opt, states)
