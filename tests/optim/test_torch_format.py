@@ -7,8 +7,10 @@ PyTorch's losses and weights; and a sharded run's `zeroinf.full_optimizer_state_
 steps, loaded with its weights into a plain model and `torch.optim` optimizer, continues the same.
 Bitwise at world 1 for zeroinf.AdamW against torch's fused AdamW (decay and no-decay groups, the
 second at its own lr) at stages 0-3 on the device, the host and NVMe, and for torch's SGD with
-momentum through zeroinf.ShardedOptimizer (no `step` in its state); at world 2 (stage 3 on NVMe),
-both ranks export the same dict and the continuation matches within the fp32 tolerances.
+momentum and torch's fused AdamW through zeroinf.ShardedOptimizer (no `step` in SGD's state; AdamW's
+loaded parameters never take a first step there, so their `step` is made as torch makes it); at
+world 2 (stage 3 on NVMe), both ranks export the same dict and the continuation matches within the
+fp32 tolerances.
 Mismatched groups, states the optimizer does not keep and a missing `step` are refused by name.
 """
 
@@ -40,7 +42,7 @@ def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 
 def _torch_opt(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if kind == "adamw":
+    if kind in ("adamw", "torch-adamw"):
         return torch.optim.AdamW(_groups(model), lr=LR, fused=True)
     return torch.optim.SGD(_groups(model), **SGD)
 
@@ -48,6 +50,8 @@ def _torch_opt(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 def _zeroinf_opt(kind: str, model: torch.nn.Module) -> Any:
     if kind == "adamw":
         return zeroinf.AdamW(_groups(model), lr=LR)
+    if kind == "torch-adamw":  # its `step` made by ShardedOptimizer for parameters that never stepped there
+        return zeroinf.ShardedOptimizer(torch.optim.AdamW, _groups(model), lr=LR, fused=True)
     return zeroinf.ShardedOptimizer(torch.optim.SGD, _groups(model), **SGD)
 
 
@@ -83,7 +87,7 @@ TIERS = {
 }
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "torch-adamw"])
 @pytest.mark.parametrize("placement", TIERS)
 def test_both_ways_continue_as_plain_pytorch(kind: str, placement: str, tmp_path: Path) -> None:
     stage, tiers = TIERS[placement]
@@ -110,7 +114,7 @@ def test_both_ways_continue_as_plain_pytorch(kind: str, placement: str, tmp_path
     want = train_rank_slices(model, opt, 0, 1, BEFORE, BEFORE + AFTER)
     got = _plain_steps(plain, plain_opt, BEFORE, BEFORE + AFTER)
     _assert_same(got, want, plain.state_dict(), model.state_dict(), f"{placement} -> plain")
-    assert ("step" in exported["state"][0]) == (kind == "adamw")
+    assert ("step" in exported["state"][0]) == (kind != "sgd")
     opt.close()
 
 

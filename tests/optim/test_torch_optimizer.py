@@ -244,6 +244,24 @@ def test_a_third_party_optimizer(placement: str, tmp_path: Path) -> None:
     _assert_equal(_sharded(Lion, settings, stage, offload, **cfg), _plain(Lion, settings), f"Lion at {placement}")
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "torch-adamw", "rprop"])
+def test_a_resumed_optimizer_that_counts_steps(optimizer: str, tmp_path: Path) -> None:
+    """Loaded from a checkpoint, no parameter takes a first step in the new optimizer: the `step` state
+    torch's update reads is made as torch makes it (it stopped with KeyError 'step' before)."""
+    cls, settings = OPTIMIZERS[optimizer]
+    host = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload={"optimizer": "host"})
+    model = zeroinf.shard(build_model(), host)
+    opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
+    losses = train_rank_slices(model, opt, 0, 1, 0, 2)
+    zeroinf.save(tmp_path / "ckpt", model, opt, step=2)
+    opt.close()
+    resumed = zeroinf.shard(build_model(seed=5), zeroinf.Config(stage=1))
+    opt2 = zeroinf.ShardedOptimizer(cls, resumed.parameters(), **settings)
+    zeroinf.load(tmp_path / "ckpt", resumed, opt2)
+    losses += train_rank_slices(resumed, opt2, 0, 1, 2, STEPS)
+    _assert_equal((losses, resumed.state_dict()), _plain(cls, settings), f"{optimizer} resumed")
+
+
 def test_a_checkpoint_of_states_in_memory_resumes_on_nvme(tmp_path: Path) -> None:
     """Saved from a host store holding one slot (the other absent: saved as zeros), loaded into NVMe swap files."""
     cls, settings = SGD_MOMENTUM

@@ -232,8 +232,8 @@ class ShardedOptimizer(ShardedOptimizerBase):
         self._settings = settings  # the constructor's arguments for the instances that run the update
         self._kept: torch.optim.Optimizer | None = None  # runs steps after a parameter's first
         self._kept_lock = threading.Lock()  # the update may run on the background worker (optim/background.py)
-        # a `step` state as the optimizer made it (a tensor: its dtype and device; or a number), if it keeps one
-        self._step_like: torch.Tensor | int | float | None = None
+        # per (device, fused, capturable): a `step` state as the optimizer makes it (`_step_state`)
+        self._step_like: dict[tuple[torch.device, bool, bool], torch.Tensor | int | float] = {}
         # Everything is checked before the base class builds (or takes over) any state. Param groups may
         # differ in settings that change the states kept (SGD's momentum 0 keeps none): each group's names,
         # placed in the store's slots by their place in the union.
@@ -290,6 +290,22 @@ class ShardedOptimizer(ShardedOptimizerBase):
                 if piece.data_ptr() != target.data_ptr():  # the optimizer set `p.data` instead of writing it
                     target.copy_(piece)
 
+    def _step_state(self, count: int, device: torch.device, settings: dict[str, Any]) -> torch.Tensor | int | float:
+        """A parameter's `step` state at `count`, of the type, dtype and device the optimizer gives it on
+        `device` with these settings (a float CPU tensor for most, on the device with `fused` or
+        `capturable`; a number for some): learnt once from one step of a stand-in parameter there, so a
+        run resumed from a checkpoint, whose parameters never take a first step here, has it too."""
+        key = (device, bool(settings.get("fused")), bool(settings.get("capturable")))
+        like = self._step_like.get(key)
+        if like is None:
+            stand_in = torch.zeros(1, device=device)
+            stand_in.grad = torch.zeros(1, device=device)
+            probe = self.optimizer_class([{**settings, "params": [stand_in]}], **self._settings)
+            probe.step()
+            step = probe.state[stand_in]["step"]
+            like = self._step_like[key] = step.detach().clone() if isinstance(step, torch.Tensor) else step
+        return torch.full_like(like, float(count)) if isinstance(like, torch.Tensor) else type(like)(count)
+
     def _step_pieces(self, pieces: list[torch.Tensor], counts: list[int], settings: dict[str, Any],
                      names: tuple[str, ...], states: list[list[torch.Tensor]]) -> None:
         first = any(n == 0 for n in counts)
@@ -308,10 +324,8 @@ class ShardedOptimizer(ShardedOptimizerBase):
             state = opt.state[piece]
             state.clear()
             state.update(zip(names, views, strict=True))
-            if isinstance(self._step_like, torch.Tensor):
-                state["step"] = torch.full_like(self._step_like, float(n))
-            elif self._step_like is not None:
-                state["step"] = type(self._step_like)(n)
+            if self.keeps_step:
+                state["step"] = self._step_state(n, piece.device, settings)
         opt.step()
         for piece, views in zip(pieces, states, strict=True):
             state = opt.state[piece]
@@ -325,8 +339,5 @@ class ShardedOptimizer(ShardedOptimizerBase):
                     )
                 if kept.data_ptr() != view.data_ptr():  # made anew (a first step) or replaced
                     view.copy_(kept)
-            step = state.get("step")
-            if self._step_like is None and isinstance(step, torch.Tensor | int | float):
-                self._step_like = step.detach().clone() if isinstance(step, torch.Tensor) else step
         opt.state = defaultdict(dict)  # hold no views of staging buffers between calls
         opt.param_groups = [{**group, "params": []}]
