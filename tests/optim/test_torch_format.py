@@ -10,7 +10,9 @@ second at its own lr) at stages 0-3 on the device, the host and NVMe, and for to
 momentum and torch's fused AdamW through zeroinf.ShardedOptimizer (no `step` in SGD's state; AdamW's
 loaded parameters never take a first step there, so their `step` is made as torch makes it); at
 world 2 (stage 3 on NVMe), both ranks export the same dict and the continuation matches within the
-fp32 tolerances.
+fp32 tolerances; the dict held by rank 0 alone (`holder=0`, with the fp32 masters: accelerate's
+save_state) resumes bitwise as that one, the other ranks' dicts and a holder without the host memory
+for it are refused on every rank.
 Mismatched groups, states the optimizer does not keep and a missing `step` are refused by name.
 """
 
@@ -158,7 +160,32 @@ def _world2(rank: int, world: int, folder: str) -> dict[str, Any]:
     fresh.load_state_dict(weights)
     zeroinf.load_full_optimizer_state_dict(fresh_opt, exported)
     after = train_rank_slices(fresh, fresh_opt, rank, world, BEFORE, BEFORE + AFTER)
-    return {"exported": exported, "losses": before + after, "weights": fresh.state_dict()}
+    out: dict[str, Any] = {"exported": exported, "losses": before + after, "weights": fresh.state_dict()}
+    # Held by rank 0 alone (accelerate's save_state): rank 1 gets a dict naming it, which loads nowhere;
+    # rank 0's, given to both, resumes as the dict every rank held.
+    held = zeroinf.full_optimizer_state_dict(opt, holder=0, masters=True)
+    out["held_keys"] = (sorted(held), len(held["state"]), sorted(held["zeroinf"]))
+    try:
+        zeroinf.load_full_optimizer_state_dict(fresh_opt, held)
+    except ValueError as exc:
+        out["stub_refused"] = str(exc)
+    shared = [held]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    again, again_opt = _sharded("adamw", 3, {**offload, "nvme_dir": f"{folder}/again{rank}"})
+    again.load_state_dict(weights)
+    again_opt.load_state_dict(shared[0])  # torch.optim's format: the same loader
+    out["held_losses"] = train_rank_slices(again, again_opt, rank, world, BEFORE, BEFORE + AFTER)
+    if rank == 0:  # the holder's host has no room: every rank refuses, none is killed midway
+        import zeroinf.optim.torch_format as torch_format
+
+        torch_format.available_ram_bytes = lambda: 1
+    try:
+        zeroinf.full_optimizer_state_dict(opt, holder=0)
+    except MemoryError as exc:
+        out["no_room"] = str(exc)
+    for o in (opt, fresh_opt, again_opt):
+        o.close()
+    return out
 
 
 def test_world_2_exports_the_same_dict_on_every_rank_and_loads_it(tmp_path: Path) -> None:
@@ -170,6 +197,13 @@ def test_world_2_exports_the_same_dict_on_every_rank_and_loads_it(tmp_path: Path
     plain_opt = _torch_opt("adamw", plain)
     want = _plain_steps(plain, plain_opt, 0, BEFORE + AFTER)
     _assert_same(got[0]["losses"], want, got[0]["weights"], plain.state_dict(), "world 2", exact=False)
+    assert got[0]["held_keys"][0] == ["param_groups", "state", "zeroinf"] and got[0]["held_keys"][1] > 0
+    assert got[0]["held_keys"][2] == ["master", "optimizer", "scaler", "step_count"]
+    assert got[1]["held_keys"] == (["param_groups", "state", "zeroinf"], 0, ["held_by_rank"])
+    for r in got:
+        assert "1 rank(s) were given an optimizer state dict without the state" in r["stub_refused"], r
+        assert r["held_losses"] == r["losses"][BEFORE:], r  # bitwise: the same state, masters included
+        assert "does not fit in the host memory" in r["no_room"] and "zeroinf.save" in r["no_room"], r
 
 
 def test_mismatches_are_refused_by_name() -> None:

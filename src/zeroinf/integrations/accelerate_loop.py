@@ -1,4 +1,4 @@
-"""Gradient accumulation in a user's own accelerate loop.
+"""A user's own accelerate loop: gradient accumulation, and `save_state` of sharded states.
 
     with accelerator.accumulate(model):
         loss = model(batch).loss
@@ -15,6 +15,7 @@ only: a run that never imported accelerate pays nothing and needs nothing instal
 from __future__ import annotations
 
 import sys
+from types import FrameType
 
 
 class AccelerateAccumulationError(ValueError):
@@ -40,3 +41,31 @@ def accelerate_defers_step(grad_accum_steps: int) -> bool:
             "backward passes of a step itself, and reduces gradients only on the last one)"
         )
     return not bool(getattr(state, "sync_gradients", True))
+
+
+# [Note: accelerate's save_state of sharded states]
+# `accelerator.save_state(folder)` calls every prepared optimizer's `state_dict()` on every rank and
+# writes rank 0's alone (optimizer.bin); `load_state` gives that file to every rank's
+# `load_state_dict`. accelerate handles FSDP and DeepSpeed, whose states are sharded too, by calling
+# their own savers; a zeroinf optimizer is handed back unwrapped (integrations/trainer.py [Note:
+# accelerate and the sharded model]) and gets the plain path, so at world > 1 the file held rank 0's
+# shard only: the other ranks' states were lost at save, found only at load (refused). accelerate
+# offers no hook that sees the optimizer. So `state_dict()` asks who called it: accelerate's
+# `save_accelerator_state` gets the whole state in torch.optim's format (optim/torch_format.py)
+# gathered on rank 0, the others a dict that names rank 0 (they are not written, unless with
+# save_on_each_node on other machines, which a load then refuses naming the fix), with the fp32
+# masters, the step count and the loss scaler under "zeroinf", where torch.optim ignores them. What
+# that buys: `load_state` at any world size, stage and placement (the file is indexed by parameter,
+# not by shard), bitwise where the world is the same; a plain accelerate run (DDP, one GPU) resumes
+# the file, and a zeroinf run resumes a plain run's. The price is FSDP's full state dict's: rank 0's
+# host holds the whole state (16 bytes per parameter with Adam: refused up front, naming
+# zeroinf.save, where it cannot fit) and accelerate's load gives the whole file to every rank; above
+# that, `zeroinf.save`/`zeroinf.load` write and read every rank's piece. Any other caller of
+# `state_dict()` still gets this rank's shard (one file per rank, the same world and stage).
+def accelerate_saves_state() -> bool:
+    """Whether the first caller outside zeroinf is accelerate's `save_state` writing the optimizers
+    ([Note: accelerate's save_state of sharded states]). Called from `state_dict()`."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("zeroinf."):
+        frame = frame.f_back  # state_dict itself and its decorators
+    return frame is not None and frame.f_globals.get("__name__") == "accelerate.checkpointing"

@@ -101,11 +101,14 @@ def _overlap(unit_start: int, unit_end: int, slot_start: int, slot_end: int) -> 
 
 
 @torch.no_grad()
-def optimizer_state(opt: AdamW, params: Iterable[torch.Tensor] | None = None) -> dict[torch.Tensor, dict[str, Any]]:
+def optimizer_state(
+    opt: AdamW, params: Iterable[torch.Tensor] | None = None, *, holder: int | None = None
+) -> dict[torch.Tensor, dict[str, Any]]:
     """The whole optimizer state of each of `params` (default: every trained parameter; gather what
     you need), keyed by parameter: `step` (a float tensor, as torch's), the optimizer's states
     (`exp_avg`, `exp_avg_sq` for Adam; `opt.state_names`) and `master`, fp32 tensors on the CPU shaped
-    as the parameter. A collective (module docstring)."""
+    as the parameter. A collective (module docstring). `holder`: only that rank keeps the result (the
+    others get an empty dict), so only one host holds the whole state; default every rank."""
     _require_between_steps(opt, "optimizer_state")
     engine = opt.engine
     chosen = [p for u in engine.units for p in u.params] if params is None else list(params)
@@ -129,6 +132,8 @@ def optimizer_state(opt: AdamW, params: Iterable[torch.Tensor] | None = None) ->
             offset += slot.numel
         if sharded:
             all_reduce(flat, engine.topo, async_op=False, what=f"optimizer states of unit {unit.name}")
+        if holder is not None and holder != engine.topo.rank:
+            continue
         flat = flat.cpu()
         offset = 0
         for (pi, p), slot in zip(wanted, slots, strict=True):
@@ -172,6 +177,43 @@ def set_optimizer_state(opt: AdamW, states: Mapping[torch.Tensor, Mapping[str, A
         for pi, p in wanted:
             if "step" in states[p]:
                 opt.param_steps[ui][pi] = int(float(torch.as_tensor(states[p]["step"])))
+
+
+@torch.no_grad()
+def set_masters(opt: AdamW, masters: Mapping[torch.Tensor, torch.Tensor]) -> None:
+    """Write the fp32 master weights of the given parameters (full tensors shaped as each) and make
+    the parameters their rounding, as a step does. For a load that carries masters finer than the
+    weights loaded beside them (bf16 weights, fp32 masters: optim/torch_format.py). Every rank passes
+    the same values and must call it (at stages 1-2 the parameters' refresh is an all-gather)."""
+    _require_between_steps(opt, "set_masters")
+    engine = opt.engine
+    located = sorted(_locate(opt, masters).items())
+    for ui, wanted in located:
+        for pi, p in wanted:
+            slot = engine.units[ui].layout.slots[pi]
+            shape = tuple(torch.as_tensor(masters[p]).shape)
+            if shape != tuple(slot.shape):
+                raise ValueError(
+                    f"zeroinf: the master weights of {slot.name} have shape {shape}, the parameter {tuple(slot.shape)}"
+                )
+    with opt.replacing_states():
+        engine.transfers.wait_uploads()  # the last step's parameter uploads may still read these masters
+        for ui, wanted in located:
+            unit = engine.units[ui]
+            views = opt.states.read_unit(ui)
+            for pi, p in wanted:
+                slot = unit.layout.slots[pi]
+                piece = _overlap(unit.owned_start, unit.owned_end, slot.offset, slot.offset + slot.numel)
+                if piece is not None:
+                    start, end = piece
+                    given = torch.as_tensor(masters[p], dtype=torch.float32).reshape(-1)
+                    views[0][start - unit.owned_start : end - unit.owned_start].copy_(
+                        given[start - slot.offset : end - slot.offset]
+                    )
+            opt.states.write_unit(ui, StateViews(*views))
+            # One unit at a time: the staging buffer of NVMe states is the next unit's once read again.
+            unit.start_update_params(views[0]).wait()
+            engine.transfers.wait_uploads()
 
 
 def _check_given(given: Mapping[str, Any], slot: ParamSlot, names: tuple[str, ...]) -> None:

@@ -44,7 +44,7 @@ from torch import nn
 
 from zeroinf.comm import Handle, all_reduce
 from zeroinf.engine import Engine, engine_of
-from zeroinf.integrations.accelerate_loop import accelerate_defers_step
+from zeroinf.integrations.accelerate_loop import accelerate_defers_step, accelerate_saves_state
 from zeroinf.optim.background import BackgroundSteps
 from zeroinf.optim.backward_step import BackwardStep, StepInBackward
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
@@ -55,6 +55,7 @@ from zeroinf.optim.states import MasterSource, build_state_store
 from zeroinf.optim.step_grads import GradOnDisk, GradsToHost
 from zeroinf.optim.succession import RETIRED, inherit_states
 from zeroinf.optim.torch_args import model_of_params
+from zeroinf.optim.torch_format import full_optimizer_state_dict, load_full_optimizer_state_dict
 from zeroinf.partition.placeholder_use import explain_placeholder_gradient
 from zeroinf.partition.unit import GradState
 from zeroinf.planner.unit_plan import step_in_backward_mode
@@ -146,7 +147,11 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
                 "forward and passes gradients back to its inputs without one. To train it, unfreeze it before "
                 "zeroinf.shard"
             )
-        groups = list(param_groups) if param_groups is not None else [{"params": trainable}]
+        # Built from the model: one group in `model.parameters()` order, as torch's optimizer over it, so
+        # that torch.optim's state dicts index the same parameters (optim/torch_format.py).
+        in_units = {id(p) for p in trainable}
+        in_module_order = [p for p in self.engine.module.parameters() if id(p) in in_units]
+        groups = list(param_groups) if param_groups is not None else [{"params": in_module_order}]
         super().__init__(groups, defaults)
         self.state = ShardedStateView(self.state_names)  # optim/full_state.py [Note: a parameter's optimizer state]
         self._check_groups_cover(trainable)
@@ -563,7 +568,10 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
     @interrupts.entry_point
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (owned ranges, as CPU or device tensors), hyperparameters and
-        loss-scaler state. States on nvme are read one unit at a time."""
+        loss-scaler state. States on nvme are read one unit at a time. Called by accelerate's
+        `save_state`: the whole state in torch.optim's format, on rank 0 (accelerate_loop.py)."""
+        if accelerate_saves_state():  # [Note: accelerate's save_state of sharded states]
+            return full_optimizer_state_dict(self, holder=0, masters=True)
         self.require_consistent_states()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         units = [self.states.read_unit(ui) for ui in range(len(self.engine.units))]
@@ -586,6 +594,9 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
         self.require_current()
         if self.pending_save is not None:  # its writer still reads the states about to be replaced
             self.pending_save.wait()
+        if "master" not in state and {"state", "param_groups"} <= state.keys():  # torch.optim's format
+            load_full_optimizer_state_dict(self, state)  # optim/torch_format.py
+            return
         saved_names = list(state.get("state_names", ("exp_avg", "exp_avg_sq")))
         if saved_names != list(self.state_names):
             raise ValueError(

@@ -17,13 +17,21 @@ no way back to a torch optimizer's state.
   AdamW that run its update (`fused=True`: a torch AdamW loading the dict takes its groups' settings
   and would otherwise run its for-loop kernel, which rounds differently in the last bit). It holds
   the optimizer's whole state in host memory (8 bytes per parameter for Adam, and the masters read
-  on the way): for a model whose state does not fit, `zeroinf.save`.
+  on the way): for a model whose state does not fit, `zeroinf.save`; one that does not fit is
+  refused on every rank before anything is gathered. `holder=r`: only rank r keeps it (the others
+  get a dict that names r and holds nothing, refused by the loader). `masters=True` adds what torch
+  does not keep and an exact resume needs under "zeroinf" (the fp32 masters, finer than bf16
+  weights; the step count; the loss scaler), which torch's `load_state_dict` ignores: accelerate's
+  save_state (integrations/accelerate_loop.py [Note: accelerate's save_state of sharded states]).
+  The indices follow the groups: built from the model, `model.parameters()` order.
 - `load_full_optimizer_state_dict(opt, sd)` writes such a dict (from `torch.optim.X.state_dict()`
   of the same parameters in the same groups) into the sharded optimizer through
   `set_optimizer_state`: every parameter's states and step, zeros and step 0 where the dict has
   none, and each group's hyperparameters the optimizer reads. A mismatch of groups or their sizes,
   a state the optimizer does not keep (Adam's `max_exp_avg_sq` from `amsgrad=True`) or a missing
-  `step` the update needs is refused naming it.
+  `step` the update needs is refused naming it. What "zeroinf" carries loads too (the masters
+  through `set_masters`, which also rounds the parameters from them). `opt.load_state_dict` takes
+  this format as well as its own.
 
 The weights are not part of it, as in torch: `model.state_dict()` / `model.load_state_dict()`
 carry them (the fp32 masters follow a load exactly). Parity both ways, continued training bitwise
@@ -32,15 +40,22 @@ equal to the plain loop: tests/optim/test_torch_format.py.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zeroinf.optim.full_state import optimizer_state, set_optimizer_state
+from zeroinf.comm import all_reduce
+from zeroinf.optim.full_state import optimizer_state, set_masters, set_optimizer_state
+from zeroinf.planner.profile import available_ram_bytes
 
 if TYPE_CHECKING:
     from zeroinf.optim.sharded import ShardedOptimizerBase
+
+
+ZEROINF_KEY = "zeroinf"  # what a torch optimizer ignores: the masters, the step count, the loss scaler
 
 
 def _params(opt: ShardedOptimizerBase) -> list[torch.Tensor]:
@@ -48,11 +63,24 @@ def _params(opt: ShardedOptimizerBase) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def full_optimizer_state_dict(opt: ShardedOptimizerBase) -> dict[str, Any]:
+def full_optimizer_state_dict(
+    opt: ShardedOptimizerBase, *, holder: int | None = None, masters: bool = False
+) -> dict[str, Any]:
     """The optimizer's state as `torch.optim.Optimizer.state_dict()` gives it for the same parameters
-    and groups ([Note: the optimizer state in torch.optim's format]). A collective."""
+    and groups ([Note: the optimizer state in torch.optim's format]). A collective. `holder`: only
+    that rank gets the states (the others a dict naming it, without any); `masters`: add what a
+    torch optimizer does not keep but an exact resume needs, under the key "zeroinf"."""
     params = _params(opt)
-    full = optimizer_state(opt, params)
+    _require_room(opt, params, holder)
+    full = optimizer_state(opt, params, holder=holder)
+    groups, start = [], 0
+    for group in opt.param_groups:
+        count = len(group["params"])
+        settings = {**opt.torch_group_settings, **{k: v for k, v in group.items() if k != "params"}}
+        groups.append({**settings, "params": list(range(start, start + count))})
+        start += count
+    if holder is not None and holder != opt.engine.topo.rank:
+        return {"state": {}, "param_groups": groups, ZEROINF_KEY: {"held_by_rank": holder}}
     state: dict[int, dict[str, torch.Tensor]] = {}
     for index, p in enumerate(params):
         read = full[p]
@@ -61,20 +89,45 @@ def full_optimizer_state_dict(opt: ShardedOptimizerBase) -> dict[str, Any]:
         entry = {"step": read["step"]} if opt.keeps_step else {}
         entry.update({name: read[name] for name in opt.state_names})
         state[index] = entry
-    groups, start = [], 0
-    for group in opt.param_groups:
-        count = len(group["params"])
-        settings = {**opt.torch_group_settings, **{k: v for k, v in group.items() if k != "params"}}
-        groups.append({**settings, "params": list(range(start, start + count))})
-        start += count
-    return {"state": state, "param_groups": groups}
+    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    if masters:
+        out[ZEROINF_KEY] = {
+            "optimizer": opt.display_name,
+            "master": {index: full[p]["master"] for index, p in enumerate(params)},
+            "step_count": opt.step_count,
+            "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
+        }
+    return out
+
+
+def _require_room(opt: ShardedOptimizerBase, params: list[torch.Tensor], holder: int | None) -> None:
+    """Refuse, on every rank alike, a whole state that the host keeping it has no memory for: it would
+    be killed for memory midway (the others then waiting in the next collective)."""
+    engine = opt.engine
+    topo = engine.topo
+    numel = sum(math.prod(_shape(opt, p)) for p in params)
+    need = numel * 4 * (len(opt.state_names) + 1)  # fp32 states and masters, read beside them
+    holders_here = 1 if holder is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    short = float(holder in (None, topo.rank) and need * holders_here > 0.9 * available_ram_bytes())
+    verdict = torch.tensor([short], device=topo.device)
+    if topo.is_distributed:
+        all_reduce(verdict, topo, async_op=False, what="whether the whole optimizer state fits")
+    if verdict.item():
+        raise MemoryError(
+            f"{opt.display_name}: its whole state ({need / 2**30:.1f} GiB in fp32, masters included) does not fit "
+            "in the host memory available to the rank that would hold it; save it sharded with zeroinf.save "
+            "(every rank writes its own piece; zeroinf.load reshards to any world size)"
+        )
 
 
 @torch.no_grad()
 def load_full_optimizer_state_dict(opt: ShardedOptimizerBase, state_dict: Mapping[str, Any]) -> None:
     """Write torch.optim's state dict of the same parameters and groups into the sharded optimizer
-    ([Note: the optimizer state in torch.optim's format]). Every rank passes the same dict."""
+    ([Note: the optimizer state in torch.optim's format]). Every rank passes the same dict; the
+    masters, step count and loss scaler under "zeroinf" load too where the dict has them."""
     name = opt.display_name
+    extras: Mapping[str, Any] = state_dict.get(ZEROINF_KEY) or {}
+    _require_held(opt, extras)
     saved_groups = list(state_dict["param_groups"])
     sizes = [len(g["params"]) for g in opt.param_groups]
     saved_sizes = [len(g["params"]) for g in saved_groups]
@@ -115,6 +168,29 @@ def load_full_optimizer_state_dict(opt: ShardedOptimizerBase, state_dict: Mappin
         for key in opt.hyperparameter_keys:
             if key in saved_group:
                 group[key] = tuple(saved_group[key]) if isinstance(group.get(key), tuple) else saved_group[key]
+    if "master" in extras:
+        saved_masters: Mapping[Any, Any] = extras["master"]
+        given = {i: saved_masters.get(i, saved_masters.get(str(i))) for i in range(len(params))}
+        set_masters(opt, {p: given[i] for i, p in enumerate(params) if given[i] is not None})
+    if "step_count" in extras:
+        opt.step_count = int(extras["step_count"])
+    if opt.scaler is not None and extras.get("scaler") is not None:
+        opt.scaler.load_state_dict(extras["scaler"])
+
+
+def _require_held(opt: ShardedOptimizerBase, extras: Mapping[str, Any]) -> None:
+    """Refuse, on every rank alike, a dict from a rank that did not hold the state (`holder`)."""
+    topo = opt.engine.topo
+    stubs = torch.tensor([float("held_by_rank" in extras)], device=topo.device)
+    if topo.is_distributed:
+        all_reduce(stubs, topo, async_op=False, what="whether every rank was given the optimizer state")
+    if stubs.item() > 0:
+        raise ValueError(
+            f"{opt.display_name}: {int(stubs.item())} rank(s) were given an optimizer state dict without the state, "
+            "written by a rank that did not hold it (the whole state is gathered on one rank alone, as for "
+            "accelerate's save_state): load the file rank 0 saved on every rank (with save_on_each_node on "
+            "several machines, copy it to each), or save sharded with zeroinf.save / zeroinf.load"
+        )
 
 
 def _shape(opt: ShardedOptimizerBase, p: torch.Tensor) -> tuple[int, ...]:
