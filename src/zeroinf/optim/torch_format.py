@@ -16,8 +16,8 @@ no way back to a torch optimizer's state.
   `opt.param_groups` with their hyperparameters and, for zeroinf.AdamW, the settings of torch's
   AdamW that run its update (`fused=True`: a torch AdamW loading the dict takes its groups' settings
   and would otherwise run its for-loop kernel, which rounds differently in the last bit). It holds
-  the optimizer's whole state in host memory (8 bytes per parameter for Adam, and the masters read
-  on the way): for a model whose state does not fit, `zeroinf.save`; one that does not fit is
+  the optimizer's whole state in host memory (8 bytes per parameter for Adam; the masters are not
+  read): for a model whose state does not fit, `zeroinf.save`, and a state that does not fit is
   refused on every rank before anything is gathered. `holder=r`: only rank r keeps it (the others
   get a dict that names r and holds nothing, refused by the loader). `masters=True` adds what torch
   does not keep and an exact resume needs under "zeroinf" (the fp32 masters, finer than bf16
@@ -71,8 +71,8 @@ def full_optimizer_state_dict(
     that rank gets the states (the others a dict naming it, without any); `masters`: add what a
     torch optimizer does not keep but an exact resume needs, under the key "zeroinf"."""
     params = _params(opt)
-    _require_room(opt, params, holder)
-    full = optimizer_state(opt, params, holder=holder)
+    _require_room(opt, params, holder, masters)
+    full = optimizer_state(opt, params, holder=holder, master=masters)
     groups, start = [], 0
     for group in opt.param_groups:
         count = len(group["params"])
@@ -100,13 +100,13 @@ def full_optimizer_state_dict(
     return out
 
 
-def _require_room(opt: ShardedOptimizerBase, params: list[torch.Tensor], holder: int | None) -> None:
+def _require_room(opt: ShardedOptimizerBase, params: list[torch.Tensor], holder: int | None, masters: bool) -> None:
     """Refuse, on every rank alike, a whole state that the host keeping it has no memory for: it would
     be killed for memory midway (the others then waiting in the next collective)."""
     engine = opt.engine
     topo = engine.topo
     numel = sum(math.prod(_shape(opt, p)) for p in params)
-    need = numel * 4 * (len(opt.state_names) + 1)  # fp32 states and masters, read beside them
+    need = numel * 4 * (len(opt.state_names) + int(masters))  # fp32, whole
     holders_here = 1 if holder is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     short = float(holder in (None, topo.rank) and need * holders_here > 0.9 * available_ram_bytes())
     verdict = torch.tensor([short], device=topo.device)
@@ -114,7 +114,7 @@ def _require_room(opt: ShardedOptimizerBase, params: list[torch.Tensor], holder:
         all_reduce(verdict, topo, async_op=False, what="whether the whole optimizer state fits")
     if verdict.item():
         raise MemoryError(
-            f"{opt.display_name}: its whole state ({need / 2**30:.1f} GiB in fp32, masters included) does not fit "
+            f"{opt.display_name}: its whole state ({need / 2**30:.1f} GiB in fp32) does not fit "
             "in the host memory available to the rank that would hold it; save it sharded with zeroinf.save "
             "(every rank writes its own piece; zeroinf.load reshards to any world size)"
         )
