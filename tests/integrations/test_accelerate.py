@@ -169,8 +169,8 @@ def _save_or_load(rank: int, world: int, folder: str, nvme: str, load: bool, cas
 
     result: dict[str, Any] = {}
     try:
-        if load:
-            accelerator.load_state(folder)
+        if load:  # mmap: each rank reads the pages of its own pieces (README); one case, the default elsewhere
+            accelerator.load_state(folder, load_kwargs={"mmap": True} if case == "stage3-nvme-bf16" else None)
         else:
             result["before"] = [step(), step()]
             accelerator.save_state(folder)

@@ -59,8 +59,9 @@ def accelerate_defers_step(grad_accum_steps: int) -> bool:
 # not by shard), bitwise where the world is the same; a plain accelerate run (DDP, one GPU) resumes
 # the file, and a zeroinf run resumes a plain run's. The price is FSDP's full state dict's: rank 0's
 # host holds the whole state (16 bytes per parameter with Adam: refused up front, naming
-# zeroinf.save, where it cannot fit) and accelerate's load gives the whole file to every rank; above
-# that, `zeroinf.save`/`zeroinf.load` write and read every rank's piece. Any other caller of
+# zeroinf.save, where it cannot fit) and accelerate's load gives the whole file to every rank
+# (`load_kwargs={"mmap": True}` maps it: each rank reads the pages of its own pieces); above that,
+# `zeroinf.save`/`zeroinf.load` write and read every rank's piece. Any other caller of
 # `state_dict()` still gets this rank's shard (one file per rank, the same world and stage).
 def accelerate_saves_state() -> bool:
     """Whether the first caller outside zeroinf is accelerate's `save_state` writing the optimizers
