@@ -322,7 +322,7 @@ def _state_bytes(model: torch.nn.Module, tier: zeroinf.Tier) -> int:
 def test_only_the_states_kept_take_memory(placement: str, tmp_path: Path) -> None:
     """4 bytes per owned element and state kept: SGD with momentum one, plain SGD none, AdamW two
     (the masters live in the parameter shards here, [Note: masters in the memory shard]); the split's
-    NVMe part keeps both slots on disk."""
+    NVMe part is on disk (measured in the NVMe tests below)."""
     offload: dict[str, Any] = {"device": {}, "host": {"optimizer": "host"}}.get(placement, {})
     if placement == "split":
         offload = {"params": "nvme", "optimizer": "host", "max_host_bytes": _budget(tmp_path, 1, 0.5, params="nvme"),
@@ -348,7 +348,8 @@ def test_only_the_states_kept_take_memory(placement: str, tmp_path: Path) -> Non
 
 def test_only_the_states_kept_move_to_and_from_nvme(tmp_path: Path) -> None:
     """optim/nvme_states.py [Note: state slots an optimizer does not use, on NVMe]: a step reads and
-    writes 4 bytes per owned element for the master and for each state kept; and it trains as torch."""
+    writes 4 bytes per owned element for the master and for each state kept, whose swap files alone
+    exist; and it trains as torch."""
     moved = {}
     for name, (cls, settings), kept in (("adamw", OPTIMIZERS["torch-adamw"], 2), ("sgd-momentum", SGD_MOMENTUM, 1),
                                         ("sgd", OPTIMIZERS["sgd"], 0)):
@@ -364,6 +365,8 @@ def test_only_the_states_kept_move_to_and_from_nvme(tmp_path: Path) -> None:
         assert traffic["nvme_read_bytes"] == traffic["nvme_written_bytes"] == 4 * (1 + kept) * numel, (name, traffic)
         read, written = after.bytes_read - before.bytes_read, after.bytes_written - before.bytes_written
         assert read == written == 4 * (1 + kept) * numel, (name, read, written)
+        kinds = sorted(f.name.removeprefix("zeroinf-rank0-optimizer_") for f in (tmp_path / name).glob("*optimizer_*"))
+        assert kinds == sorted(["master.swap", "exp_avg.swap", "exp_avg_sq.swap"][: 1 + kept]), (name, kinds)
         _assert_equal((losses, model.state_dict()), _plain(cls, settings), f"{name} on NVMe")
         moved[name] = traffic["nvme_read_bytes"]
         opt.close()
@@ -383,6 +386,24 @@ def test_a_successor_with_more_states_grows_the_store_and_trains_as_torch() -> N
     _continues_as_torch(model, opt, torch.optim.AdamW, {"lr": 1e-3}, 1, 3)
     opt.close()
     assert _state_bytes(model, zeroinf.Tier.HOST) == 0
+
+
+def test_on_nvme_a_successor_with_more_states_makes_their_swap_files(tmp_path: Path) -> None:
+    """Plain SGD on NVMe has a master file alone; torch's AdamW after it gets both moment files
+    (zeros, as fresh files read) and trains as torch from the same weights; the disk ledger follows."""
+    offload = {"optimizer": "nvme", "nvme_dir": str(tmp_path), "step_in_backward": False, **SMALL_IO}
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload))
+    sgd = zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    train_rank_slices(model, sgd, 0, 1, 0, 1)
+    assert [f.name for f in tmp_path.glob("*optimizer_*")] == ["zeroinf-rank0-optimizer_master.swap"]
+    on_disk = zeroinf.engine_of(model).ledger.live_bytes(zeroinf.Tier.NVME)
+    opt = zeroinf.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+    files = {f.name: f.stat().st_size for f in tmp_path.glob("*optimizer_*")}
+    assert sorted(files) == [f"zeroinf-rank0-optimizer_{k}.swap" for k in ("exp_avg", "exp_avg_sq", "master")]
+    assert len(set(files.values())) == 1, files  # each the master's size
+    assert zeroinf.engine_of(model).ledger.live_bytes(zeroinf.Tier.NVME) == on_disk + 2 * max(files.values())
+    _continues_as_torch(model, opt, torch.optim.AdamW, {"lr": 1e-3}, 1, 3)
+    opt.close()
 
 
 def test_on_nvme_a_successor_reads_no_stale_states(tmp_path: Path) -> None:

@@ -31,14 +31,16 @@ step (clipping, fp16) keeps the masters before the step in a second slot, which 
 does not have: those runs keep the master file.
 
 [Note: state slots an optimizer does not use, on NVMe]
-A sub-group's staging buffer and the swap files have room for the master and two slots, Adam's
-moments; a torch optimizer through zeroinf.ShardedOptimizer may keep fewer (SGD with momentum one,
-plain SGD none: `moments`). The slots it does not keep are neither read nor written: on swap-in
-their views are zeroed in the buffer (a memset, against 4 bytes per element each way on disk), so
-state dicts and checkpoints read zeros there as the stores in memory give them. Their room in the
-files stays allocated (the files are sized by the unit plan before any optimizer exists) but takes
-no disk bandwidth. A later optimizer keeping more (optim/succession.py) first sets `moments`, then
-writes every slot it keeps, so no stale bytes of an earlier one are read.
+A sub-group's staging buffer has room for the master and two slots, Adam's moments; a torch
+optimizer through zeroinf.ShardedOptimizer may keep fewer (SGD with momentum one, plain SGD none:
+`moments`). The slots it does not keep are neither read nor written: on swap-in their views are
+zeroed in the buffer (a memset, against 4 bytes per element each way on disk), so state dicts and
+checkpoints read zeros there as the stores in memory give them. Each state kind has its own swap
+file, and only the kinds kept get one (SGD with momentum: 8 bytes per parameter on disk, not 12).
+A later optimizer keeping more (optim/succession.py) first sets `moments`, which makes the missing
+files (preallocated, so a full disk fails there, not midway through a step), then writes every slot
+it keeps, so no stale bytes of an earlier one are read. One keeping fewer leaves the files as they
+are.
 
 [Note: fresh swap files read as zeros]
 The swap files are preallocated with posix_fallocate, after which reads of the allocated range
@@ -142,10 +144,12 @@ class NvmeStateStore:
         self._finalizer = weakref.finalize(self, _close_nvme, self.__dict__)
         try:
             self._swap = tier.open_swap(
-                "optimizer", plan.swap_bytes(shadow, masters_elsewhere), aio.alignment_bytes,
+                "optimizer", plan.swap_bytes(shadow, masters_elsewhere, moments), aio.alignment_bytes,
                 preflight="the optimizer swap files",
             )
             self._paths = [self._swap.layout.path(kind) for kind in SWAP_KINDS if kind in self._swap.layout.file_bytes]
+            self._on_disk = SWAP_KINDS[: 1 + moments]  # kinds with slots in the files
+            self._alignment = aio.alignment_bytes
             self._pool = BufferPool(
                 plan.pool.count,
                 plan.pool.buffer_bytes,
@@ -291,7 +295,16 @@ class NvmeStateStore:
 
     def keep_moments(self, moments: int) -> None:
         """Read and write only `moments` slots beside the master from here on (a new optimizer of the
-        model keeps another number; optim/succession.py then writes every slot it keeps)."""
+        model keeps another number; optim/succession.py then writes every slot it keeps). Slots never
+        kept before get their swap file now ([Note: state slots an optimizer does not use, on NVMe])."""
+        assert self._swap is not None
+        for kind in SWAP_KINDS[len(self._on_disk) : 1 + moments]:
+            itemsize = self._kind_bytes[kind]
+            for sg in self.sub_groups:
+                for key in (sg.key, shadow_key(sg.key)) if self._shadow else (sg.key,):
+                    self._swap.add_slot(key, kind, sg.numel * itemsize, self._alignment)
+            self._paths.append(self._swap.layout.path(kind))
+            self._on_disk = (*self._on_disk, kind)
         self.moments = moments
 
     def write_unit(self, unit_index: int, states: StateViews) -> None:
@@ -417,7 +430,8 @@ class NvmeStateStore:
     def require_healthy(self) -> None:
         if self.failure is not None:
             raise RuntimeError(
-                f"the optimizer states in {self._paths[0]!r} and its sibling files are inconsistent after an "
+                f"the optimizer states in {self._paths[0] if self._paths else 'the parameter files'!r} and its "
+                "sibling files are inconsistent after an "
                 f"earlier error ({self.failure}); restore from a checkpoint (zeroinf.load, or "
                 "optimizer.load_state_dict) before the next step"
             ) from self.failure

@@ -217,15 +217,17 @@ class OptimizerStaging:
         return self.pool.total_bytes + self.assembly_numel * FP32_BYTES
 
     def swap_bytes(
-        self, shadow: bool = False, masters_elsewhere: Sequence[bool] = ()
+        self, shadow: bool = False, masters_elsewhere: Sequence[bool] = (), moments: int = 2
     ) -> dict[tuple[str, str], int]:
         """Swap slots per (sub-group key, kind); `shadow` adds a second slot per sub-group (the
         speculative step inside backward writes there, see optim/states.py). Units marked in
-        `masters_elsewhere` have no master slot: their parameter file holds it (`masters_in_param_file`)."""
+        `masters_elsewhere` have no master slot: their parameter file holds it (`masters_in_param_file`).
+        Only the first `moments` state slots beside the master (the optimizer's: SGD with momentum one)."""
         keys = [sg.key for sg in self.sub_groups] + ([shadow_key(sg.key) for sg in self.sub_groups] if shadow else [])
         by_key = {sg.key: sg for sg in self.sub_groups}
         slots = {}
-        for kind, itemsize in zip(OPTIMIZER_SWAP_KINDS, self.itemsizes, strict=True):
+        kept = zip(OPTIMIZER_SWAP_KINDS[: 1 + moments], self.itemsizes, strict=False)
+        for kind, itemsize in kept:
             for key in keys:
                 sg = by_key[key.removesuffix(SHADOW_SUFFIX)]
                 if kind == OPTIMIZER_SWAP_KINDS[0] and _marked(masters_elsewhere, sg.unit_index):
