@@ -213,7 +213,7 @@ def set_masters(opt: AdamW, masters: Mapping[torch.Tensor, torch.Tensor]) -> Non
                         given[start - slot.offset : end - slot.offset]
                     )
             opt.states.write_unit(ui, StateViews(*views))
-            # One unit at a time: the staging buffer of NVMe states is the next unit's once read again.
+            # One unit at a time (its states read whole: bounded memory), its refresh done before the next.
             unit.start_update_params(views[0]).wait()
             engine.transfers.wait_uploads()
 
