@@ -387,6 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_consolidate_arguments(
         sub.add_parser("consolidate", help="write a checkpoint's full weights as safetensors", allow_abbrev=False)
     )
+    from zeroinf.env_report import add_arguments as add_env_arguments
+
+    add_env_arguments(
+        sub.add_parser(
+            "env", help="versions, devices, CPU, memory limits and the NVMe folder: for a bug report",
+            allow_abbrev=False,
+        )
+    )
     return parser
 
 
@@ -436,6 +444,10 @@ def run_command(argv: list[str]) -> int:
         from zeroinf.planner.command import run as run_plan
 
         return run_plan(ns)
+    if ns.command == "env":
+        from zeroinf.env_report import run as run_env
+
+        return run_env(ns)
     if ns.command == "finetune":
         return run_finetune(ns, argv[1:])
     return run_train(ns, argv[1:])
