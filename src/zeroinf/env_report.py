@@ -5,9 +5,9 @@ DeepSpeed answers with `ds_report`, accelerate with `accelerate env`. Here one r
 PyTorch (its CUDA and NCCL) and of the libraries zeroinf integrates with; the accelerators (memory,
 compute capability, native bf16); the CPU (name, cores this process may use, the instruction sets
 that decide how fast CPU Adam and bf16 run: AVX2, AVX-512, AVX512-BF16, AMX); host memory, and the
-locked-memory limit that caps pinned staging buffers (DeepSpeed's users meet it as pinned-memory
-OOMs with NVMe offload); /dev/shm (data loader workers); the torch.distributed backends; the
-launcher's variables. With `--nvme-dir D` it checks that folder as offload.nvme_dir would be used:
+locked-memory limit (RDMA, NCCL over InfiniBand or RoCE between machines, registers memory under
+it); /dev/shm (data loader workers); the torch.distributed backends; the launcher's variables.
+With `--nvme-dir D` it checks that folder as offload.nvme_dir would be used:
 it exists or can be made, is writable, how much is free, its filesystem, and whether it takes
 O_DIRECT (tmpfs and some network filesystems do not: the engine then falls back to the page cache,
 and says so). Nothing here starts a process group, allocates device memory beyond CUDA's own
@@ -40,7 +40,7 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "ZEROINF_DEVICE")
 PROBE_BYTES = 4096
-MIN_LOCKED_BYTES = 2**30  # below this, pinned staging of a large unit may fail
+MIN_LOCKED_BYTES = 2**30  # below this, RDMA registration (NCCL between machines) may fail
 
 
 def _version(name: str) -> str | None:
@@ -186,9 +186,9 @@ def warnings(found: dict[str, Any]) -> list[str]:
     locked = memory["locked_limit_bytes"]
     if found["accelerators"] and locked is not None and locked < MIN_LOCKED_BYTES:
         out.append(
-            f"the locked-memory limit is {locked} bytes (ulimit -l): pinned staging buffers for offloaded states "
-            "may fail to allocate; raise it (ulimit -l unlimited, or memlock in /etc/security/limits.conf, or "
-            "docker run --ulimit memlock=-1)"
+            f"the locked-memory limit is {locked} bytes (ulimit -l): NCCL between machines over InfiniBand or "
+            "RoCE registers memory under it and fails or falls back to sockets; for several machines raise it "
+            "(ulimit -l unlimited, memlock in /etc/security/limits.conf, or docker run --ulimit memlock=-1)"
         )
     if memory["shm_bytes"] is not None and memory["shm_bytes"] < 2**30:
         out.append(
