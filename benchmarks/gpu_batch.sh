@@ -36,6 +36,7 @@ export ZEROINF_TEST_FAILURES="$out/test_failures.txt"
 { nvidia-smi -L; lscpu | grep "Model name"; nproc; free -g | head -2; df -h "${TMPDIR:-/tmp}" | tail -1
   python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"
 } > "$out/machine.txt" 2>&1
+timeout 60 python3 -m zeroinf env --json --nvme-dir "${TMPDIR:-/tmp}/zi-env" > "$out/env.json" 2>&1  # for every report
 engines="plain,zeroinf,fsdp2"
 python3 -c "import deepspeed" 2>/dev/null && engines="$engines,deepspeed"
 peers() {  # name, then vs_peers.py arguments (PEERS_TIMEOUT: seconds for the whole comparison)

@@ -9,7 +9,7 @@ locked-memory limit (RDMA, NCCL over InfiniBand or RoCE between machines, regist
 it); /dev/shm (data loader workers); the torch.distributed backends; the launcher's variables.
 With `--nvme-dir D` it checks that folder as offload.nvme_dir would be used:
 it exists or can be made, is writable, how much is free, its filesystem, and whether it takes
-O_DIRECT (tmpfs and some network filesystems do not: the engine then falls back to the page cache,
+O_DIRECT (tmpfs before Linux 6.6 and some network filesystems do not: the engine then falls back to the page cache,
 and says so). Nothing here starts a process group, allocates device memory beyond CUDA's own
 initialization, or writes outside `--nvme-dir` (one 4 KiB probe file, removed).
 Problems found are listed under "warnings", each with what to do.
