@@ -13,6 +13,7 @@
 from zeroinf.checkpoint import CheckpointError, consolidate, load, save
 from zeroinf.comm import CollectiveError
 from zeroinf.config import Config, ConfigError, LossScaleConfig, OffloadConfig
+from zeroinf.deepspeed_optimizer import optimizer_from_deepspeed
 from zeroinf.ema import ema_update
 from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
@@ -55,6 +56,7 @@ __all__ = [
     "load_weights",
     "load",
     "memory_report",
+    "optimizer_from_deepspeed",
     "optimizer_state",
     "plan",
     "save",
