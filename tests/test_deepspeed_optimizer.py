@@ -176,6 +176,7 @@ def test_a_sharded_run_under_the_sections_equals_plain_pytorch(tmp_path: Path) -
         ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
         ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, "always corrects the bias"),
         ({"optimizer": {"type": "Nonsense"}}, "optimizer.type.*Nonsense.*torch.optim optimizer"),
+        ({"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}}, "optimizer.params.*AdamW: .*momentum"),
         ({}, "no optimizer section"),
         ({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "OneCycle"}}, "OneCycleLR"),
         ({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupDecayLR", "params": {}}},

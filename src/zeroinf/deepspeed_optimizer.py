@@ -176,7 +176,10 @@ def _optimizer(model: Any, section: Mapping[str, Any]) -> torch.optim.Optimizer:
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
         cls = zeroinf.AdamW if lowered == "adamw" or adam_w_mode else zeroinf.Adam
-        return cls(model, **params)
+        try:
+            return cls(model, **params)
+        except TypeError as error:  # a parameter DeepSpeed's Adam takes and zeroinf's does not
+            raise ConfigError("optimizer.params", sorted(params), f"{cls.__name__}: {error}") from None
     torch_class = getattr(torch.optim, name, None)
     if not (isinstance(torch_class, type) and issubclass(torch_class, torch.optim.Optimizer)):
         raise ConfigError("optimizer.type", name, "use Adam, AdamW, or the name of a torch.optim optimizer")
