@@ -128,6 +128,9 @@ SAVE_CASES = {
     "stage3-nvme-bf16": ("zeroinf", "zeroinf", 3, "nvme", "bf16"),
     "plain-to-zeroinf": ("plain", "zeroinf", 3, "host", "fp32"),
     "zeroinf-to-plain": ("zeroinf", "plain", 3, "host", "fp32"),
+    # zeroinf.integrations.sharded_save_state: every rank writes its piece with zeroinf.save
+    "stage3-nvme-bf16-sharded": ("zeroinf", "zeroinf", 3, "nvme", "bf16"),
+    "stage3-host-sharded": ("zeroinf", "zeroinf", 3, "host", "fp32"),
 }
 
 
@@ -156,6 +159,10 @@ def _save_or_load(rank: int, world: int, folder: str, nvme: str, load: bool, cas
     rows = x[rank * 4 // world : (rank + 1) * 4 // world]
     accelerator = Accelerator(cpu=True)
     model, opt, scheduler = _prepared(accelerator, loader if load else saver, stage, tier, dtype, nvme)
+    if case.endswith("-sharded"):
+        from zeroinf.integrations import sharded_save_state
+
+        sharded_save_state(accelerator)
 
     def step() -> float:
         loss = model(input_ids=rows, labels=rows).loss
@@ -174,6 +181,11 @@ def _save_or_load(rank: int, world: int, folder: str, nvme: str, load: bool, cas
         else:
             result["before"] = [step(), step()]
             accelerator.save_state(folder)
+            accelerator.wait_for_everyone()  # rank 0 writes accelerate's files
+            import os
+
+            result["files"] = sorted(os.listdir(folder))
+            result["optimizer_bytes"] = os.path.getsize(os.path.join(folder, "optimizer.bin"))
         result["after"] = [step(), step()]
         result["lr"] = scheduler.get_last_lr()
     except (ValueError, RuntimeError) as exc:
@@ -205,11 +217,13 @@ def saved_states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {
         "saved": run_ranks(_saved_and_loaded, 2, root, False, cases, timeout_s=300)[0],
         "loaded": run_ranks(_saved_and_loaded, 2, root, True, cases, timeout_s=300)[0],
-        "loaded-world1": run_ranks(_saved_and_loaded, 1, root, True, ["stage3-host"], timeout_s=300)[0],
+        "loaded-world1": run_ranks(
+            _saved_and_loaded, 1, root, True, ["stage3-host", "stage3-host-sharded"], timeout_s=300
+        )[0],
     }
 
 
-@pytest.mark.parametrize("case", ["stage0", "stage3-host", "stage3-nvme-bf16"])
+@pytest.mark.parametrize("case", ["stage0", "stage3-host", "stage3-nvme-bf16", "stage3-nvme-bf16-sharded"])
 def test_accelerate_save_state_resumes_bitwise_at_any_stage_and_placement(saved_states: dict, case: str) -> None:
     """Sharded states (stage 3: each rank holds a piece) resume exactly: accelerate writes rank 0's
     dict, which holds the whole state with its fp32 masters (accelerate_loop.py [Note: accelerate's
@@ -220,14 +234,24 @@ def test_accelerate_save_state_resumes_bitwise_at_any_stage_and_placement(saved_
     assert loaded["after"] == saved["after"] and loaded["lr"] == saved["lr"], (saved, loaded)
 
 
-def test_accelerate_save_state_of_two_ranks_resumes_on_one(saved_states: dict) -> None:
-    """The file is indexed by parameter, not by shard: world 2's checkpoint continues at world 1 (the
-    same batch whole on one rank: equal within fp32 reduction order)."""
-    saved, loaded = saved_states["saved"]["stage3-host"], saved_states["loaded-world1"]["stage3-host"]
+@pytest.mark.parametrize("case", ["stage3-host", "stage3-host-sharded"])
+def test_accelerate_save_state_of_two_ranks_resumes_on_one(saved_states: dict, case: str) -> None:
+    """The file is indexed by parameter, not by shard (or is a zeroinf checkpoint, which reshards):
+    world 2's checkpoint continues at world 1 (the same batch whole on one rank: equal within fp32
+    reduction order)."""
+    saved, loaded = saved_states["saved"][case], saved_states["loaded-world1"][case]
     assert "refused" not in loaded, loaded
     assert loaded["after"] == pytest.approx(saved["after"], rel=1e-5), (saved, loaded)
     # (The schedulers part here: accelerate's prepared scheduler advances once per process at each
     # step, so the learning rates after the load differ from world 2's by accelerate's design.)
+
+
+def test_sharded_save_state_writes_each_ranks_piece_beside_a_small_optimizer_file(saved_states: dict) -> None:
+    """zeroinf.integrations.sharded_save_state: the optimizer's file names the zeroinf checkpoint (a
+    few hundred bytes), which holds both ranks' pieces; without it the file holds the whole state."""
+    sharded, whole = saved_states["saved"]["stage3-host-sharded"], saved_states["saved"]["stage3-host"]
+    assert "zeroinf_optimizer_0" in sharded["files"] and "zeroinf_optimizer_0" not in whole["files"], sharded
+    assert sharded["optimizer_bytes"] < 2000 < whole["optimizer_bytes"], (sharded, whole)
 
 
 @pytest.mark.parametrize("case", ["plain-to-zeroinf", "zeroinf-to-plain"])

@@ -14,8 +14,11 @@ only: a run that never imported accelerate pays nothing and needs nothing instal
 
 from __future__ import annotations
 
+import os
 import sys
+import weakref
 from types import FrameType
+from typing import Any
 
 
 class AccelerateAccumulationError(ValueError):
@@ -61,8 +64,13 @@ def accelerate_defers_step(grad_accum_steps: int) -> bool:
 # host holds the whole state (16 bytes per parameter with Adam: refused up front, naming
 # zeroinf.save, where it cannot fit) and accelerate's load gives the whole file to every rank
 # (`load_kwargs={"mmap": True}` maps it: each rank reads the pages of its own pieces); above that,
-# `zeroinf.save`/`zeroinf.load` write and read every rank's piece. Any other caller of
-# `state_dict()` still gets this rank's shard (one file per rank, the same world and stage).
+# `zeroinf.save`/`zeroinf.load` write and read every rank's piece, and `sharded_save_state(accelerator)`
+# makes `save_state`/`load_state` use them: a save pre-hook writes each zeroinf optimizer's state with
+# zeroinf.save into a folder beside accelerate's files (every rank its piece, as DeepSpeed's engine
+# saves under accelerate), the optimizer's file then holds only that folder's name, and `load_state`
+# loads it with zeroinf.load once accelerate has loaded the weights (any world size, stage and
+# placement; the masters exact). Any other caller of `state_dict()` still gets this rank's shard (one
+# file per rank, the same world and stage).
 def accelerate_saves_state() -> bool:
     """Whether the first caller outside zeroinf is accelerate's `save_state` writing the optimizers
     ([Note: accelerate's save_state of sharded states]). Called from `state_dict()`."""
@@ -70,3 +78,66 @@ def accelerate_saves_state() -> bool:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("zeroinf."):
         frame = frame.f_back  # state_dict itself and its decorators
     return frame is not None and frame.f_globals.get("__name__") == "accelerate.checkpointing"
+
+
+SHARDED_KEY = "zeroinf_sharded_state"  # the optimizer file's one key: the folder zeroinf.save wrote
+_to_save: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # optimizer -> its folder's name
+_load_dirs: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # optimizer -> load_state's folder
+
+
+def sharded_save_state(accelerator: Any) -> None:
+    """Make `accelerator.save_state` / `load_state` write and read each zeroinf optimizer's state
+    sharded, every rank its own piece, with zeroinf.save / zeroinf.load (any world size at load),
+    instead of whole on rank 0 ([Note: accelerate's save_state of sharded states]): for states that
+    one host cannot hold. Call once, after `accelerator.prepare`."""
+    accelerator.register_save_state_pre_hook(_save_sharded)
+    accelerator.register_load_state_pre_hook(_remember_load_dir)
+
+
+def _optimizers_of(models: list[Any]) -> list[tuple[int, Any, Any]]:
+    """(index, model, its current zeroinf optimizer) of the prepared models that are sharded."""
+    from zeroinf.engine import sharded_engine
+
+    found = []
+    for index, model in enumerate(models):
+        engine = sharded_engine(model)
+        optimizer = engine.optimizer_ref() if engine is not None and engine.optimizer_ref is not None else None
+        if optimizer is not None:
+            found.append((index, model, optimizer))
+    return found
+
+
+def _save_sharded(models: list[Any], weights: list[Any], output_dir: str) -> None:
+    import zeroinf
+
+    for index, model, optimizer in _optimizers_of(models):
+        name = f"zeroinf_optimizer_{index}"
+        zeroinf.save(os.path.join(output_dir, name), model, optimizer, step=optimizer.step_count)
+        _to_save[optimizer] = name
+
+
+def _remember_load_dir(models: list[Any], input_dir: str) -> None:
+    for _, _, optimizer in _optimizers_of(models):
+        _load_dirs[optimizer] = str(input_dir)
+
+
+def sharded_state_dict(optimizer: Any) -> dict[str, str] | None:
+    """What `state_dict()` returns right after `sharded_save_state`'s hook saved this optimizer: the
+    folder's name (accelerate writes it as the optimizer's file); None otherwise."""
+    name = _to_save.pop(optimizer, None)
+    return None if name is None else {SHARDED_KEY: name}
+
+
+def load_sharded_state(optimizer: Any, state: dict[str, Any]) -> None:
+    """`load_state_dict` of such a dict: zeroinf.load of the folder it names, inside `load_state`'s folder."""
+    import zeroinf
+
+    folder = _load_dirs.pop(optimizer, None)
+    if folder is None:
+        raise ValueError(
+            f"this optimizer state names the folder {state[SHARDED_KEY]!r} that accelerate's save_state wrote with "
+            "zeroinf.integrations.sharded_save_state: load it with accelerator.load_state after calling "
+            "sharded_save_state(accelerator), or with zeroinf.load(os.path.join(checkpoint, that folder), model, "
+            "optimizer)"
+        )
+    zeroinf.load(os.path.join(folder, state[SHARDED_KEY]), optimizer.engine.module, optimizer, load_rng=False)

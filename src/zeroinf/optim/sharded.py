@@ -44,7 +44,13 @@ from torch import nn
 
 from zeroinf.comm import Handle, all_reduce
 from zeroinf.engine import Engine, engine_of
-from zeroinf.integrations.accelerate_loop import accelerate_defers_step, accelerate_saves_state
+from zeroinf.integrations.accelerate_loop import (
+    SHARDED_KEY,
+    accelerate_defers_step,
+    accelerate_saves_state,
+    load_sharded_state,
+    sharded_state_dict,
+)
 from zeroinf.optim.background import BackgroundSteps
 from zeroinf.optim.backward_step import BackwardStep, StepInBackward
 from zeroinf.optim.clip import clip_coefficient, global_grad_norm
@@ -570,7 +576,9 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
         """This rank's optimizer state (owned ranges, as CPU or device tensors), hyperparameters and
         loss-scaler state. States on nvme are read one unit at a time. Called by accelerate's
         `save_state`: the whole state in torch.optim's format, on rank 0 (accelerate_loop.py)."""
-        if accelerate_saves_state():  # [Note: accelerate's save_state of sharded states]
+        if (sharded := sharded_state_dict(self)) is not None:  # [Note: accelerate's save_state of sharded states]
+            return sharded
+        if accelerate_saves_state():
             return full_optimizer_state_dict(self, holder=0, masters=True)
         self.require_consistent_states()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -594,6 +602,9 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
         self.require_current()
         if self.pending_save is not None:  # its writer still reads the states about to be replaced
             self.pending_save.wait()
+        if SHARDED_KEY in state:  # a folder zeroinf.save wrote for accelerate's save_state
+            load_sharded_state(self, state)
+            return
         if "master" not in state and {"state", "param_groups"} <= state.keys():  # torch.optim's format
             load_full_optimizer_state_dict(self, state)  # optim/torch_format.py
             return

@@ -116,7 +116,8 @@ def _require_room(opt: ShardedOptimizerBase, params: list[torch.Tensor], holder:
         raise MemoryError(
             f"{opt.display_name}: its whole state ({need / 2**30:.1f} GiB in fp32) does not fit "
             "in the host memory available to the rank that would hold it; save it sharded with zeroinf.save "
-            "(every rank writes its own piece; zeroinf.load reshards to any world size)"
+            "(every rank writes its own piece; zeroinf.load reshards to any world size), and under accelerate call "
+            "zeroinf.integrations.sharded_save_state(accelerator) once, which makes save_state do that"
         )
 
 
