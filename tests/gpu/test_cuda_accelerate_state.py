@@ -3,7 +3,8 @@ integrations/accelerate_loop.py [Note: accelerate's save_state of sharded states
 Llama at stage 3 in bf16 on cuda:0, its optimizer states on the GPU, the host and NVMe. Two steps,
 `accelerator.save_state`, two more; a fresh model and optimizer `load_state` the folder and take the
 same two steps: the same losses, bit for bit (the file carries the fp32 masters, finer than the bf16
-weights beside them). One process: accelerate's single-GPU path."""
+weights beside them). One process: accelerate's single-GPU path. "nvme-sharded": the same through
+`zeroinf.integrations.sharded_save_state` (zeroinf.save / zeroinf.load under accelerate's hooks)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ TIERS = {
     "device": {},
     "host": {"params": "host", "optimizer": "host"},
     "nvme": {"params": "nvme", "optimizer": "nvme"},
+    "nvme-sharded": {"params": "nvme", "optimizer": "nvme"},
 }
 
 
-def _run(tiers: dict[str, str], folder: Path, load: bool) -> list[float]:
+def _run(tiers: dict[str, str], folder: Path, load: bool, sharded: bool) -> list[float]:
     from accelerate import Accelerator
 
     from tests._hf import build
@@ -38,6 +40,10 @@ def _run(tiers: dict[str, str], folder: Path, load: bool) -> list[float]:
     model = zeroinf.shard(build("llama", 0), cfg, zeroinf.Topology.single(CUDA))
     opt = zeroinf.AdamW(model, lr=1e-3)
     model, opt = accelerator.prepare(model, opt)
+    if sharded:
+        from zeroinf.integrations import sharded_save_state
+
+        sharded_save_state(accelerator)
     rows = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(CUDA)
     losses = []
 
@@ -65,6 +71,6 @@ def _run(tiers: dict[str, str], folder: Path, load: bool) -> list[float]:
 @pytest.mark.parametrize("tier", TIERS)
 def test_accelerate_save_state_resumes_bitwise_on_the_gpu(tier: str, tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
-    saved = _run(TIERS[tier], tmp_path, load=False)
-    loaded = _run(TIERS[tier], tmp_path, load=True)
+    saved = _run(TIERS[tier], tmp_path, load=False, sharded=tier.endswith("-sharded"))
+    loaded = _run(TIERS[tier], tmp_path, load=True, sharded=tier.endswith("-sharded"))
     assert loaded == saved, (tier, saved, loaded)
