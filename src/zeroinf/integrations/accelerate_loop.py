@@ -122,8 +122,8 @@ def _remember_load_dir(models: list[Any], input_dir: str) -> None:
 
 
 def sharded_state_dict(optimizer: Any) -> dict[str, str] | None:
-    """What `state_dict()` returns right after `sharded_save_state`'s hook saved this optimizer: the
-    folder's name (accelerate writes it as the optimizer's file); None otherwise."""
+    """What `state_dict()` returns to accelerate's `save_state` right after `sharded_save_state`'s hook
+    saved this optimizer: the folder's name (accelerate writes it as the optimizer's file); None otherwise."""
     name = _to_save.pop(optimizer, None)
     return None if name is None else {SHARDED_KEY: name}
 

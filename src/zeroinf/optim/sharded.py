@@ -576,10 +576,9 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
         """This rank's optimizer state (owned ranges, as CPU or device tensors), hyperparameters and
         loss-scaler state. States on nvme are read one unit at a time. Called by accelerate's
         `save_state`: the whole state in torch.optim's format, on rank 0 (accelerate_loop.py)."""
-        if (sharded := sharded_state_dict(self)) is not None:  # [Note: accelerate's save_state of sharded states]
-            return sharded
-        if accelerate_saves_state():
-            return full_optimizer_state_dict(self, holder=0, masters=True)
+        if accelerate_saves_state():  # [Note: accelerate's save_state of sharded states]
+            sharded = sharded_state_dict(self)  # written by sharded_save_state's hook just before
+            return sharded if sharded is not None else full_optimizer_state_dict(self, holder=0, masters=True)
         self.require_consistent_states()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         units = [self.states.read_unit(ui) for ui in range(len(self.engine.units))]
