@@ -128,3 +128,14 @@ def test_accelerates_mixed_precision_sets_the_dtype_and_fp8_is_refused(tmp_path,
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
 def test_adamw_optims_are_accepted(tmp_path, optim: str) -> None:
     assert config_for_trainer(zeroinf.Config(), _args(tmp_path, optim=optim)).grad_clip_norm == 1.0
+
+
+def test_a_deepspeed_file_is_refused_naming_the_config_that_reads_it() -> None:
+    """TrainingArguments(deepspeed=...) needs DeepSpeed installed to be built at all, so a plain object
+    with the field stands in (the checks read arguments by attribute only)."""
+    from types import SimpleNamespace
+
+    from zeroinf.integrations.trainer_args import refused_arguments
+
+    problems = refused_arguments(SimpleNamespace(deepspeed="ds_config.json"))
+    assert len(problems) == 1 and "zeroinf.Config.from_deepspeed('ds_config.json')" in problems[0], problems

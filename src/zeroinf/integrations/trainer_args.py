@@ -68,7 +68,11 @@ def refused_arguments(args: Any) -> list[str]:
     if optim in ADAMW_OPTIMS and getattr(args, "optim_args", None):
         problems.append(f"optim_args={args.optim_args!r}: zeroinf.AdamW takes no extra arguments; leave it unset")
     if getattr(args, "deepspeed", None):
-        problems.append("deepspeed is set: zeroinf replaces DeepSpeed here; leave it unset")
+        problems.append(
+            "deepspeed is set: zeroinf replaces DeepSpeed here; leave it unset and pass its file as "
+            f"zeroinf_config=zeroinf.Config.from_deepspeed({args.deepspeed!r}) (the optimizer and LR schedule "
+            "come from TrainingArguments, as DeepSpeed's \"auto\" values do)"
+        )
     if getattr(args, "fsdp", None):
         problems.append(f"fsdp={args.fsdp!r}: zeroinf shards the model itself; leave fsdp unset")
     if getattr(args, "load_best_model_at_end", False) and getattr(args, "save_only_model", False):
