@@ -19,6 +19,7 @@ from zeroinf.engine import engine_of, memory_report, shard
 from zeroinf.memory import Ledger, Tier
 from zeroinf.optim.adamw import Adam, AdamW
 from zeroinf.optim.full_state import optimizer_state, set_optimizer_state
+from zeroinf.optim.lion import Lion
 from zeroinf.optim.torch_format import full_optimizer_state_dict, load_full_optimizer_state_dict
 from zeroinf.optim.torch_optimizer import ShardedOptimizer
 from zeroinf.partition.gathered import gathered
@@ -38,6 +39,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "Ledger",
+    "Lion",
     "LossScaleConfig",
     "OffloadConfig",
     "ShardedOptimizer",

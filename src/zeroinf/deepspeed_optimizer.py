@@ -16,8 +16,10 @@ its numbers only if those were retyped into code. Here they are read as DeepSpee
   fused Adam has neither).
 - Any other name DeepSpeed takes from `torch.optim` ("SGD", "Adagrad", "RMSprop", ...):
   `zeroinf.ShardedOptimizer` over that class, which refuses an update that is not elementwise.
-  DeepSpeed's own "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion", "Muon" and the MuP
-  variants are refused, naming why (not elementwise, or compressed communication zeroinf lacks).
+  "Lion": `zeroinf.Lion` (optim/lion.py) over the shards with DeepSpeed's defaults (lr 1e-3, betas
+  0.9, 0.999, no weight decay). DeepSpeed's own "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb",
+  "Muon" and the MuP variants are refused, naming why (not elementwise, or compressed communication
+  zeroinf lacks).
 - `"WarmupLR"`, `"WarmupDecayLR"`, `"WarmupCosineLR"`: `DeepSpeedSchedule`, a torch LR scheduler
   with DeepSpeed's formulas (log or linear warmup, linear decay, cosine to `cos_min_ratio`). It
   steps as DeepSpeed's engine steps them, once per optimizer step after it, and reproduces its
@@ -47,7 +49,6 @@ REFUSED_OPTIMIZERS = {
     "onebitadam": "1-bit Adam compresses the gradient communication, which zeroinf does not",
     "zerooneadam": "0/1 Adam compresses the gradient communication, which zeroinf does not",
     "onebitlamb": "1-bit LAMB compresses the gradient communication and is not elementwise",
-    "lion": "DeepSpeed's Lion kernels are not part of zeroinf: pass a torch Lion class to zeroinf.ShardedOptimizer",
     "muon": "Muon orthogonalizes each whole matrix (not elementwise over a shard)",
     "muadam": "the MuP optimizers need per-parameter width multipliers zeroinf does not track",
     "muadamw": "the MuP optimizers need per-parameter width multipliers zeroinf does not track",
@@ -180,6 +181,13 @@ def _optimizer(model: Any, section: Mapping[str, Any]) -> torch.optim.Optimizer:
             return cls(model, **params)
         except TypeError as error:  # a parameter DeepSpeed's Adam takes and zeroinf's does not
             raise ConfigError("optimizer.params", sorted(params), f"{cls.__name__}: {error}") from None
+    if lowered == "lion":  # DeepSpeed's Lion: zeroinf.Lion over the shards, with DeepSpeed's defaults
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
+        params = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0, **params}
+        params.pop("fp32_optimizer_states", None)
+        parameters = model.parameters() if isinstance(model, nn.Module) else model
+        return zeroinf.ShardedOptimizer(zeroinf.Lion, parameters, **params)
     torch_class = getattr(torch.optim, name, None)
     if not (isinstance(torch_class, type) and issubclass(torch_class, torch.optim.Optimizer)):
         raise ConfigError("optimizer.type", name, "use Adam, AdamW, or the name of a torch.optim optimizer")
