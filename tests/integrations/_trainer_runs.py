@@ -80,12 +80,12 @@ def summary(trainer: Any, rank: int = 0) -> dict[str, Any]:
     }
 
 
-def run_plain(arch: str, output_dir: str, **overrides: Any) -> Any:
+def run_plain(arch: str, output_dir: str, trainer_kwargs: dict[str, Any] | None = None, **overrides: Any) -> Any:
     import transformers
 
     trainer = transformers.Trainer(
         model=build(arch), args=training_arguments(output_dir, **overrides), train_dataset=ArithmeticSequences(),
-        eval_dataset=EVAL_DATA,
+        eval_dataset=EVAL_DATA, **(trainer_kwargs or {}),
     )
     trainer.train()
     return trainer

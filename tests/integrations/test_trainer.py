@@ -390,6 +390,20 @@ def test_another_optim_is_the_plain_trainers_torch_optimizer_sharded(tmp_path, s
     _assert_parity(summary(trainer), plain, f"sgd, stage {stage}")
 
 
+def test_bitsandbytes_32bit_lion_is_zeroinf_lion_over_the_shards(tmp_path) -> None:
+    """`optim="lion_32bit"` (bitsandbytes, not needed): zeroinf.Lion over the shards with the Trainer's
+    lr and betas and its decay groups; the same losses, norms and weights as the plain Trainer running
+    zeroinf.Lion itself on the whole model (`optimizer_cls_and_kwargs`)."""
+    plain = summary(run_plain(
+        "llama", str(tmp_path / "plain"), learning_rate=1e-2,
+        trainer_kwargs={"optimizer_cls_and_kwargs": (zeroinf.Lion, {"lr": 1e-2, "betas": (0.9, 0.95)})},
+    ))
+    trainer = run_zeroinf("llama", str(tmp_path / "ours"), 3, optim="lion_32bit", learning_rate=1e-2)
+    assert isinstance(trainer.optimizer, zeroinf.ShardedOptimizer) and trainer.optimizer.optimizer_class is zeroinf.Lion
+    assert [g["betas"] for g in trainer.optimizer.param_groups] == [(0.9, 0.95)] * 2  # the arguments' adam betas
+    _assert_parity(summary(trainer), plain, "lion_32bit")
+
+
 def test_an_optim_that_cannot_be_sharded_is_refused_with_the_reason(tmp_path) -> None:
     with pytest.raises(ValueError, match="Adafactor's update is not elementwise"):
         run_zeroinf("llama", str(tmp_path), 3, optim="adafactor")

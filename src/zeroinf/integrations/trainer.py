@@ -78,12 +78,14 @@ from zeroinf.engine import engine_of, sharded_engine
 from zeroinf.integrations.peft_layers import is_peft_model
 from zeroinf.integrations.trainer_args import (
     ADAMW_OPTIMS,
+    LION_OPTIMS,
     TrainerArgumentsError,
     asked_dtype,
     asks_checkpointing,
     config_for_trainer,
 )
 from zeroinf.optim.adamw import AdamW
+from zeroinf.optim.lion import Lion
 from zeroinf.optim.sharded import ShardedOptimizerBase
 from zeroinf.optim.torch_optimizer import ShardedOptimizer
 from zeroinf.partition.unit import full_numel
@@ -267,7 +269,8 @@ class Trainer(transformers.Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """zeroinf.AdamW with the plain Trainer's param groups and hyperparameters; for another `optim`
         (sgd, adagrad, rmsprop, ...), the torch optimizer the plain Trainer picks, sharded by
-        zeroinf.ShardedOptimizer (which refuses one it cannot compute over shards, such as adafactor)."""
+        zeroinf.ShardedOptimizer (which refuses one it cannot compute over shards, such as adafactor);
+        for bitsandbytes' 32-bit Lion (`lion_32bit`), zeroinf.Lion, the same update, sharded likewise."""
         if self.optimizer is None:
             model = self._sharded_model()
             decay = set(self.get_decay_parameter_names(model))
@@ -277,7 +280,14 @@ class Trainer(transformers.Trainer):
                 {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
             ]
             groups = [g for g in groups if g["params"]]
-            if str(getattr(self.args.optim, "value", self.args.optim)) not in ADAMW_OPTIMS:  # a str enum
+            optim = str(getattr(self.args.optim, "value", self.args.optim))  # a str enum
+            if optim in LION_OPTIMS:  # bitsandbytes' 32-bit Lion: the same update, zeroinf.Lion over the shards
+                betas = (self.args.adam_beta1, self.args.adam_beta2)
+                self.optimizer = ShardedOptimizer(Lion, groups, lr=self.args.learning_rate, betas=betas,
+                                                  track_grad_norm=True)
+                self._check_optimizer(self.optimizer)
+                return self.optimizer
+            if optim not in ADAMW_OPTIMS:
                 cls, settings = self.get_optimizer_cls_and_kwargs(self.args, cast(Any, model))
                 self.optimizer = ShardedOptimizer(cls, groups, track_grad_norm=True, **settings)
                 self._check_optimizer(self.optimizer)

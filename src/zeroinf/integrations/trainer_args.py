@@ -40,6 +40,10 @@ AUTO_BATCH_NEEDS_UNDO = (
     "max_grad_norm > 0 (the default 1.0), or set offload.step_in_backward = false in the Config"
 )
 
+LION_OPTIMS = ("lion_32bit", "paged_lion_32bit")
+"""`TrainingArguments.optim` values of bitsandbytes' 32-bit Lion, which zeroinf.Lion computes over the
+shards (paging is for the GPU's states; zeroinf places them by its Config)."""
+
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """`TrainingArguments.optim` values zeroinf.AdamW stands in for (the same update rule); the Trainer
 shards any other through zeroinf.ShardedOptimizer (integrations/trainer.py `create_optimizer`)."""
