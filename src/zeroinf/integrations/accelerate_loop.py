@@ -89,7 +89,10 @@ def sharded_save_state(accelerator: Any) -> None:
     """Make `accelerator.save_state` / `load_state` write and read each zeroinf optimizer's state
     sharded, every rank its own piece, with zeroinf.save / zeroinf.load (any world size at load),
     instead of whole on rank 0 ([Note: accelerate's save_state of sharded states]): for states that
-    one host cannot hold. Call once, after `accelerator.prepare`."""
+    one host cannot hold. Call once, after `accelerator.prepare` (again: nothing more)."""
+    if getattr(accelerator, "_zeroinf_sharded_state", False):
+        return
+    accelerator._zeroinf_sharded_state = True
     accelerator.register_save_state_pre_hook(_save_sharded)
     accelerator.register_load_state_pre_hook(_remember_load_dir)
 
