@@ -159,6 +159,8 @@ def _optimizer(model: Any, section: Mapping[str, Any]) -> torch.optim.Optimizer:
     name = str(section.get("type", ""))
     params = dict(section.get("params") or {})
     _no_auto("optimizer", params)
+    if "betas" in params:  # a JSON list; torch's optimizers keep a tuple
+        params["betas"] = tuple(params["betas"])
     if "max_grad_norm" in params:
         raise ConfigError("optimizer.params.max_grad_norm", params["max_grad_norm"],
                           "clip with the config's gradient_clipping (Config.grad_clip_norm), as DeepSpeed requires")
@@ -174,25 +176,19 @@ def _optimizer(model: Any, section: Mapping[str, Any]) -> torch.optim.Optimizer:
         if params.get("amsgrad"):
             raise ConfigError("optimizer.params.amsgrad", True, "zeroinf's Adam keeps two moments: amsgrad=false")
         params.setdefault("weight_decay", 0.0)  # DeepSpeed's Adam kernels' default
-        if "betas" in params:
-            params["betas"] = tuple(params["betas"])
         cls = zeroinf.AdamW if lowered == "adamw" or adam_w_mode else zeroinf.Adam
         try:
             return cls(model, **params)
         except TypeError as error:  # a parameter DeepSpeed's Adam takes and zeroinf's does not
             raise ConfigError("optimizer.params", sorted(params), f"{cls.__name__}: {error}") from None
     if lowered == "lion":  # DeepSpeed's Lion: zeroinf.Lion over the shards, with DeepSpeed's defaults
-        if "betas" in params:
-            params["betas"] = tuple(params["betas"])
+        torch_class: Any = zeroinf.Lion
         params = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0, **params}
         params.pop("fp32_optimizer_states", None)
-        parameters = model.parameters() if isinstance(model, nn.Module) else model
-        return zeroinf.ShardedOptimizer(zeroinf.Lion, parameters, **params)
-    torch_class = getattr(torch.optim, name, None)
-    if not (isinstance(torch_class, type) and issubclass(torch_class, torch.optim.Optimizer)):
-        raise ConfigError("optimizer.type", name, "use Adam, AdamW, or the name of a torch.optim optimizer")
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
+    else:
+        torch_class = getattr(torch.optim, name, None)
+        if not (isinstance(torch_class, type) and issubclass(torch_class, torch.optim.Optimizer)):
+            raise ConfigError("optimizer.type", name, "use Adam, AdamW, or the name of a torch.optim optimizer")
     parameters = model.parameters() if isinstance(model, nn.Module) else model
     return zeroinf.ShardedOptimizer(torch_class, parameters, **params)  # refuses what it cannot run, naming it
 
