@@ -146,6 +146,16 @@ def optimizer_state(
     return out
 
 
+def _write_owned_piece(unit: Any, slot: ParamSlot, view: torch.Tensor, value: Any) -> None:
+    """Copy this rank's owned part of a parameter's full value into the unit's owned-range `view`."""
+    piece = _overlap(unit.owned_start, unit.owned_end, slot.offset, slot.offset + slot.numel)
+    if piece is None:
+        return
+    start, end = piece
+    given = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+    view[start - unit.owned_start : end - unit.owned_start].copy_(given[start - slot.offset : end - slot.offset])
+
+
 @torch.no_grad()
 def set_optimizer_state(opt: AdamW, states: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
     """Write states (`exp_avg`, `exp_avg_sq` for Adam: `opt.state_names`; full tensors shaped as the
@@ -164,17 +174,9 @@ def set_optimizer_state(opt: AdamW, states: Mapping[torch.Tensor, Mapping[str, A
         if any(kind in states[p] for _, p in wanted for kind in opt.state_names):
             views = opt.states.read_unit(ui)
             for pi, p in wanted:
-                slot = unit.layout.slots[pi]
-                piece = _overlap(unit.owned_start, unit.owned_end, slot.offset, slot.offset + slot.numel)
-                if piece is None:
-                    continue
-                start, end = piece
                 for k, kind in enumerate(_kinds(opt)):
                     if kind in states[p]:
-                        given = torch.as_tensor(states[p][kind], dtype=torch.float32).reshape(-1)
-                        views[k][start - unit.owned_start : end - unit.owned_start].copy_(
-                            given[start - slot.offset : end - slot.offset]
-                        )
+                        _write_owned_piece(unit, unit.layout.slots[pi], views[k], states[p][kind])
             opt.states.write_unit(ui, StateViews(*views))
         for pi, p in wanted:
             if "step" in states[p]:
@@ -204,14 +206,7 @@ def set_masters(opt: AdamW, masters: Mapping[torch.Tensor, torch.Tensor]) -> Non
             unit = engine.units[ui]
             views = opt.states.read_unit(ui)
             for pi, p in wanted:
-                slot = unit.layout.slots[pi]
-                piece = _overlap(unit.owned_start, unit.owned_end, slot.offset, slot.offset + slot.numel)
-                if piece is not None:
-                    start, end = piece
-                    given = torch.as_tensor(masters[p], dtype=torch.float32).reshape(-1)
-                    views[0][start - unit.owned_start : end - unit.owned_start].copy_(
-                        given[start - slot.offset : end - slot.offset]
-                    )
+                _write_owned_piece(unit, unit.layout.slots[pi], views[0], masters[p])
             opt.states.write_unit(ui, StateViews(*views))
             # One unit at a time (its states read whole: bounded memory), its refresh done before the next.
             unit.start_update_params(views[0]).wait()
