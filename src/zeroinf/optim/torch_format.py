@@ -40,7 +40,6 @@ equal to the plain loop: tests/optim/test_torch_format.py.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -71,7 +70,7 @@ def full_optimizer_state_dict(
     that rank gets the states (the others a dict naming it, without any); `masters`: add what a
     torch optimizer does not keep but an exact resume needs, under the key "zeroinf"."""
     params = _params(opt)
-    _require_room(opt, params, holder, masters)
+    _require_room(opt, holder, masters)
     full = optimizer_state(opt, params, holder=holder, master=masters)
     groups, start = [], 0
     for group in opt.param_groups:
@@ -100,12 +99,12 @@ def full_optimizer_state_dict(
     return out
 
 
-def _require_room(opt: ShardedOptimizerBase, params: list[torch.Tensor], holder: int | None, masters: bool) -> None:
+def _require_room(opt: ShardedOptimizerBase, holder: int | None, masters: bool) -> None:
     """Refuse, on every rank alike, a whole state that the host keeping it has no memory for: it would
     be killed for memory midway (the others then waiting in the next collective)."""
     engine = opt.engine
     topo = engine.topo
-    numel = sum(math.prod(_shape(opt, p)) for p in params)
+    numel = sum(unit.layout.numel for unit in engine.units)  # the groups cover every trained unit
     need = numel * 4 * (len(opt.state_names) + int(masters))  # fp32, whole
     holders_here = 1 if holder is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     short = float(holder in (None, topo.rank) and need * holders_here > 0.9 * available_ram_bytes())
