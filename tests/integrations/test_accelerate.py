@@ -27,6 +27,7 @@ plain one, each continuing as the run that saved.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -182,8 +183,6 @@ def _save_or_load(rank: int, world: int, folder: str, nvme: str, load: bool, cas
             result["before"] = [step(), step()]
             accelerator.save_state(folder)
             accelerator.wait_for_everyone()  # rank 0 writes accelerate's files
-            import os
-
             result["files"] = sorted(os.listdir(folder))
             result["optimizer_bytes"] = os.path.getsize(os.path.join(folder, "optimizer.bin"))
         result["after"] = [step(), step()]
@@ -197,8 +196,6 @@ def _save_or_load(rank: int, world: int, folder: str, nvme: str, load: bool, cas
 
 
 def _saved_and_loaded(rank: int, world: int, root: str, load: bool, cases: list[str]) -> dict[str, Any]:
-    import os
-
     out: dict[str, Any] = {}
     for case in cases:
         nvme = os.path.join(root, f"{case}-nvme-{'load' if load else 'save'}-{world}")
