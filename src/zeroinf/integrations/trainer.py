@@ -281,14 +281,12 @@ class Trainer(transformers.Trainer):
             ]
             groups = [g for g in groups if g["params"]]
             optim = str(getattr(self.args.optim, "value", self.args.optim))  # a str enum
-            if optim in LION_OPTIMS:  # bitsandbytes' 32-bit Lion: the same update, zeroinf.Lion over the shards
-                betas = (self.args.adam_beta1, self.args.adam_beta2)
-                self.optimizer = ShardedOptimizer(Lion, groups, lr=self.args.learning_rate, betas=betas,
-                                                  track_grad_norm=True)
-                self._check_optimizer(self.optimizer)
-                return self.optimizer
             if optim not in ADAMW_OPTIMS:
-                cls, settings = self.get_optimizer_cls_and_kwargs(self.args, cast(Any, model))
+                if optim in LION_OPTIMS:  # bitsandbytes' 32-bit Lion: the same update, zeroinf.Lion over the shards
+                    cls: Any = Lion
+                    settings = {"lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2)}
+                else:
+                    cls, settings = self.get_optimizer_cls_and_kwargs(self.args, cast(Any, model))
                 self.optimizer = ShardedOptimizer(cls, groups, track_grad_norm=True, **settings)
                 self._check_optimizer(self.optimizer)
                 return self.optimizer
