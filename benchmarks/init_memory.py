@@ -6,7 +6,10 @@ with parameters on NVMe:
 - eager: `LlamaForCausalLM(config)` on the CPU (the whole fp32 model exists), then shard;
 - init:  the same under `with zeroinf.init(cfg)`: parameters parked on NVMe as their modules are
   attached (the embedding and head blank, as soon as registered, their initializations drawn into
-  the park piece by piece), `post_init` touching them through the park, then shard unit by unit.
+  the park piece by piece), `post_init` touching them through the park, then shard unit by unit;
+- init_exact: `zeroinf.init(cfg, exact_masters=True)`: slices parked in fp32 (twice the park on
+  NVMe) and, past `shard`, the fp32 values the optimizer's masters start from kept in the park
+  (`kept_bytes`), so that a bf16 model trains as if built eagerly.
 Prints JSON: per variant, RSS before, peak RSS above it (construction and shard separately),
 seconds, the park's counters and NVMe bytes; and the sizes to compare with: one decoder layer
 (a unit) and the root unit (embeddings + head, kept unsharded on the device at stage 3).
@@ -79,8 +82,8 @@ def build_once(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     before = rss_bytes()
     t0 = time.perf_counter()
     park = None
-    if variant == "init":
-        with zeroinf.init(cfg) as park:
+    if variant in ("init", "init_exact"):
+        with zeroinf.init(cfg, exact_masters=variant == "init_exact") as park:
             model = LlamaForCausalLM(config)
     else:
         model = LlamaForCausalLM(config)
@@ -101,7 +104,10 @@ def build_once(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     out["peak_above_bytes"] = max(out["construct_peak_above_bytes"], out["shard_peak_above_bytes"])
     if park is not None:
         out.update(parks=park.parks, unparks=park.unparks, park_written_bytes=park.parked_bytes,
-                   blank_parks=park.blanks, draws=park.draws)
+                   blank_parks=park.blanks, draws=park.draws,
+                   kept_bytes=sum(
+                       4 * kept.numel for unit in zeroinf.engine_of(model).units for _, kept in unit._kept_masters
+                   ))
     zeroinf.engine_of(model).close()
     return out
 
@@ -117,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="eager,init")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    unknown = [name for name in args.variants.split(",") if name not in ("eager", "init")]
+    unknown = [name for name in args.variants.split(",") if name not in ("eager", "init", "init_exact")]
     if unknown:  # anything but "init" would have been built eagerly
-        ap.error(f"--variants {','.join(unknown)}: unknown; choose from eager,init")
+        ap.error(f"--variants {','.join(unknown)}: unknown; choose from eager,init,init_exact")
     args.nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="zeroinf-init-", dir="/tmp")
     if args.child:
         print(json.dumps(build_once(args.child, args)))
@@ -148,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         if "eager" in runs:
             out["build_time_ratio_init_over_eager"] = init["build_s"] / runs["eager"]["build_s"]
             out["peak_ratio_init_over_eager"] = init["peak_above_bytes"] / runs["eager"]["peak_above_bytes"]
+    if "init_exact" in runs:
+        out["init_exact_peak_above_in_units"] = runs["init_exact"]["peak_above_bytes"] / out["unit_bytes"]
+        if "init" in runs:
+            out["build_time_ratio_exact_over_init"] = runs["init_exact"]["build_s"] / runs["init"]["build_s"]
     print(json.dumps(out, indent=1))
     return 0
 

@@ -41,6 +41,7 @@ from zeroinf.partition.init import (
     refuse_changes_after_the_block,
 )
 from zeroinf.partition.intact import PassWrites, check_not_wrapped_in_ddp, check_params_intact
+from zeroinf.partition.park import Realize
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, NvmeHome, NvmeParamFiles, ShardHome
 from zeroinf.partition.state_entries import own_storages
 from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
@@ -281,7 +282,7 @@ class Engine:
         return home
 
     def _build_unit(
-        self, spec: UnitSpec, realize: Callable[[nn.Parameter, torch.Tensor], bool] | None = None
+        self, spec: UnitSpec, realize: Realize | None = None
     ) -> ShardedUnit:
         params = [p for _, p in spec.params]
         stored = self.weights is not None and self.weights.covers(params)

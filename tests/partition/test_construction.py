@@ -10,7 +10,9 @@ buffers equal bit for bit. bf16 (slices parked in the compute dtype) is exact
 for the models whose post-construction code overwrites parameters (GPT, Hugging Face); see
 [Note: parking in the compute dtype] for the one case where it may not be. The fp32 masters an
 optimizer then takes are eager's in fp32; in bf16 they are eager's rounded to bf16 (eager + `shard`
-keeps them unrounded), the documented difference. Every case also checks
+keeps them unrounded), the documented difference, unless the park keeps them
+(`zeroinf.init(cfg, exact_masters=True)`, the "/exact" cases on every tier: eager's unrounded
+masters, the park open after `shard` until the optimizer took them). Every case also checks
 that parameters really were parked during the build (the park's counters), and that the park is
 closed (its NVMe file gone) once the model is sharded. The "drawn" cases lower the size from which
 a parameter is parked blank and initialized piece by piece (partition/park.py [Note: a large
@@ -65,10 +67,12 @@ def _masters(model: torch.nn.Module) -> torch.Tensor:
     return masters
 
 
-def _case(model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: bool = False) -> dict[str, Any]:
+def _case(
+    model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: bool = False, exact: bool = False
+) -> dict[str, Any]:
     from zeroinf.partition import draw
 
-    nvme_dir = os.path.join(root, f"{model_name}-{tier}-{dtype}-{drawn}-rank{rank}")
+    nvme_dir = os.path.join(root, f"{model_name}-{tier}-{dtype}-{drawn}-{exact}-rank{rank}")
     os.makedirs(nvme_dir, exist_ok=True)
     cfg = _cfg(tier, dtype, nvme_dir)
     eager = build(model_name)
@@ -81,7 +85,7 @@ def _case(model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: b
     if drawn:
         draw.DRAW_MIN_BYTES, draw.PIECE_NUMEL = 4096, 256
     try:
-        with zeroinf.init(cfg) as park:
+        with zeroinf.init(cfg, exact_masters=exact) as park:
             model = build(model_name)
             parked_inside = len(park.parked)
         rng_after_init = torch.rand(4)
@@ -89,6 +93,7 @@ def _case(model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: b
         draw.DRAW_MIN_BYTES, draw.PIECE_NUMEL = limits
     params_meta = all(p.is_meta for p in model.parameters())
     zeroinf.shard(model, cfg)
+    kept_after_shard = len(park.kept_keys)
     got = _snapshot(model)
     masters = _masters(model)
     zeroinf.engine_of(model).close()
@@ -102,7 +107,7 @@ def _case(model_name: str, tier: str, dtype: str, rank: int, root: str, drawn: b
         "parked_inside": parked_inside, "parks": park.parks, "unparks": park.unparks, "draws": park.draws,
         "blanks": park.blanks,
         "same_generator_state": torch.equal(rng_after_eager, rng_after_init),
-        "params_meta_after_build": params_meta, "park_closed": park.closed,
+        "params_meta_after_build": params_meta, "park_closed": park.closed, "kept_after_shard": kept_after_shard,
         "swap_files_left": sorted(f for f in os.listdir(nvme_dir) if "park" in f),
     }
 
@@ -138,11 +143,20 @@ def _training(rank: int, world: int, root: str) -> dict[str, list[float]]:
     with zeroinf.init(cfg("learner")):
         learner = build("llama")
     zeroinf.shard(learner, cfg("learner"))
-    return {
+    losses = {
         "eager": _train(eager, steps, world),
         "init": _train(built, steps, world),
         "repeated": _train(learner, [repeated] * 25, world),
     }
+    # bf16 with masters kept unrounded: the same training as the eager bf16 model, bit for bit
+    bf16 = {name: _cfg("nvme", "bf16", cfg(name).offload.nvme_dir or "") for name in ("eager_bf16", "exact_bf16")}
+    eager_bf16 = zeroinf.shard(build("llama"), bf16["eager_bf16"])
+    with zeroinf.init(bf16["exact_bf16"], exact_masters=True):
+        exact_bf16 = build("llama")
+    zeroinf.shard(exact_bf16, bf16["exact_bf16"])
+    losses["eager_bf16"] = _train(eager_bf16, steps, world)
+    losses["exact_bf16"] = _train(exact_bf16, steps, world)
+    return losses
 
 
 def run_matrix(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
@@ -150,6 +164,11 @@ def run_matrix(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {f"{m}/{t}/{d}": _case(m, t, d, rank, root) for m, t, d in cases}
     drawn = [(m, t, "fp32") for m in MODELS for t in ("host", "nvme")] + [(m, "nvme", "bf16") for m in BF16_MODELS]
     results.update({f"{m}/{t}/{d}/drawn": _case(m, t, d, rank, root, drawn=True) for m, t, d in drawn})
+    exact = [(m, t, False) for m in BF16_MODELS for t in TIERS] + [(m, "nvme", True) for m in BF16_MODELS]
+    results.update({
+        f"{m}/{t}/bf16{'/drawn' if d else ''}/exact": _case(m, t, "bf16", rank, root, drawn=d, exact=True)
+        for m, t, d in exact
+    })
     results["training"] = _training(rank, world, root)
     return results
 
@@ -175,6 +194,11 @@ def test_init_builds_the_eager_model_bitwise(matrix: tuple[int, list[dict]]) -> 
             assert r["parked_inside"] > 0 and r["parks"] >= r["parked_inside"], where
             assert r["park_closed"] and r["swap_files_left"] == [], f"{where}: park left open: {r}"
             assert r["same_generator_state"], f"{where}: the build drew another number of random values"
+            if case.endswith("/exact"):  # kept unrounded from the build until the optimizer took them
+                assert r["masters_unrounded_as_eager"], f"{where}: the kept masters are not eager's"
+                assert r["kept_after_shard"] > 0, f"{where}: nothing kept for the masters past shard"
+                continue
+            assert r["kept_after_shard"] == 0, where
             assert r["masters_are_eager_rounded"], f"{where}: the fp32 masters are not eager's rounded"
             assert r["masters_unrounded_as_eager"] == case.endswith(("fp32", "fp32/drawn")), where
 
@@ -189,7 +213,7 @@ def test_large_parameters_are_drawn_in_pieces(matrix: tuple[int, list[dict]]) ->
             if case == "training":
                 continue
             where = f"world {world} rank {rank} {case}: {r['blanks']} blank, {r['draws']} draws"
-            assert (r["blanks"] > 0) == case.endswith("/drawn"), where
+            assert (r["blanks"] > 0) == ("/drawn" in case), where
             assert r["draws"] >= r["blanks"], where
 
 
@@ -251,6 +275,7 @@ def test_llama_built_under_init_trains_like_eager(matrix: tuple[int, list[dict]]
     world, per_rank = matrix
     t = per_rank[0]["training"]
     assert t["init"] == t["eager"], f"world {world}: {t['init']} vs eager {t['eager']}"
+    assert t["exact_bf16"] == t["eager_bf16"], f"world {world} bf16: {t['exact_bf16']} vs eager {t['eager_bf16']}"
     ln_vocab = math.log(VOCAB)
     assert abs(t["repeated"][0] - ln_vocab) < 0.5, t["repeated"]  # starts near uniform, as eager does
     assert t["repeated"][-1] < 0.25 * ln_vocab, f"world {world}: a repeated batch was not learned: {t['repeated']}"

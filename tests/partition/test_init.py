@@ -280,3 +280,52 @@ def test_changes_between_the_init_block_and_shard_are_refused(change, message) -
     change(model)
     with pytest.raises(RuntimeError, match=f"{message} after the `with zeroinf.init\\(\\)` block.*inside the block"):
         zeroinf.shard(model, cfg)
+
+
+def test_exact_masters_before_the_optimizer(tmp_path) -> None:
+    """`zeroinf.init(cfg, exact_masters=True)` (partition/park.py [Note: exact masters under
+    zeroinf.init]): the park keeps the fp32 values past `shard`; an edit in `gathered(modify=True)`
+    before the optimizer lands in the masters over them (only the edited elements differ from
+    eager's unrounded masters), and the park closes once the optimizer took them; a model dropped
+    before any optimizer frees what was kept (the NVMe park file goes)."""
+    from tests.partition._construction import build
+
+    cfg = zeroinf.Config(
+        stage=3, param_dtype="bf16", persist_threshold_bytes=0,
+        offload=zeroinf.OffloadConfig(params="nvme", nvme_dir=str(tmp_path)),
+    )
+
+    def masters(model: nn.Module) -> torch.Tensor:
+        opt = zeroinf.AdamW(model, lr=0.0)
+        out = torch.cat([opt.states.read_unit(ui).master for ui in range(len(zeroinf.engine_of(model).units))])
+        opt.close()
+        return out
+
+    torch.manual_seed(0)
+    eager = zeroinf.shard(build("llama"), cfg)
+    eager_masters = masters(eager)
+    zeroinf.engine_of(eager).close()
+    torch.manual_seed(0)
+    with zeroinf.init(cfg, exact_masters=True) as park:
+        model = build("llama")
+    zeroinf.shard(model, cfg)
+    assert park.kept_keys and not park.closed
+    weight = next(p for p in model.parameters() if p.dim() == 2)
+    with zeroinf.gathered([weight], modify=True):
+        weight[0, :5] = 1.0
+    got = masters(model)
+    assert park.closed and not park.kept_keys
+    assert int((got != eager_masters).sum()) == 5 and int((got == 1.0).sum()) >= 5
+    zeroinf.engine_of(model).close()
+
+    with zeroinf.init(cfg, exact_masters=True) as dropped_park:
+        dropped = build("llama")
+    zeroinf.shard(dropped, cfg)
+    assert any("park" in f for f in os.listdir(tmp_path))
+    zeroinf.engine_of(dropped).close()
+    del dropped
+    import gc
+
+    gc.collect()
+    assert dropped_park.closed and not dropped_park.kept_keys
+    assert not any("park" in f for f in os.listdir(tmp_path))

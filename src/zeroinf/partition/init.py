@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from zeroinf.config import Config
 from zeroinf.memory import Tier
 from zeroinf.partition import draw
-from zeroinf.partition.park import MemoryParkStore, ParamPark, ParkStore, swap_data
+from zeroinf.partition.park import KeptMaster, MemoryParkStore, ParamPark, ParkStore, Realize, swap_data
 from zeroinf.partition.wrap import UnitSpec
 from zeroinf.runtime import hooks as runtime_hooks
 from zeroinf.tiers.host import map_large_buffers, return_freed_memory
@@ -186,7 +186,7 @@ def _park_store(cfg: Config | None, topo: Topology) -> ParkStore:
 @contextlib.contextmanager
 def init(
     cfg: Config | Mapping[str, Any] | None = None, *, topology: Topology | None = None,
-    live_bytes: int = DEFAULT_LIVE_BYTES, defer_values: bool = False,
+    live_bytes: int = DEFAULT_LIVE_BYTES, defer_values: bool = False, exact_masters: bool = False,
 ) -> Iterator[ParamPark]:
     """Build modules as usual, keeping only 1/world of each built parameter (in `cfg`'s compute
     dtype, on the tier it gives stage-3 parameters; without `cfg`, as built, on the device).
@@ -198,6 +198,9 @@ def init(
     Leave the block before `zeroinf.shard(model, cfg)`; every parameter built in it is parked then.
     `defer_values`: keep no values at all (meta placeholders; `zeroinf.from_pretrained` reads them
     from files at `shard`); the park's `defer_values` may be switched off inside the block.
+    `exact_masters`: park fp32 parameters in fp32 and keep, past `shard`, the values each rank's
+    fp32 masters need until an optimizer takes them, so that a bf16/fp16 model trains exactly as if
+    built eagerly (twice the park; partition/park.py [Note: exact masters under zeroinf.init]).
     """
     if any(park.collecting for park in _active):
         raise RuntimeError("zeroinf.init() is already active: build the whole model inside one `with` block")
@@ -210,8 +213,9 @@ def init(
     topo = topology or default_topology(cfg.collective_timeout_s if cfg is not None else 600.0)
     if cfg is not None:
         topo = topo.with_config(cfg)
-    park_dtype = cfg.param_torch_dtype if cfg is not None else None
-    park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype, defer_values)
+    park_dtype = cfg.param_torch_dtype if cfg is not None and not exact_masters else None
+    park = ParamPark(_park_store(cfg, topo), topo, live_bytes, park_dtype, defer_values, exact_masters)
+    park.on_closed = lambda: release_park(park)
     _active.append(park)
     mode = ConstructionMode(park)
 
@@ -406,21 +410,24 @@ def _unpark(params: list[nn.Parameter], as_parked: bool = False) -> None:
         release_park(park)
 
 
-def _unpark_into(p: nn.Parameter, dest: torch.Tensor) -> bool:
-    """A parked parameter's values straight into `dest` (its range of a unit's flat buffer); False
-    when `p` is not parked (it holds its values)."""
+def _unpark_into(
+    p: nn.Parameter, dest: torch.Tensor, keep: tuple[int, int] | None = None
+) -> tuple[bool, KeptMaster | None]:
+    """A parked parameter's values straight into `dest` (its range of a unit's flat buffer): True,
+    and the fp32 values of elements `keep` when its park keeps them for the masters
+    (`ParamPark.unpark_into`); False when `p` is not parked (it holds its values)."""
     park = park_of(p)
     if park is None:
-        return False
-    park.unpark_into(p, dest)
+        return False, None
+    kept = park.unpark_into(p, dest, keep)
     release_park(park)
-    return True
+    return True, kept
 
 
 def materialize_and_build(
     model: nn.Module,
     specs: list[UnitSpec],
-    build_unit: Callable[[UnitSpec, Callable[[nn.Parameter, torch.Tensor], bool]], object],
+    build_unit: Callable[[UnitSpec, Realize], object],
     device: torch.device,
     init_fn: InitFn | None = None,
     weights: CheckpointWeights | None = None,

@@ -40,10 +40,30 @@ trainable unit's owned range in fp32 until an optimizer takes it as its masters 
 widened, eager's rounded to the compute dtype (tests/partition/test_construction.py checks both).
 The gathered `state_dict`, the buffers and the forward are eager's bit for bit; the updates differ
 from the first step on, by the rounding of the initial weights (at most 2^-9 of each in bf16).
-Parking fp32 values instead would double the park during construction (4 bytes per parameter
-slice instead of 2, on the parameter tier, the device's included), the memory the park exists to
-bound. Unrounded masters come from loading fp32 values: `zeroinf.from_pretrained` reads them from
-the files in fp32, and `model.load_state_dict(fp32_state)` after `shard` sets them unrounded.
+Unrounded masters come from loading fp32 values (`zeroinf.from_pretrained` reads them from the
+files in fp32, `model.load_state_dict(fp32_state)` after `shard` sets them unrounded), or from
+asking the park to keep them (next Note).
+
+[Note: exact masters under zeroinf.init]
+`zeroinf.init(cfg, exact_masters=True)` parks fp32 parameters in fp32 and keeps, past `shard`, the
+fp32 values each rank's masters will hold, until an optimizer takes them: the masters start from
+eager's unrounded values and a bf16/fp16 model then trains as the eagerly built one, bit for bit
+(tests/partition/test_construction.py, world 1-3, every tier). When `shard` builds a unit, each
+parked parameter is read into the unit's compute-dtype buffer as before (so building holds what it
+did) and `unpark_into` keeps the elements this rank's master holds (`keep`): at world 1 the parked
+slice itself (a master holds whole parameters), at world > 1 the owned part of the gathered
+parameter written back under a key of its own. The unit's `_master_source` then starts the master
+from its shard and writes the kept values over it (`ShardedUnit._exact_master`; an edit through
+`gathered` before the optimizer lands over them), which frees them; the park closes (its NVMe file
+removed) after the last, or when a unit is dropped before any optimizer took its master. The cost
+is the memory the default saves: twice the park while building (4 bytes per parameter per rank
+instead of 2, on the parameter tier), and those 4 bytes held past `shard` until the optimizer
+exists, beside the compute-dtype shards. Measured on a 1.1B Llama with the park on NVMe
+(benchmarks/init_memory.py, variant init_exact): the same host peak (175 against 183 MB above the
+process), 4.4 instead of 2.2 GB written to the park, 1.12x the build time. Not the default for
+that reason, and because DeepSpeed's `zero.Init` also starts from the rounded weights; at world > 1
+gathering a parameter in fp32 holds it whole once in fp32 (twice the bf16 default) while its unit
+is built.
 
 [Note: a large parameter drawn in pieces]
 Eager construction draws a 32000 x 2048 fp32 embedding whole (262 MB) in its own `__init__`, and
@@ -106,9 +126,12 @@ class ParkStore(Protocol):
 
     def take(self, key: int, device: torch.device) -> torch.Tensor: ...  # the slice, as a fresh tensor
 
-    def take_into(self, key: int, out: torch.Tensor) -> None:
-        """The slice's first `out.numel()` elements, written into `out` (converted to its dtype)."""
+    def take_into(self, key: int, out: torch.Tensor, keep: bool = False) -> None:
+        """The slice's first `out.numel()` elements, written into `out` (converted to its dtype);
+        `keep`: the slice stays stored (read again later, then `discard`ed)."""
         ...
+
+    def discard(self, key: int) -> None: ...  # a slice no longer needed (a no-op for an unknown key)
 
     def reading_only(self) -> None: ...  # the build is over: mostly reads from now on (fewer buffers)
 
@@ -139,15 +162,39 @@ class MemoryParkStore:
     def take(self, key: int, device: torch.device) -> torch.Tensor:
         return self._slices.pop(key).to(device)
 
-    def take_into(self, key: int, out: torch.Tensor) -> None:
-        kept = self._slices.pop(key)
+    def take_into(self, key: int, out: torch.Tensor, keep: bool = False) -> None:
+        kept = self._slices[key] if keep else self._slices.pop(key)
         out.view(-1).copy_(kept[: out.numel()])
+
+    def discard(self, key: int) -> None:
+        self._slices.pop(key, None)
 
     def reading_only(self) -> None:
         pass
 
     def close(self) -> None:
         self._slices.clear()
+
+
+@dataclass
+class KeptMaster:
+    """fp32 values of a parked parameter (this rank's part of its unit's master) kept past `shard`
+    until an optimizer takes them ([Note: exact masters under zeroinf.init])."""
+
+    park: ParamPark
+    key: int
+    numel: int
+
+    def read_into(self, out: torch.Tensor) -> None:
+        self.park.read_kept(self.key, out)
+
+    def drop(self) -> None:
+        self.park.drop_kept(self.key)
+
+
+# A unit's builder writes each parameter into its range of the flat buffer (zeroinf.shard after
+# zeroinf.init): (p, dest, elements of p this rank's master holds) -> (was p parked, its kept values).
+Realize = Callable[[nn.Parameter, torch.Tensor, "tuple[int, int] | None"], "tuple[bool, KeptMaster | None]"]
 
 
 @dataclass
@@ -226,12 +273,18 @@ class ParamPark:
 
     def __init__(
         self, store: ParkStore, topo: Topology, live_budget_bytes: int, park_dtype: torch.dtype | None = None,
-        defer_values: bool = False,
+        defer_values: bool = False, exact_masters: bool = False,
     ) -> None:
         if live_budget_bytes < 0:
             raise ValueError(f"zeroinf.init: live_bytes = {live_budget_bytes} must be >= 0")
         self.store, self.topo, self.live_budget_bytes = store, topo, live_budget_bytes
         self.park_dtype = park_dtype  # None: keep each parameter's own dtype
+        # Keep the fp32 values a unit's masters need past `shard`, until an optimizer takes them
+        # ([Note: exact masters under zeroinf.init]); store keys of such values not yet taken.
+        self.exact_masters = exact_masters
+        self.kept_keys: set[int] = set()
+        self._next_kept_key = -1  # kept values get keys of their own, below the parameters'
+        self.on_closed: Callable[[], None] | None = None  # told when the last kept values close the park
         # defer_values: parameters become meta placeholders as soon as they are registered, with no
         # values kept at all (they will be read from a checkpoint; see zeroinf.from_pretrained)
         self.defer_values = defer_values
@@ -510,20 +563,66 @@ class ParamPark:
                 self.live[id(p)] = p
                 self.settled.add(id(p))
 
-    def unpark_into(self, p: nn.Parameter, dest: torch.Tensor) -> None:
+    def unpark_into(
+        self, p: nn.Parameter, dest: torch.Tensor, keep: tuple[int, int] | None = None
+    ) -> KeptMaster | None:
         """Write a parked parameter's values straight into `dest` (flat, in its dtype: the parameter's
         range of its unit's flat buffer, which is being built); `p` is left holding no values (an
-        empty tensor of `dest`'s dtype and device). A collective at world > 1, as `unpark`."""
+        empty tensor of `dest`'s dtype and device). A collective at world > 1, as `unpark`.
+
+        `keep` (lo, hi): the elements of `p` this rank's fp32 master holds. With `exact_masters`,
+        a slice parked in fp32 and written into a narrower `dest` keeps those values in the store
+        for the optimizer (returned: [Note: exact masters under zeroinf.init])."""
         entry = self._take_entry(p)
+        kept: KeptMaster | None = None
+        retain = (
+            self.exact_masters and keep is not None and keep[0] < keep[1] and not entry.blank
+            and entry.dtype == torch.float32 and dest.dtype != torch.float32
+        )
         with torch.no_grad(), torch._C.DisableTorchFunction():
             if entry.blank:
                 dest.zero_()
             elif self.topo.world_size == 1:
-                self.store.take_into(entry.key, dest)
+                # at world 1 a master holds whole parameters: the parked slice is the kept value
+                whole = keep is not None and keep == (0, entry.numel)
+                self.store.take_into(entry.key, dest, keep=retain and whole)
+                if retain and whole:
+                    kept = self._kept(entry.key, entry.numel)
+                elif retain:
+                    raise AssertionError(f"a master at world 1 holds whole parameters, not {keep} of {entry.numel}")
             else:
-                dest.copy_(self._gathered(entry))
+                full = self._gathered(entry)
+                dest.copy_(full)
+                if retain:
+                    assert keep is not None
+                    key = self._next_kept_key
+                    self._next_kept_key -= 1
+                    self.store.put(key, full[keep[0] : keep[1]], keep[1] - keep[0], torch.float32)
+                    kept = self._kept(key, keep[1] - keep[0])
             swap_data(p, torch.empty((0,) * max(1, p.dim()), dtype=dest.dtype, device=dest.device))
         self.unparks += 1
+        return kept
+
+    def _kept(self, key: int, numel: int) -> KeptMaster:
+        self.kept_keys.add(key)
+        return KeptMaster(self, key, numel)
+
+    def read_kept(self, key: int, out: torch.Tensor) -> None:
+        """Kept fp32 values into `out` (a unit's master, on any device); then forgotten."""
+        with torch.no_grad():
+            if out.device.type == "cpu" and out.is_contiguous():
+                self.store.take_into(key, out)
+            else:
+                out.copy_(self.store.take(key, out.device)[: out.numel()])
+        self.drop_kept(key)
+
+    def drop_kept(self, key: int) -> None:
+        """Forget kept values (taken, or no optimizer will take them); the park closes after the last."""
+        if key in self.kept_keys:
+            self.kept_keys.discard(key)
+            self.store.discard(key)
+            if not self.collecting and self.close_if_done() and self.on_closed is not None:
+                self.on_closed()
 
     def change_since_parked(self, p: nn.Parameter) -> str | None:
         """What code outside the construction mode did to parked `p`'s meta placeholder, described
@@ -571,7 +670,7 @@ class ParamPark:
 
     def close_if_done(self) -> bool:
         """Close once the build is over and nothing is parked any more; True when closed."""
-        if not self.collecting and not self.parked and not self.deferred:
+        if not self.collecting and not self.parked and not self.deferred and not self.kept_keys:
             self.close()
         return self.closed
 

@@ -21,6 +21,7 @@ Gradients (accumulation, reduction, landing on their tier) are partition/unit_gr
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -33,7 +34,7 @@ from zeroinf.comm import DoneHandle, Handle, ThenHandle, all_gather_into
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.grad_pool import GradBufferPool
-from zeroinf.partition.park import swap_data
+from zeroinf.partition.park import KeptMaster, Realize, swap_data
 from zeroinf.partition.shard_home import MemoryHome, NvmeGradFiles, ShardHome
 from zeroinf.partition.unit_grads import GradState, UnitGradients, _nbytes
 from zeroinf.runtime.streams import Landing, Transfers
@@ -96,6 +97,12 @@ def _tell_full_size(params: list[nn.Parameter], layout: FlatLayout) -> None:
         p.ds_shape = slot.shape  # type: ignore[attr-defined]
 
 
+def _drop_kept(kept: list[tuple[int, KeptMaster]]) -> None:
+    for _, values in kept:
+        values.drop()
+    kept.clear()
+
+
 def full_numel(p: torch.Tensor) -> int:
     """A parameter's size in the model: `ds_numel` where `_tell_full_size` set it (between uses a
     stage-3 parameter is an empty placeholder), else its own."""
@@ -122,13 +129,15 @@ class ShardedUnit(UnitGradients):
         source: UnitSource | None = None,
         frozen: bool = False,
         transfers: Transfers | None = None,
-        realize: Callable[[nn.Parameter, torch.Tensor], bool] | None = None,
+        realize: Realize | None = None,
         grad_buffer_dtype: torch.dtype | None = None,
         grad_pool: GradBufferPool | None = None,
     ) -> None:
-        """`realize(p, dest)`: write a parameter parked by `zeroinf.init` straight into `dest`, its
-        range of the flat buffer being built (True), or do nothing for one that holds its values
-        (False): building then holds the flat buffer and no second copy of any parameter.
+        """`realize(p, dest, keep)`: write a parameter parked by `zeroinf.init` straight into `dest`,
+        its range of the flat buffer being built (True), or do nothing for one that holds its values
+        (False): building then holds the flat buffer and no second copy of any parameter. It may
+        return the fp32 values of the elements `keep` of the parameter that this rank's master holds
+        (park.py [Note: exact masters under zeroinf.init]): the master starts from them.
         `grad_buffer_dtype`: the unsharded gradient buffer's dtype, `reduce_dtype` when None (see
         unit_grads.py [Note: gradient accumulation buffer]). `grad_pool`: where gradient buffers come
         from and go back to, shared by an engine's units (partition/grad_pool.py)."""
@@ -155,6 +164,8 @@ class ShardedUnit(UnitGradients):
         self._read_buffer: torch.Tensor | None = None  # NVMe shards: pool buffer lent by owned_grad()
         self.grad_sq_norm: float | None = None  # NVMe shards: squared L2 norm, kept at write time
         self._master_source: Callable[[], torch.Tensor] | None = None
+        # fp32 values zeroinf.init kept for the master, at their offsets in the owned range
+        self._kept_masters: list[tuple[int, KeptMaster]] = []
         self._fp32_master_from_shard = False  # fp32 built in place: the master is read from the shard
         self.user_gathers = 0  # open `zeroinf.gathered` contexts holding this unit
         self.user_writer = False  # one of them gathered it for writing
@@ -185,7 +196,7 @@ class ShardedUnit(UnitGradients):
 
     def _build_buffers(
         self, param_dtype: torch.dtype, keep_fp32_master: bool,
-        realize: Callable[[nn.Parameter, torch.Tensor], bool] | None,
+        realize: Realize | None,
     ) -> None:
         """Lay the current parameter values into the flat buffer (same on every rank), keep the shard."""
         device = self.topo.device
@@ -197,10 +208,20 @@ class ShardedUnit(UnitGradients):
         keep_fp32_master = keep_fp32_master and param_dtype != torch.float32
         full_dtype = torch.float32 if keep_fp32_master else param_dtype
         full = torch.zeros(self.layout.padded_numel, dtype=full_dtype, device=device)
-        for slot, p in zip(self.layout.slots, self.params, strict=True):
+        # what this rank's master holds of each parameter, for values a park keeps unrounded
+        owned_pieces = {} if self.frozen else {
+            piece.slot_index: piece for piece in self.layout.pieces(self.owned_start, self.owned_end)
+        }
+        for i, (slot, p) in enumerate(zip(self.layout.slots, self.params, strict=True)):
             dest = full[slot.offset : slot.end]
+            piece = owned_pieces.get(i)
+            keep = None if piece is None else (piece.param_offset, piece.param_offset + piece.numel)
             # A parked parameter is read straight into its range (in the same order on every rank).
-            if realize is None or not realize(p, dest):
+            realized, kept = realize(p, dest, keep) if realize is not None else (False, None)
+            if kept is not None:
+                assert piece is not None
+                self._kept_masters.append((piece.start - self.owned_start, kept))
+            if not realized:
                 dest.copy_(p.detach().reshape(-1))
                 # Drop our hold on the old values now, not after the whole unit is laid out: building
                 # a unit then needs its flat buffer plus one parameter, not twice the unit.
@@ -215,6 +236,10 @@ class ShardedUnit(UnitGradients):
         self._master_taken = False
         self.param_flat = full.to(param_dtype)
         self._finish_build(param_dtype)
+        if self._kept_masters:
+            self._master_source = self._exact_master
+            # a unit dropped before any optimizer took its master: its kept values go too
+            weakref.finalize(self, _drop_kept, self._kept_masters)
 
     def _build_from_source(self, param_dtype: torch.dtype, source: UnitSource) -> None:
         """Read only this rank's shard from `source`; all-gather it where the unit is kept whole.
@@ -296,12 +321,29 @@ class ShardedUnit(UnitGradients):
         if master is None and self._master_source is not None:  # read from the checkpoint, in fp32
             master, self._master_source = self._master_source(), None
         if master is None:  # built under zeroinf.init: start from the compute-dtype values
-            if self.home is not None:  # one new fp32 tensor (`.float().clone()` made two of a bf16 shard)
-                master = self.home.finish_load().to(torch.float32, copy=True)
-                self.home.end_load()
-            else:
-                master = self.param_flat[self.owned_start : self.owned_end].to(torch.float32, copy=True)
+            master = self._master_from_shard()
         return master
+
+    def _master_from_shard(self) -> torch.Tensor:
+        """The owned range's compute-dtype values, as a new fp32 tensor."""
+        if self.home is not None:  # one new fp32 tensor (`.float().clone()` made two of a bf16 shard)
+            master = self.home.finish_load().to(torch.float32, copy=True)
+            self.home.end_load()
+            return master
+        return self.param_flat[self.owned_start : self.owned_end].to(torch.float32, copy=True)
+
+    def _exact_master(self) -> torch.Tensor:
+        """The master from the shard, with the fp32 values zeroinf.init kept for it written over
+        the rounded ones (elements not kept, a parameter built in bf16, stay as they are)."""
+        master = self._master_from_shard()
+        for at, kept in self._kept_masters:
+            kept.read_into(master[at : at + kept.numel])
+        self._kept_masters.clear()
+        return master
+
+    def _drop_kept_masters(self) -> None:
+        """The master will come from elsewhere (a checkpoint): zeroinf.init's kept values are not needed."""
+        _drop_kept(self._kept_masters)
 
     @property
     def home_holds_master(self) -> bool:
@@ -499,6 +541,7 @@ class ShardedUnit(UnitGradients):
             views.master.copy_(source.read(self.layout, *owned, torch.float32))
             states.write_unit(unit_index, views)  # type: ignore[attr-defined]
         else:
+            self._drop_kept_masters()
             self.initial_master, self._master_source = None, None
             self._master_source = lambda: source.read(self.layout, *owned, torch.float32).to(self.topo.device)
 

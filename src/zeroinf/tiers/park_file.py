@@ -108,11 +108,12 @@ class NvmeParkStore:
         self.take_into(key, out)
         return out.to(device)
 
-    def take_into(self, key: int, out: torch.Tensor) -> None:
+    def take_into(self, key: int, out: torch.Tensor, keep: bool = False) -> None:
         """Read the slice's first `out.numel()` elements into `out` (contiguous, CPU; converted to its
         dtype chunk by chunk through the staging buffers): no slice-sized temporary, so unparking a
         262 MB fp32 head holds the head and 64 MiB, not also its 131 MB bf16 slice. In the slot's own
-        dtype the read goes straight into `out`."""
+        dtype the read goes straight into `out`. A slot stays in the file until `discard` (`keep` is
+        the only way here)."""
         name, dtype, numel = self._slots[key]
         flat = out.view(-1)
         if flat.numel() > numel:
@@ -141,6 +142,11 @@ class NvmeParkStore:
             flat[start : start + staged_values.numel()].copy_(staged_values)
             if i + len(self._staging) < len(starts):  # the buffer just emptied carries the next read
                 start_read(i + len(self._staging))
+
+    def discard(self, key: int) -> None:
+        """Forget a slot: its key is never read again (the file keeps its room until the park closes)."""
+        self._drain(key)
+        self._slots.pop(key, None)
 
     def reading_only(self) -> None:
         """The build is over: keep READING_BUFFERS staging buffers and free the rest (16 MiB each),
