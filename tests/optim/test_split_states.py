@@ -345,3 +345,73 @@ def test_plan_reports_the_parameter_split(tmp_path: Path) -> None:
     assert "parameter shards split" in estimate.placement
     host = estimate.ledger.by_tag["host"]
     assert 0 < host["param_shard"] and host["param_staging"] > 0
+
+
+# -- the split sized for the optimizer's own states -----------------------------------------------------------
+def test_the_split_is_sized_for_the_optimizers_states(tmp_path: Path) -> None:
+    """Under a cap that holds 30% of Adam's states, Lion's (8 bytes an element: one moment) put more
+    units on the host, as the plan predicts for it; plain SGD's (4) fit whole. A successor keeping more
+    states than the host part has room for (AdamW after Lion) is refused before Lion gives anything
+    up, naming the fix; Lion goes on training."""
+    budget = _budget(tmp_path, 1, 0.3, params="nvme")
+    offload = OffloadConfig(params="nvme", optimizer="host", nvme_dir=str(tmp_path), max_host_bytes=budget, **SMALL_IO)
+    adam_split = _plan(offload, 1).optimizer_split()
+    lion_split = _plan(offload, 1).with_moments(1).optimizer_split()
+    assert adam_split is not None and lion_split is not None
+    assert lion_split.host_numel > adam_split.host_numel and 8 * lion_split.host_numel <= lion_split.budget_bytes
+    assert _plan(offload, 1).with_moments(0).optimizer_split() is None  # plain SGD: 4 bytes, all on the host
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload)
+    predicted = zeroinf.plan(
+        build_model(), cfg, tokens_per_step=GLOBAL_BATCH * 16, nvme_dir=str(tmp_path), optimizer="lion"
+    ).estimates[0]
+    assert predicted.optimizer_split == lion_split
+    assert predicted.ledger.by_tag["host"]["optimizer_state"] == 8 * lion_split.host_numel
+
+    model = zeroinf.shard(build_model(), cfg)
+    opt = zeroinf.ShardedOptimizer(zeroinf.Lion, model.parameters(), lr=1e-3)
+    assert zeroinf.engine_of(model).unit_plan.moments == 1
+    assert opt.states.split == lion_split
+    assert zeroinf.engine_of(model).ledger.live_bytes(Tier.HOST, "optimizer_state") == 8 * lion_split.host_numel
+    x, y = global_batch(0)
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(HostCapError, match="keeping 2 state tensors"):
+        zeroinf.AdamW(model, lr=LR)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()  # Lion was left as it was
+    opt.zero_grad()
+    assert math.isfinite(loss.item())
+    opt.close()
+
+
+def test_the_planner_counts_the_optimizers_states(tmp_path: Path) -> None:
+    """`zeroinf.plan(..., optimizer=)`: states per element and NVMe swap files for what it keeps; bad
+    names and counts are refused naming the choices."""
+    from zeroinf.planner.unit_plan import optimizer_moments
+
+    nvme = OffloadConfig(params="nvme", optimizer="nvme", nvme_dir=str(tmp_path))
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=nvme)
+    tags = {}
+    for name in ("adamw", "lion", "sgd"):
+        e = zeroinf.plan(build_model(), cfg, tokens_per_step=GLOBAL_BATCH * 16, optimizer=name).estimates[0]
+        tags[name] = e.ledger.by_tag["nvme"]
+    assert tags["adamw"]["optimizer_exp_avg_sq"] > 0 and tags["adamw"]["optimizer_exp_avg"] > 0
+    assert "optimizer_exp_avg_sq" not in tags["lion"] and tags["lion"]["optimizer_exp_avg"] > 0
+    assert "optimizer_exp_avg" not in tags["sgd"]
+    assert tags["sgd"]["optimizer_master"] == tags["adamw"]["optimizer_master"]
+    host = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=OffloadConfig(optimizer="host"))
+    state = {
+        name: zeroinf.plan(build_model(), host, optimizer=name).estimates[0].ledger.by_tag["host"]
+        for name in ("adamw", "lion", "sgd", 1)
+    }
+    moment = 4 * _plan(OffloadConfig(optimizer="host"), 1).owned_numel  # one fp32 moment
+    # (a master that is its unit's fp32 shard is counted with the shard, not here)
+    state = {name: tags.get("optimizer_state", 0) for name, tags in state.items()}
+    assert state["adamw"] - state["lion"] == state["lion"] - state["sgd"] == moment and state[1] == state["lion"]
+    assert optimizer_moments("SGD-Momentum") == 1 and optimizer_moments("RMSprop") == 1
+    with pytest.raises(ValueError, match="not one the planner knows: use one of adamw"):
+        optimizer_moments("muon")
+    with pytest.raises(ValueError, match="0, 1 or 2 state tensors"):
+        optimizer_moments(3)

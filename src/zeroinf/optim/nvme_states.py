@@ -293,6 +293,9 @@ class NvmeStateStore:
         """Bytes per element of the state kinds the optimizer uses (the master and `moments` slots)."""
         return {kind: n for kind, n in self._kind_bytes.items() if kind in SWAP_KINDS[: 1 + self.moments]}
 
+    def check_room_for(self, moments: int) -> None:
+        """Disk room for missing swap files is checked when they are made (`keep_moments`, preallocated)."""
+
     def keep_moments(self, moments: int) -> None:
         """Read and write only `moments` slots beside the master from here on (a new optimizer of the
         model keeps another number; optim/succession.py then writes every slot it keeps). Slots never

@@ -226,6 +226,8 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
         inherited = inherit_states(self.engine, len(self.state_names))
         if previous is not None and previous.scaler is not None and self.scaler is not None:
             self.scaler.load_state_dict(previous.scaler.state_dict())
+        if inherited is None:  # the plan of this optimizer's states: Lion's take 8 bytes an element, not Adam's 12
+            self.engine.unit_plan = self.engine.unit_plan.with_moments(len(self.state_names))
         self.states = inherited if inherited is not None else build_state_store(
             masters, offload, self.engine.ledger, self.engine.topo.rank, shadow=shadow,
             split=self.engine.unit_plan.optimizer_split(), tier=self.engine.nvme_tier,

@@ -125,6 +125,8 @@ class OptimizerStateStore(Protocol):
 
     def keep_moments(self, moments: int) -> None: ...  # the slots beside the master that hold memory
 
+    def check_room_for(self, moments: int) -> None: ...  # raises where `keep_moments(moments)` would not fit
+
     # Checkpoints stream a unit's states piece by piece (one sub-group on NVMe), never whole units.
     def segment_bounds(self, unit_index: int) -> list[tuple[int, int]]: ...  # owned-local [start, end)
 
@@ -174,6 +176,7 @@ class ResidentStateStore:
         self.sub_groups = plan_sub_groups(source.numels, None)
         self.moment_dtype = moment_dtype
         self.moments = moments
+        self.max_host_bytes = max_host_bytes  # what host states may take (a successor keeping more moments too)
         self._element_bytes = _FP32_BYTES + moments * moment_dtype.itemsize  # the states of one element
         # A shared master is its unit's parameter shard: counted there, not allocated here.
         self._shared = [source.is_shared(i) for i in range(len(source.numels))]
@@ -223,11 +226,28 @@ class ResidentStateStore:
         """The tensors of a unit's states that hold memory: the master and the first `moments` slots."""
         return tuple(views[: 1 + self.moments])
 
+    def check_room_for(self, moments: int) -> None:
+        """Refuse, before anything changes, `moments` slots that would take the host states past
+        `max_host_bytes` (the plan sized them for the first optimizer's: Lion's one, then AdamW's two)."""
+        if self.tier is not Tier.HOST or moments <= self.moments:
+            return
+        grown = self._nbytes + (moments - self.moments) * self.moment_dtype.itemsize * sum(
+            v.master.numel() for v in self.states
+        )
+        check_host_cap(
+            grown, self.max_host_bytes,
+            f"optimizer states on host for an optimizer keeping {moments} state tensors beside each master "
+            f"(the states were planned for the first optimizer's {self.moments})",
+            "build the optimizer that keeps more states first (the plan then sizes them for it), raise "
+            "offload.max_host_bytes, or use offload.optimizer = \"nvme\"",
+        )
+
     def keep_moments(self, moments: int) -> None:
         """Hold `moments` slots beside each master from here on (a new optimizer of the model keeps
         another number, optim/succession.py): slots added start at zero, slots dropped are freed."""
         if moments == self.moments:
             return
+        self.check_room_for(moments)
         before = self._nbytes
         for i, views in enumerate(self.states):
             numel, device = views.master.numel(), views.master.device
@@ -412,8 +432,12 @@ class SplitStateStore:
                 self._local.append((part, sg))
 
     def keep_moments(self, moments: int) -> None:
+        self.check_room_for(moments)
         self.host.keep_moments(moments)
         self.nvme.keep_moments(moments)
+
+    def check_room_for(self, moments: int) -> None:
+        self.host.check_room_for(moments)
 
     def swaps(self, index: int) -> bool:
         return self._local[index][0] is self.nvme
@@ -508,8 +532,9 @@ def build_state_store(
             masters.subset(split.nvme_units), cfg, ledger, rank, shadow=shadow, tier=tier, moments=moments
         )
         try:
-            host = ResidentStateStore(
-                masters.subset(split.host_units), Tier.HOST, ledger, None, DTYPES[cfg.moment_dtype], moments
+            host = ResidentStateStore(  # within the part of the cap the split left the states
+                masters.subset(split.host_units), Tier.HOST, ledger, split.budget_bytes, DTYPES[cfg.moment_dtype],
+                moments,
             )
         except BaseException:
             nvme.close()

@@ -48,6 +48,7 @@ def inherit_states(engine: Engine, moments: int = 2) -> Store | None:
         return None
     predecessor: Any = engine.optimizer_ref() if engine.optimizer_ref is not None else None
     store = cast(Store, engine.optimizer_io[0])  # what AdamW built (optim/states.py build_state_store)
+    store.check_room_for(moments)  # before the predecessor gives anything up
     if predecessor is not None:
         predecessor.prepare_retirement()
     elif engine.micro_step:  # the previous optimizer is gone, its gradients are not

@@ -27,7 +27,7 @@ from zeroinf.planner import choose as choose_mod
 from zeroinf.planner.estimate import Capacity, Estimate, Workload, describe_placement, estimate
 from zeroinf.planner.model_facts import ExampleInputs, ModelFacts, PassFacts, from_hf, from_module, from_preset
 from zeroinf.planner.profile import MachineProfile, available_ram_bytes, load_profile
-from zeroinf.planner.unit_plan import plan_units
+from zeroinf.planner.unit_plan import optimizer_moments, plan_units, state_element_bytes
 from zeroinf.topology import cuda_in_use
 
 DEFAULT_SEQ_LEN = 2048
@@ -137,6 +137,7 @@ def plan(
     capacity: Capacity | None = None,
     threads: int | None = None,
     assume_nvme_dir: bool = True,
+    optimizer: str | int = "adamw",
 ) -> Plan:
     """Estimate every candidate placement of `model` (see the module docstring); nothing is allocated.
 
@@ -146,15 +147,25 @@ def plan(
     `threads`: CPU threads of each rank (default: the cores shared by the ranks on this machine, as
     `zeroinf train` sets them). Without an NVMe folder (`nvme_dir`, `offload.nvme_dir`) NVMe
     placements are estimated in the temporary folder, or left out with `assume_nvme_dir=False`.
+    `optimizer`: what its states take beside the fp32 masters, by name ("adamw", "lion", "sgd",
+    "sgd_momentum", ...: `unit_plan.OPTIMIZER_MOMENTS`) or by the number of state tensors it keeps per
+    parameter (Adam's 2, Lion's 1, plain SGD's 0).
     """
     if world_size < 1:
         raise ValueError(f"world_size = {world_size} is invalid: use a positive number of ranks")
+    moments = optimizer_moments(optimizer)
     base = Config.of(config, "zeroinf.plan") if config is not None else ALL_AUTO
     facts = load_model_facts(model, example_inputs, base.unit_classes)
     profile = profile or load_profile()
     notes = []
     if not profile.measured:
         notes.append("machine profile: conservative defaults; run `zeroinf plan --measure` for this machine's figures")
+    if moments != 2:
+        notes.append(
+            f"optimizer {optimizer}: {moments} state tensor(s) beside each fp32 master, "
+            f"{state_element_bytes(base.offload, moments)} bytes per parameter of optimizer states "
+            f"(Adam's: {state_element_bytes(base.offload)})"
+        )
     folder = nvme_dir or base.offload.nvme_dir
     if folder is None and assume_nvme_dir:
         folder = tempfile.gettempdir()
@@ -180,7 +191,7 @@ def plan(
     refused: list[str] = []
     for cfg in choose_mod.candidates(base, folder, refused):
         try:
-            unit_plan = plan_units(facts.units_for(cfg), cfg, world_size, device.type)
+            unit_plan = plan_units(facts.units_for(cfg), cfg, world_size, device.type, moments)
             estimates.append(estimate(unit_plan, pass_facts, work, rank_profile, capacity, facts.param_count))
         except ValueError:
             continue  # e.g. parameters on NVMe while every unit is resident

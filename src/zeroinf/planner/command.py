@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--offload-gradients", choices=tiers)
     engine.add_argument("--checkpointing", choices=("on", "off", AUTO), help="activation checkpointing")
     engine.add_argument("--nvme-dir", metavar="DIR", help="folder of the swap files (default: the temp folder)")
+    engine.add_argument(
+        "--optimizer", default="adamw", metavar="NAME",
+        help="whose states to count beside the fp32 masters: adamw (default, 2 moments), lion, sgd_momentum, "
+        "adagrad, rmsprop (1), sgd (none), ... or the number of state tensors (0, 1, 2)",
+    )
     from zeroinf.cli import add_host_memory_arguments
 
     add_host_memory_arguments(engine)
@@ -130,6 +135,7 @@ def run(ns: argparse.Namespace) -> int:
     result = plan(
         model, cfg, world_size=ns.world, tokens_per_step=tokens, seq_len=seq_len,
         profile=profile, nvme_dir=ns.nvme_dir, threads=ns.threads,
+        optimizer=int(ns.optimizer) if ns.optimizer.isdigit() else ns.optimizer,
     )
     if ns.json:
         print(json.dumps(result.to_json(), indent=1, default=str))

@@ -23,7 +23,8 @@ Memory, per rank, by ledger tag:
   buffer a host shard is reduced into on an accelerator (`grad_reduce_out`, shard-sized, at most
   two) is not counted.
 - `optimizer_state`: 12 bytes per owned element (8 with `offload.moment_dtype` bf16) on
-  `offload.optimizer` (NVMe: three swap files,
+  `offload.optimizer` for Adam's two moments, less for an optimizer keeping fewer
+  (`ModelPlan.moments`: Lion 8, plain SGD 4) (NVMe: a swap file per state kept,
   `optimizer_staging` and `optimizer_assembly` on the host); split by `max_host_bytes`
   (`ModelPlan.optimizer_split`): the host part on the host, the rest as on NVMe.
 - `transfer_staging` (host): NVMe gradient shards land in pool buffers, a few per shard size.
@@ -471,7 +472,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("host", "aio_buffers", engine_bytes)
         elif o.gradients == "host" and not _released(plan):  # device shards: counted in the moments above
             add(o.gradients, "grad_shard", sum(u.grad_shard_bytes for u in plan.trainable_units))
-    element = state_element_bytes(o)  # 12, or 8 with bf16 moments
+    element = state_element_bytes(o, plan.moments)  # Adam: 12, or 8 with bf16 moments
     state_bytes = element * plan.owned_numel - FP32_BYTES * sum(u.owned_numel for u in shared)
     split = plan.optimizer_split()
     if split is not None:  # the host part's states (and copies) on the host, the rest as on NVMe below
@@ -480,7 +481,7 @@ def ledger_bytes(plan: ModelPlan, activation_offload_bytes: int = 0) -> TierByte
             add("host", "optimizer_backup", element * split.host_numel)
     if o.optimizer == "nvme" or split is not None:
         staging = plan.optimizer_staging()
-        for k, kind in enumerate(OPTIMIZER_SWAP_KINDS):  # a speculative step writes each sub-group's second slot
+        for k, kind in enumerate(OPTIMIZER_SWAP_KINDS[: 1 + plan.moments]):  # a speculative step: second slots
             elsewhere = plan.masters_in_param_file if k == 0 else ()
             add("nvme", kind, staging.file_bytes(mode == "speculative", elsewhere, state=k))
         add("host", "optimizer_staging", staging.pool.total_bytes)
@@ -623,7 +624,7 @@ def step_time(
     held = zip(plan.trainable_units, plan.masters_in_param_file, strict=True)
     in_params = sum(u.owned_numel for u, in_file in held if in_file)
     in_memory = plan.param_cache_slots() >= len(plan.nvme_param_units) or plan.param_buffers_kept_for_masters
-    element = state_element_bytes(o)
+    element = state_element_bytes(o, plan.moments)
     opt_read += element * on_nvme - (FP32_BYTES * in_params if in_memory else 0)
     opt_write += element * on_nvme - FP32_BYTES * in_params
     rd, wr = profile.disk_read_bps, profile.disk_write_bps

@@ -49,9 +49,38 @@ def state_itemsizes(offload: OffloadConfig) -> tuple[int, int, int]:
     return FP32_BYTES, moment, moment
 
 
-def state_element_bytes(offload: OffloadConfig) -> int:
-    """Optimizer-state bytes per owned element: 12 with fp32 moments, 8 with bf16 ones."""
-    return sum(state_itemsizes(offload))
+def state_element_bytes(offload: OffloadConfig, moments: int = 2) -> int:
+    """Optimizer-state bytes per owned element: the fp32 master and `moments` state tensors (Adam's
+    2: 12 bytes with fp32 moments, 8 with bf16 ones; Lion's 1: 8 or 6; plain SGD's 0: 4)."""
+    return sum(state_itemsizes(offload)[: 1 + moments])
+
+
+# State tensors an optimizer keeps beside each fp32 master (`zeroinf.plan(..., optimizer=...)`): the
+# torch.optim classes zeroinf.ShardedOptimizer takes with their default settings, and zeroinf's own.
+OPTIMIZER_MOMENTS = {
+    "adamw": 2, "adam": 2, "radam": 2, "adamax": 2, "adadelta": 2, "rmsprop": 1, "adagrad": 1, "rprop": 2,
+    "lion": 1, "sgd_momentum": 1, "sgd": 0,
+}
+
+
+def optimizer_moments(optimizer: str | int) -> int:
+    """State tensors beside the master for `optimizer`: a name in OPTIMIZER_MOMENTS (torch's default
+    settings: "sgd" without momentum, "sgd_momentum" with) or the count itself."""
+    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, str)):
+        raise ValueError(f"optimizer = {optimizer!r}: give a name ({', '.join(OPTIMIZER_MOMENTS)}) or 0, 1 or 2")
+    if isinstance(optimizer, int):
+        if optimizer not in (0, 1, 2):
+            raise ValueError(
+                f"optimizer = {optimizer}: zeroinf keeps 0, 1 or 2 state tensors beside each fp32 master (Adam's 2)"
+            )
+        return optimizer
+    moments = OPTIMIZER_MOMENTS.get(optimizer.lower().replace("-", "_"))
+    if moments is None:
+        raise ValueError(
+            f"optimizer = {optimizer!r} is not one the planner knows: use one of {', '.join(OPTIMIZER_MOMENTS)}, "
+            "or the number of state tensors it keeps per parameter beside the fp32 master (0, 1 or 2)"
+        )
+    return moments
 MAX_REDUCTIONS_IN_FLIGHT = 2  # gradient collectives in flight in backward before the oldest is finished
 
 
@@ -427,6 +456,13 @@ class ModelPlan:
     world_size: int
     device_type: str = "cpu"
     """The accelerator's kind ("cuda", ...) or "cpu" when the CPU computes."""
+    moments: int = 2
+    """State tensors the optimizer keeps beside each fp32 master (`optimizer_moments`: Adam's 2,
+    Lion's 1): what the optimizer states take per element. The optimizer sets it when it is built."""
+
+    def with_moments(self, moments: int) -> ModelPlan:
+        """This plan for an optimizer keeping `moments` state tensors (the split recomputed)."""
+        return self if moments == self.moments else dataclasses.replace(self, moments=moments)
 
     @property
     def grad_buffer_dtype(self) -> str:
@@ -630,7 +666,7 @@ class ModelPlan:
         if o.optimizer != "host" or o.max_host_bytes is None or o.nvme_dir is None:
             return None
         owned = tuple(u.owned_numel for u in self.trainable_units)
-        element = state_element_bytes(o)
+        element = state_element_bytes(o, self.moments)
         per_element = element * (2 if step_in_backward_mode(self.cfg) == "speculative" else 1)
         if sum(owned) * per_element <= o.max_host_bytes - self.other_host_bytes(optimizer_on_nvme=False):
             return None  # everything fits: no split
@@ -657,9 +693,11 @@ def _layout(unit: UnitShape, world_size: int) -> FlatLayout:
     return FlatLayout.build([(n, torch.Size(s)) for n, s in unit.params], world_size)
 
 
-def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int, device_type: str = "cpu") -> ModelPlan:
+def plan_units(
+    units: Sequence[UnitShape], cfg: Config, world_size: int, device_type: str = "cpu", moments: int = 2
+) -> ModelPlan:
     """The plan of every unit (in the order given: unit discovery's order, root last) on `world_size`
-    ranks computing on `device_type`. Pure."""
+    ranks computing on `device_type`, for an optimizer keeping `moments` state tensors. Pure."""
     _check_tiers(cfg)
     if world_size < 1:
         raise ValueError(f"world_size = {world_size} is invalid: use a positive number of ranks")
@@ -676,7 +714,7 @@ def plan_units(units: Sequence[UnitShape], cfg: Config, world_size: int, device_
             unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned, unit.frozen,
             grad_buffer_itemsize, unit.order,
         ))
-    plan = ModelPlan(tuple(planned), cfg, world_size, device_type)
+    plan = ModelPlan(tuple(planned), cfg, world_size, device_type, moments)
     return _split_params(plan)
 
 
