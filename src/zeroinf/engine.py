@@ -585,7 +585,10 @@ class Engine:
             p.grad = None
 
     def close(self) -> None:
-        """Finish pending I/O and remove this rank's parameter swap files (also done at exit)."""
+        """Finish pending I/O and remove this rank's parameter swap files (also done at exit), and
+        the fp32 values `zeroinf.init(exact_masters=True)` kept for masters no optimizer took."""
+        for unit in self.units:
+            unit.drop_kept_masters()
         self.transfers.close()
         if self.param_files is not None:
             self.param_files.close()

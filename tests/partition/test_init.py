@@ -287,7 +287,7 @@ def test_exact_masters_before_the_optimizer(tmp_path) -> None:
     zeroinf.init]): the park keeps the fp32 values past `shard`; an edit in `gathered(modify=True)`
     before the optimizer lands in the masters over them (only the edited elements differ from
     eager's unrounded masters), and the park closes once the optimizer took them; a model dropped
-    before any optimizer frees what was kept (the NVMe park file goes)."""
+    before any optimizer, or whose engine is closed, frees what was kept (the NVMe park file goes)."""
     from tests.partition._construction import build
 
     cfg = zeroinf.Config(
@@ -322,10 +322,15 @@ def test_exact_masters_before_the_optimizer(tmp_path) -> None:
         dropped = build("llama")
     zeroinf.shard(dropped, cfg)
     assert any("park" in f for f in os.listdir(tmp_path))
-    zeroinf.engine_of(dropped).close()
     del dropped
     import gc
 
     gc.collect()
     assert dropped_park.closed and not dropped_park.kept_keys
     assert not any("park" in f for f in os.listdir(tmp_path))
+    # closing the engine lets them go too, the model still referenced
+    with zeroinf.init(cfg, exact_masters=True) as closed_park:
+        closed = build("llama")
+    zeroinf.shard(closed, cfg)
+    zeroinf.engine_of(closed).close()
+    assert closed_park.closed and not any("park" in f for f in os.listdir(tmp_path))

@@ -341,7 +341,7 @@ class ShardedUnit(UnitGradients):
         self._kept_masters.clear()
         return master
 
-    def _drop_kept_masters(self) -> None:
+    def drop_kept_masters(self) -> None:
         """The master will come from elsewhere (a checkpoint): zeroinf.init's kept values are not needed."""
         _drop_kept(self._kept_masters)
 
@@ -541,7 +541,7 @@ class ShardedUnit(UnitGradients):
             views.master.copy_(source.read(self.layout, *owned, torch.float32))
             states.write_unit(unit_index, views)  # type: ignore[attr-defined]
         else:
-            self._drop_kept_masters()
+            self.drop_kept_masters()
             self.initial_master, self._master_source = None, None
             self._master_source = lambda: source.read(self.layout, *owned, torch.float32).to(self.topo.device)
 
