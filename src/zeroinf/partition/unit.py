@@ -342,7 +342,8 @@ class ShardedUnit(UnitGradients):
         return master
 
     def drop_kept_masters(self) -> None:
-        """The master will come from elsewhere (a checkpoint): zeroinf.init's kept values are not needed."""
+        """Let zeroinf.init's kept values go: the master comes from elsewhere (a checkpoint), or the
+        engine is closed."""
         _drop_kept(self._kept_masters)
 
     @property
