@@ -40,3 +40,28 @@ def test_init_builds_the_eager_cuda_model_bitwise(model_name: str, tier: str, tm
     got = _snapshot(built)
     zeroinf.engine_of(built).close()
     assert not _differences(expected, got), _differences(expected, got)
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "nvme"])
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+def test_exact_masters_on_cuda_are_the_eager_models(model_name: str, tier: str, tmp_path: Path) -> None:
+    """bf16 with `zeroinf.init(cfg, exact_masters=True)`: the gathered model is eager's and the fp32
+    masters the optimizer takes are eager's unrounded ones (partition/park.py [Note: exact masters
+    under zeroinf.init]), with the park on the device, the host or NVMe."""
+    from tests.partition.test_construction import _masters
+
+    topo = Topology.single(CUDA)
+    cfg = _cfg(tier, "bf16", str(tmp_path))
+    with torch.device(CUDA):
+        eager = build(model_name)
+    zeroinf.shard(eager, cfg, topo)
+    expected, expected_masters = _snapshot(eager), _masters(eager)
+    zeroinf.engine_of(eager).close()
+    with zeroinf.init(cfg, topology=topo, exact_masters=True) as park:
+        built = build(model_name)
+    zeroinf.shard(built, cfg, topo)
+    got, masters = _snapshot(built), _masters(built)
+    zeroinf.engine_of(built).close()
+    assert not _differences(expected, got), _differences(expected, got)
+    assert torch.equal(masters, expected_masters)
+    assert park.closed
