@@ -250,3 +250,48 @@ def test_demo_loop_equals_plain_pytorch_bitwise(stage: int) -> None:
         sched.step()
         plain.append(float(loss.detach()))
     assert train(args).losses == plain
+
+
+def test_a_deepspeed_configs_optimizer_and_scheduler_make_the_runs(tmp_path: Path, capsys) -> None:
+    """`zeroinf train --deepspeed ds.json`: the file's optimizer and scheduler sections make the
+    optimizer and the LR schedule (its weight decay on the matrices only, as the run's groups say),
+    bitwise torch's fused AdamW under the same schedule; no scheduler section: a constant learning
+    rate, as under DeepSpeed. A flag setting what the section sets is refused, naming both."""
+    import torch
+
+    from zeroinf.data import BatchSampler, load_corpus, split_corpus
+    from zeroinf.deepspeed_optimizer import DeepSpeedSchedule
+    from zeroinf.models.gpt import GPT
+    from zeroinf.train import param_groups
+
+    adamw = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-7, "weight_decay": 0.05}}
+    warmup_decay = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                        "warmup_num_steps": 2, "total_num_steps": 6}}
+    for name, sections in {"schedule": {"scheduler": warmup_decay}, "constant": {}}.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "optimizer": adamw, **sections}))
+        args = TrainArgs(**{**TINY_RUN, "eval_batches": 0}, steps=6, config=Config.from_deepspeed(str(path)),
+                         deepspeed=str(path))
+        train_bytes, _ = split_corpus(load_corpus(None, args.max_corpus_bytes), args.val_fraction)
+        sampler = BatchSampler(train_bytes, args.seq_len, args.global_batch, seed=args.seed, rank=0, world_size=1)
+        torch.manual_seed(args.seed)
+        model = GPT(args.model_config())
+        opt = torch.optim.AdamW(param_groups(model, 0.05), lr=3e-3, betas=(0.9, 0.95), eps=1e-7, fused=True)
+        sched = DeepSpeedSchedule(opt, "WarmupDecayLR", **warmup_decay["params"]) if sections else None
+        plain = []
+        for step in range(args.steps):
+            ((inputs, targets),) = sampler.micro_batches(step)
+            loss = model(inputs, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+            plain.append(float(loss.detach()))
+        assert train(args).losses == plain, name
+    assert cli.main(["train", "--deepspeed", str(tmp_path / "constant.json"), "--lr", "1e-3", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr and DeepSpeed config" in err and "drop --lr" in err, err
+    finetune = ["finetune", "--model", "m", "--data", "d.jsonl", "--deepspeed", str(tmp_path / "constant.json")]
+    assert cli.main([*finetune, "--weight-decay", "0.1", "--warmup", "3"]) == 2
+    assert "--warmup, --weight-decay and DeepSpeed config" in capsys.readouterr().err

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from zeroinf import launch
 from zeroinf.checkpoint.format import CheckpointError
@@ -61,9 +61,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="global batch: sequences per step over all ranks (default: %(default)s)",
     )
     run.add_argument("--seq-len", type=int, default=d.seq_len, help="bytes per sequence (default: %(default)s)")
-    run.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
-    run.add_argument("--warmup", type=int, default=d.warmup_steps, help="warm-up steps (default: %(default)s)")
-    run.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
+    add_optimizer_arguments(run, d)
     run.add_argument("--seed", type=int, default=d.seed, help="seed of init and batches (default: %(default)s)")
     run.add_argument(
         "--data",
@@ -183,12 +181,41 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--batch", type=int, default=d.global_batch, help="sequences per step, all ranks (default: %(default)s)"
     )
-    run.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
-    run.add_argument("--warmup", type=int, default=d.warmup_steps, help="warm-up steps (default: %(default)s)")
-    run.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)")
+    add_optimizer_arguments(run, d)
     run.add_argument("--seed", type=int, default=d.seed, help="seed of the adapters and batches (default: %(default)s)")
     add_engine_arguments(parser)
     add_launch_arguments(parser)
+
+
+def add_optimizer_arguments(run: Any, d: Any) -> None:
+    """--lr, --warmup and --weight-decay of train and finetune: None when not given, so that they can
+    be told apart from a DeepSpeed config's optimizer and scheduler sections (`optimizer_settings`)."""
+    run.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr})")
+    run.add_argument("--warmup", type=int, help=f"warm-up steps (default: {d.warmup_steps})")
+    run.add_argument("--weight-decay", type=float, help=f"(default: {d.weight_decay})")
+
+
+def optimizer_settings(ns: argparse.Namespace, d: Any) -> dict[str, Any]:
+    """lr, warmup_steps and weight_decay for the run's arguments: the flags given, else the defaults.
+    With --deepspeed, a file whose `optimizer` section makes the optimizer (and its `scheduler` the
+    schedule) takes no such flag: both would set the same thing."""
+    given = {"--lr": ns.lr, "--warmup": ns.warmup, "--weight-decay": ns.weight_decay}
+    if ns.deepspeed and any(v is not None for v in given.values()):
+        from zeroinf.deepspeed_config import read_deepspeed
+
+        data, label = read_deepspeed(ns.deepspeed)
+        if "optimizer" in data:
+            flags = ", ".join(flag for flag, v in given.items() if v is not None)
+            raise ValueError(
+                f"{flags} and {label}'s optimizer section both set the optimizer: with --deepspeed the section "
+                "(and its scheduler section) make the optimizer and the LR schedule, as DeepSpeed's engine does; "
+                f"drop {flags}, or the section to use the flags"
+            )
+    return {
+        "lr": d.lr if ns.lr is None else ns.lr,
+        "warmup_steps": d.warmup_steps if ns.warmup is None else ns.warmup,
+        "weight_decay": d.weight_decay if ns.weight_decay is None else ns.weight_decay,
+    }
 
 
 def engine_config(ns: argparse.Namespace, default: Config = DEFAULT_CONFIG) -> Config:
@@ -252,11 +279,10 @@ def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         steps=ns.steps,
         global_batch=ns.batch,
         seq_len=ns.seq_len,
-        lr=ns.lr,
-        warmup_steps=ns.warmup,
-        weight_decay=ns.weight_decay,
+        **optimizer_settings(ns, TrainArgs),
         seed=ns.seed,
         config=engine_config(ns),
+        deepspeed=ns.deepspeed,
         data=ns.data,
         eval_batches=ns.eval_batches,
         progress=not ns.no_progress,
@@ -281,8 +307,8 @@ def run_finetune(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     args = FinetuneArgs(
         model=ns.model, data=ns.data, format=ns.format, text_field=ns.text_field, lora_rank=ns.lora_rank,
         lora_alpha=ns.lora_alpha, lora_targets=ns.lora_targets, steps=ns.steps, epochs=ns.epochs,
-        seq_len=ns.seq_len, global_batch=ns.batch, lr=ns.lr, warmup_steps=ns.warmup,
-        weight_decay=ns.weight_decay, seed=ns.seed, config=engine_config(ns, FINETUNE_CONFIG), out=ns.out,
+        seq_len=ns.seq_len, global_batch=ns.batch, **optimizer_settings(ns, FinetuneArgs),
+        seed=ns.seed, config=engine_config(ns, FINETUNE_CONFIG), deepspeed=ns.deepspeed, out=ns.out,
         save_every=ns.save_every, save_dir=ns.save_dir, keep_last=ns.keep_last, resume=ns.resume,
         progress=not ns.no_progress, report_path=ns.report,
     )

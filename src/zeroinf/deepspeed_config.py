@@ -80,8 +80,10 @@ AIO_NOT_APPLIED = "no zeroinf equivalent: the engine's knobs are offload.aio.blo
 _REASONS = {
     "train_batch_size": "the batch is the data loader's; zeroinf train: --batch",
     "train_micro_batch_size_per_gpu": "the batch is the data loader's; zeroinf train: --batch",
-    "optimizer": "built by zeroinf.optimizer_from_deepspeed(model, config); zeroinf train: --lr, --weight-decay",
-    "scheduler": "built by zeroinf.optimizer_from_deepspeed(model, config), or any torch.optim.lr_scheduler",
+    "optimizer": "not an engine setting: zeroinf.optimizer_from_deepspeed(model, config) builds it, as zeroinf "
+    "train and finetune --deepspeed do",
+    "scheduler": "not an engine setting: zeroinf.optimizer_from_deepspeed(model, config) builds it, as zeroinf "
+    "train and finetune --deepspeed do",
     "zero_optimization.offload_param.buffer_count": "parameter staging is sized from prefetch_bytes",
     "zero_optimization.offload_param.buffer_size": "parameter staging is sized from prefetch_bytes",
     "zero_optimization.offload_param.max_in_cpu": "parameter staging is sized from prefetch_bytes",

@@ -37,11 +37,13 @@ import zeroinf.checkpoint
 from zeroinf.checkpoint.saving import finish_pending_save
 from zeroinf.config import Config
 from zeroinf.data import BatchSampler
+from zeroinf.optim.sharded import ShardedOptimizerBase
 from zeroinf.optional import require
 from zeroinf.telemetry import phase_scope
 from zeroinf.train import TrainResult as FinetuneResult
 from zeroinf.train import (
     check_run_numbers,
+    deepspeed_optimizer,
     format_memory,
     lr_factor,
     mean_over_ranks,
@@ -96,6 +98,12 @@ class FinetuneArgs:
     """Seed of the adapters' init and of the batches."""
     config: Config | str | None = None
     """Engine config (or a TOML/JSON path); None: stage 3 with clipping at 1.0."""
+    deepspeed: str | None = None
+    """A DeepSpeed JSON config (the engine settings come through `config`, `Config.from_deepspeed`):
+    where it has an `optimizer` section, that section and its `scheduler` section make the optimizer
+    and the LR schedule as DeepSpeed's engine does (`zeroinf.optimizer_from_deepspeed`), in place of
+    lr, betas, weight_decay, warmup_steps and min_lr_ratio; without a scheduler section the learning
+    rate stays constant, as under DeepSpeed."""
     out: str | None = None
     """Write the fine-tuned model here as a Hugging Face folder."""
     save_every: int = 0
@@ -188,7 +196,7 @@ class FinetuneRun:
     topo: zeroinf.Topology
     cfg: Config
     model: torch.nn.Module
-    opt: zeroinf.AdamW
+    opt: ShardedOptimizerBase  # zeroinf.AdamW, or what a DeepSpeed config's optimizer section makes
     sched: torch.optim.lr_scheduler.LRScheduler
     sampler: BatchSampler
     tokenizer: Any
@@ -217,11 +225,15 @@ def build_run(args: FinetuneArgs) -> FinetuneRun:
     engine = zeroinf.engine_of(model)
     param_count = sum(u.layout.numel for u in engine.all_units)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = zeroinf.AdamW(model, lr=args.lr, betas=args.betas, weight_decay=args.weight_decay,
-                        param_groups=[{"params": trainable}])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_factor(step, args.warmup_steps, steps, args.min_lr_ratio)
-    )
+    from_file = deepspeed_optimizer(args.deepspeed, [{"params": trainable}])
+    if from_file is not None:
+        opt, sched = from_file
+    else:
+        opt = zeroinf.AdamW(model, lr=args.lr, betas=args.betas, weight_decay=args.weight_decay,
+                            param_groups=[{"params": trainable}])
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_factor(step, args.warmup_steps, steps, args.min_lr_ratio)
+        )
     return FinetuneRun(topo, cfg, model, opt, sched, sampler, tokenizer, param_count, steps)
 
 

@@ -30,6 +30,7 @@ from zeroinf.config import Config
 from zeroinf.data import DEFAULT_MAX_CORPUS_BYTES, BatchSampler, load_corpus, split_corpus
 from zeroinf.memory import format_bytes, ssd_wear
 from zeroinf.models.gpt import GPT, GPTConfig
+from zeroinf.optim.sharded import ShardedOptimizerBase
 from zeroinf.telemetry import phase_scope, record_phases
 from zeroinf.topology import Topology
 
@@ -113,6 +114,12 @@ class TrainArgs:
     """Seed of the model init and of the batches."""
     config: Config | str | None = None
     """Engine config, or the path of a TOML/JSON file; None means `DEFAULT_CONFIG`."""
+    deepspeed: str | None = None
+    """A DeepSpeed JSON config (the engine settings come through `config`, `Config.from_deepspeed`):
+    where it has an `optimizer` section, that section and its `scheduler` section make the optimizer
+    and the LR schedule as DeepSpeed's engine does (`zeroinf.optimizer_from_deepspeed`), in place of
+    lr, betas, weight_decay, warmup_steps and min_lr_ratio; without a scheduler section the learning
+    rate stays constant, as under DeepSpeed."""
     data: list[str] | None = None
     """Text files to train on; None means the Python standard library's sources."""
     max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES
@@ -224,6 +231,26 @@ def set_cpu_threads(topo: Topology) -> None:
     torch.set_num_threads(max(1, available_cores() // local_world))
 
 
+def deepspeed_optimizer(
+    source: str | None, groups: list[dict[str, Any]]
+) -> tuple[ShardedOptimizerBase, torch.optim.lr_scheduler.LRScheduler] | None:
+    """The optimizer and LR schedule a DeepSpeed config's `optimizer` and `scheduler` sections make over
+    `groups` (a group's own weight decay, 0 for biases and norms, stays; the section's applies to the
+    others), and a constant schedule where it has no scheduler section, as DeepSpeed's engine keeps
+    the learning rate then; None without a config or without an optimizer section."""
+    if source is None:
+        return None
+    from zeroinf.deepspeed_config import read_deepspeed
+
+    data, _ = read_deepspeed(source)
+    if "optimizer" not in data:
+        return None
+    decayed = [{k: v for k, v in g.items() if not (k == "weight_decay" and v)} for g in groups]
+    opt, sched = zeroinf.optimizer_from_deepspeed(decayed, data)
+    assert isinstance(opt, ShardedOptimizerBase)  # zeroinf's Adam(W), or a torch optimizer over the shards
+    return opt, sched if sched is not None else torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices (Linear weights, embeddings); none on biases and LayerNorm weights."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -322,10 +349,14 @@ def build_run(args: TrainArgs) -> Run:
     # placeholder of shape (0,), so `p.dim()` no longer tells matrices from vectors.
     groups = param_groups(model, args.weight_decay)
     model = zeroinf.shard(model, cfg, topology=topo)
-    opt = zeroinf.AdamW(model, lr=args.lr, betas=args.betas, weight_decay=args.weight_decay, param_groups=groups)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_factor(step, args.warmup_steps, args.steps, args.min_lr_ratio)
-    )
+    from_file = deepspeed_optimizer(args.deepspeed, groups)
+    if from_file is not None:
+        opt, sched = from_file
+    else:
+        opt = zeroinf.AdamW(model, lr=args.lr, betas=args.betas, weight_decay=args.weight_decay, param_groups=groups)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_factor(step, args.warmup_steps, args.steps, args.min_lr_ratio)
+        )
     return Run(
         topo,
         cfg,
