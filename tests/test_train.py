@@ -256,7 +256,8 @@ def test_a_deepspeed_configs_optimizer_and_scheduler_make_the_runs(tmp_path: Pat
     """`zeroinf train --deepspeed ds.json`: the file's optimizer and scheduler sections make the
     optimizer and the LR schedule (its weight decay on the matrices only, as the run's groups say),
     bitwise torch's fused AdamW under the same schedule; no scheduler section: a constant learning
-    rate, as under DeepSpeed. A flag setting what the section sets is refused, naming both."""
+    rate, as under DeepSpeed; "auto" values (a Hugging Face Trainer config) from the run's settings.
+    A flag setting what the section sets is refused, naming both; one the file leaves unset fills it."""
     import torch
 
     from zeroinf.data import BatchSampler, load_corpus, split_corpus
@@ -265,19 +266,25 @@ def test_a_deepspeed_configs_optimizer_and_scheduler_make_the_runs(tmp_path: Pat
     from zeroinf.train import param_groups
 
     adamw = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-7, "weight_decay": 0.05}}
-    warmup_decay = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
-                                                        "warmup_num_steps": 2, "total_num_steps": 6}}
-    for name, sections in {"schedule": {"scheduler": warmup_decay}, "constant": {}}.items():
+    schedule = {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 2, "total_num_steps": 6}
+    auto = {"type": "AdamW", "params": dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto")}
+    variants = {  # name: (sections, eps, schedule)
+        "schedule": ({"optimizer": adamw, "scheduler": {"type": "WarmupDecayLR", "params": schedule}}, 1e-7, True),
+        "constant": ({"optimizer": adamw}, 1e-7, False),
+        "auto": ({"optimizer": auto, "scheduler": {"type": "WarmupDecayLR",
+                                                   "params": dict.fromkeys(schedule, "auto")}}, 1e-8, True),
+    }
+    for name, (sections, eps, scheduled) in variants.items():
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "optimizer": adamw, **sections}))
-        args = TrainArgs(**{**TINY_RUN, "eval_batches": 0}, steps=6, config=Config.from_deepspeed(str(path)),
-                         deepspeed=str(path))
+        path.write_text(json.dumps({"zero_optimization": {"stage": 1}, **sections}))
+        args = TrainArgs(**{**TINY_RUN, "eval_batches": 0, "warmup_steps": 2}, steps=6, weight_decay=0.05,
+                         config=Config.from_deepspeed(str(path)), deepspeed=str(path))
         train_bytes, _ = split_corpus(load_corpus(None, args.max_corpus_bytes), args.val_fraction)
         sampler = BatchSampler(train_bytes, args.seq_len, args.global_batch, seed=args.seed, rank=0, world_size=1)
         torch.manual_seed(args.seed)
         model = GPT(args.model_config())
-        opt = torch.optim.AdamW(param_groups(model, 0.05), lr=3e-3, betas=(0.9, 0.95), eps=1e-7, fused=True)
-        sched = DeepSpeedSchedule(opt, "WarmupDecayLR", **warmup_decay["params"]) if sections else None
+        opt = torch.optim.AdamW(param_groups(model, 0.05), lr=3e-3, betas=(0.9, 0.95), eps=eps, fused=True)
+        sched = DeepSpeedSchedule(opt, "WarmupDecayLR", **schedule) if scheduled else None
         plain = []
         for step in range(args.steps):
             ((inputs, targets),) = sampler.micro_batches(step)
@@ -291,7 +298,13 @@ def test_a_deepspeed_configs_optimizer_and_scheduler_make_the_runs(tmp_path: Pat
         assert train(args).losses == plain, name
     assert cli.main(["train", "--deepspeed", str(tmp_path / "constant.json"), "--lr", "1e-3", "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert "--lr and DeepSpeed config" in err and "drop --lr" in err, err
-    finetune = ["finetune", "--model", "m", "--data", "d.jsonl", "--deepspeed", str(tmp_path / "constant.json")]
+    assert "--lr (optimizer.params.lr): set by DeepSpeed config" in err and "drop the flag" in err, err
+    finetune = ["finetune", "--model", "m", "--data", "d.jsonl", "--deepspeed", str(tmp_path / "schedule.json")]
     assert cli.main([*finetune, "--weight-decay", "0.1", "--warmup", "3"]) == 2
-    assert "--warmup, --weight-decay and DeepSpeed config" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--warmup (scheduler.params.warmup_num_steps), --weight-decay (optimizer.params.weight_decay)" in err, err
+    # a flag fills what the file leaves unset (here the learning rate: DeepSpeed's default otherwise)
+    (tmp_path / "bare.json").write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {}}}))
+    ns = cli.build_parser().parse_args(["train", "--deepspeed", str(tmp_path / "bare.json"), "--lr", "0.004"])
+    settings = cli.optimizer_settings(ns, TrainArgs)
+    assert settings["lr"] == 0.004 and settings["deepspeed"]["optimizer"]["params"] == {"lr": 0.004}

@@ -196,26 +196,46 @@ def add_optimizer_arguments(run: Any, d: Any) -> None:
 
 
 def optimizer_settings(ns: argparse.Namespace, d: Any) -> dict[str, Any]:
-    """lr, warmup_steps and weight_decay for the run's arguments: the flags given, else the defaults.
-    With --deepspeed, a file whose `optimizer` section makes the optimizer (and its `scheduler` the
-    schedule) takes no such flag: both would set the same thing."""
+    """lr, warmup_steps, weight_decay and deepspeed for the run's arguments: the flags given, else
+    the defaults. With --deepspeed, a file with an `optimizer` section makes the optimizer (and its
+    `scheduler` the schedule); a flag given fills the values it leaves "auto" or unset, and one it
+    sets itself is refused beside the flag (both would set the same thing)."""
     given = {"--lr": ns.lr, "--warmup": ns.warmup, "--weight-decay": ns.weight_decay}
-    if ns.deepspeed and any(v is not None for v in given.values()):
-        from zeroinf.deepspeed_config import read_deepspeed
-
-        data, label = read_deepspeed(ns.deepspeed)
-        if "optimizer" in data:
-            flags = ", ".join(flag for flag, v in given.items() if v is not None)
-            raise ValueError(
-                f"{flags} and {label}'s optimizer section both set the optimizer: with --deepspeed the section "
-                "(and its scheduler section) make the optimizer and the LR schedule, as DeepSpeed's engine does; "
-                f"drop {flags}, or the section to use the flags"
-            )
-    return {
+    settings: dict[str, Any] = {
         "lr": d.lr if ns.lr is None else ns.lr,
         "warmup_steps": d.warmup_steps if ns.warmup is None else ns.warmup,
         "weight_decay": d.weight_decay if ns.weight_decay is None else ns.weight_decay,
+        "deepspeed": ns.deepspeed,
     }
+    if not ns.deepspeed or all(v is None for v in given.values()):
+        return settings
+    from zeroinf.deepspeed_config import read_deepspeed
+
+    data, label = read_deepspeed(ns.deepspeed)
+    if not isinstance(data.get("optimizer"), dict):
+        return settings  # the flags make the optimizer
+    keys = {"--lr": [("optimizer", "lr"), ("scheduler", "warmup_max_lr")],
+            "--warmup": [("scheduler", "warmup_num_steps")], "--weight-decay": [("optimizer", "weight_decay")]}
+    filled = {name: {**data[name], "params": dict(data[name].get("params") or {})}
+              for name in ("optimizer", "scheduler") if isinstance(data.get(name), dict)}
+    clashes = []
+    for flag, value in given.items():
+        for section, key in keys[flag]:
+            if value is None or section not in filled:
+                continue
+            params = filled[section]["params"]
+            if params.get(key, "auto") != "auto":
+                clashes.append(f"{flag} ({section}.params.{key})")
+            else:
+                params[key] = value
+    if clashes:
+        raise ValueError(
+            f"{', '.join(clashes)}: set by {label} too; with --deepspeed its optimizer and scheduler sections make "
+            "the optimizer and the LR schedule, as DeepSpeed's engine does, and a flag fills only the values they "
+            'leave "auto" or unset: drop the flag, or write "auto" in the file'
+        )
+    settings["deepspeed"] = {**data, **filled}
+    return settings
 
 
 def engine_config(ns: argparse.Namespace, default: Config = DEFAULT_CONFIG) -> Config:
@@ -282,7 +302,6 @@ def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         **optimizer_settings(ns, TrainArgs),
         seed=ns.seed,
         config=engine_config(ns),
-        deepspeed=ns.deepspeed,
         data=ns.data,
         eval_batches=ns.eval_batches,
         progress=not ns.no_progress,
@@ -308,7 +327,7 @@ def run_finetune(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         model=ns.model, data=ns.data, format=ns.format, text_field=ns.text_field, lora_rank=ns.lora_rank,
         lora_alpha=ns.lora_alpha, lora_targets=ns.lora_targets, steps=ns.steps, epochs=ns.epochs,
         seq_len=ns.seq_len, global_batch=ns.batch, **optimizer_settings(ns, FinetuneArgs),
-        seed=ns.seed, config=engine_config(ns, FINETUNE_CONFIG), deepspeed=ns.deepspeed, out=ns.out,
+        seed=ns.seed, config=engine_config(ns, FINETUNE_CONFIG), out=ns.out,
         save_every=ns.save_every, save_dir=ns.save_dir, keep_last=ns.keep_last, resume=ns.resume,
         progress=not ns.no_progress, report_path=ns.report,
     )

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -98,12 +99,13 @@ class FinetuneArgs:
     """Seed of the adapters' init and of the batches."""
     config: Config | str | None = None
     """Engine config (or a TOML/JSON path); None: stage 3 with clipping at 1.0."""
-    deepspeed: str | None = None
-    """A DeepSpeed JSON config (the engine settings come through `config`, `Config.from_deepspeed`):
-    where it has an `optimizer` section, that section and its `scheduler` section make the optimizer
-    and the LR schedule as DeepSpeed's engine does (`zeroinf.optimizer_from_deepspeed`), in place of
-    lr, betas, weight_decay, warmup_steps and min_lr_ratio; without a scheduler section the learning
-    rate stays constant, as under DeepSpeed."""
+    deepspeed: str | dict[str, Any] | None = None
+    """A DeepSpeed JSON config or its dict (the engine settings come through `config`,
+    `Config.from_deepspeed`): where it has an `optimizer` section, that section and its `scheduler`
+    section make the optimizer and the LR schedule as DeepSpeed's engine does
+    (`zeroinf.optimizer_from_deepspeed`), in place of lr, betas, weight_decay, warmup_steps and
+    min_lr_ratio, which fill only its "auto" values (`DEEPSPEED_AUTO`); without a scheduler section
+    the learning rate stays constant, as under DeepSpeed."""
     out: str | None = None
     """Write the fine-tuned model here as a Hugging Face folder."""
     save_every: int = 0
@@ -225,7 +227,7 @@ def build_run(args: FinetuneArgs) -> FinetuneRun:
     engine = zeroinf.engine_of(model)
     param_count = sum(u.layout.numel for u in engine.all_units)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    from_file = deepspeed_optimizer(args.deepspeed, [{"params": trainable}])
+    from_file = deepspeed_optimizer(args.deepspeed, [{"params": trainable}], dataclasses.replace(args, steps=steps))
     if from_file is not None:
         opt, sched = from_file
     else:

@@ -114,12 +114,13 @@ class TrainArgs:
     """Seed of the model init and of the batches."""
     config: Config | str | None = None
     """Engine config, or the path of a TOML/JSON file; None means `DEFAULT_CONFIG`."""
-    deepspeed: str | None = None
-    """A DeepSpeed JSON config (the engine settings come through `config`, `Config.from_deepspeed`):
-    where it has an `optimizer` section, that section and its `scheduler` section make the optimizer
-    and the LR schedule as DeepSpeed's engine does (`zeroinf.optimizer_from_deepspeed`), in place of
-    lr, betas, weight_decay, warmup_steps and min_lr_ratio; without a scheduler section the learning
-    rate stays constant, as under DeepSpeed."""
+    deepspeed: str | dict[str, Any] | None = None
+    """A DeepSpeed JSON config or its dict (the engine settings come through `config`,
+    `Config.from_deepspeed`): where it has an `optimizer` section, that section and its `scheduler`
+    section make the optimizer and the LR schedule as DeepSpeed's engine does
+    (`zeroinf.optimizer_from_deepspeed`), in place of lr, betas, weight_decay, warmup_steps and
+    min_lr_ratio, which fill only its "auto" values (`DEEPSPEED_AUTO`); without a scheduler section
+    the learning rate stays constant, as under DeepSpeed."""
     data: list[str] | None = None
     """Text files to train on; None means the Python standard library's sources."""
     max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES
@@ -231,22 +232,47 @@ def set_cpu_threads(topo: Topology) -> None:
     torch.set_num_threads(max(1, available_cores() // local_world))
 
 
+# What a DeepSpeed section's "auto" values become in `zeroinf train` and `finetune`, from the run's
+# own settings, as the Hugging Face Trainer fills them from TrainingArguments: (section, key) -> field.
+DEEPSPEED_AUTO = {
+    ("optimizer", "lr"): "lr", ("optimizer", "betas"): "betas", ("optimizer", "weight_decay"): "weight_decay",
+    ("scheduler", "warmup_max_lr"): "lr", ("scheduler", "warmup_num_steps"): "warmup_steps",
+    ("scheduler", "total_num_steps"): "steps",
+}
+DEEPSPEED_AUTO_CONSTANTS = {("optimizer", "eps"): 1e-8, ("scheduler", "warmup_min_lr"): 0.0}
+
+
+def deepspeed_sections(source: str | dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The `optimizer` and `scheduler` sections of a DeepSpeed config (absent ones left out)."""
+    if source is None:
+        return {}
+    from zeroinf.deepspeed_config import read_deepspeed
+
+    data, _ = read_deepspeed(source)
+    return {name: dict(data[name]) for name in ("optimizer", "scheduler") if isinstance(data.get(name), dict)}
+
+
 def deepspeed_optimizer(
-    source: str | None, groups: list[dict[str, Any]]
+    source: str | dict[str, Any] | None, groups: list[dict[str, Any]], run: Any = None
 ) -> tuple[ShardedOptimizerBase, torch.optim.lr_scheduler.LRScheduler] | None:
     """The optimizer and LR schedule a DeepSpeed config's `optimizer` and `scheduler` sections make over
     `groups` (a group's own weight decay, 0 for biases and norms, stays; the section's applies to the
     others), and a constant schedule where it has no scheduler section, as DeepSpeed's engine keeps
-    the learning rate then; None without a config or without an optimizer section."""
-    if source is None:
+    the learning rate then; None without a config or without an optimizer section. Its "auto" values
+    come from `run`'s settings (`DEEPSPEED_AUTO`), as the Hugging Face Trainer fills them."""
+    sections = deepspeed_sections(source)
+    if "optimizer" not in sections:
         return None
-    from zeroinf.deepspeed_config import read_deepspeed
-
-    data, _ = read_deepspeed(source)
-    if "optimizer" not in data:
-        return None
+    for name, section in sections.items():
+        params = dict(section.get("params") or {})
+        for key, value in params.items():
+            if value == "auto" and (name, key) in DEEPSPEED_AUTO and run is not None:
+                params[key] = getattr(run, DEEPSPEED_AUTO[(name, key)])
+            elif value == "auto" and (name, key) in DEEPSPEED_AUTO_CONSTANTS:
+                params[key] = DEEPSPEED_AUTO_CONSTANTS[(name, key)]
+        section["params"] = params
     decayed = [{k: v for k, v in g.items() if not (k == "weight_decay" and v)} for g in groups]
-    opt, sched = zeroinf.optimizer_from_deepspeed(decayed, data)
+    opt, sched = zeroinf.optimizer_from_deepspeed(decayed, sections)
     assert isinstance(opt, ShardedOptimizerBase)  # zeroinf's Adam(W), or a torch optimizer over the shards
     return opt, sched if sched is not None else torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
 
@@ -349,7 +375,7 @@ def build_run(args: TrainArgs) -> Run:
     # placeholder of shape (0,), so `p.dim()` no longer tells matrices from vectors.
     groups = param_groups(model, args.weight_decay)
     model = zeroinf.shard(model, cfg, topology=topo)
-    from_file = deepspeed_optimizer(args.deepspeed, groups)
+    from_file = deepspeed_optimizer(args.deepspeed, groups, args)
     if from_file is not None:
         opt, sched = from_file
     else:
