@@ -415,3 +415,35 @@ def test_the_planner_counts_the_optimizers_states(tmp_path: Path) -> None:
         optimizer_moments("muon")
     with pytest.raises(ValueError, match="0, 1 or 2 state tensors"):
         optimizer_moments(3)
+
+
+@pytest.mark.parametrize(("optimizer", "dtype", "params", "share"), [
+    ("lion", "bf16", "device", 0.58), ("sgd", "fp32", "nvme", 0.48), ("adamw", "bf16", "nvme", 0.42),
+])
+def test_the_host_states_are_what_the_plan_predicts_for_the_optimizer(
+    optimizer: str, dtype: str, params: str, share: float, tmp_path: Path
+) -> None:
+    """Under a cap that splits Adam's states but not Lion's or SGD's, those need no split, so the
+    parameter shards in memory can be their masters ([Note: masters in the memory shard]): the plan
+    for the optimizer (`zeroinf.plan(..., optimizer=)`) and the engine that builds it agree on the
+    split and on the host bytes."""
+    builds = {
+        "adamw": lambda m: zeroinf.AdamW(m, lr=LR),
+        "lion": lambda m: zeroinf.ShardedOptimizer(zeroinf.Lion, m.parameters(), lr=1e-4),
+        "sgd": lambda m: zeroinf.ShardedOptimizer(torch.optim.SGD, m.parameters(), lr=1e-2),
+    }
+    budget = _budget(tmp_path, 1, share, params=params)
+    offload = OffloadConfig(params=params, optimizer="host", nvme_dir=str(tmp_path), max_host_bytes=budget, **SMALL_IO)
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, param_dtype=dtype, offload=offload)
+    predicted = zeroinf.plan(
+        build_model(), cfg, tokens_per_step=GLOBAL_BATCH * 16, nvme_dir=str(tmp_path), optimizer=optimizer
+    ).estimates[0]
+    model = zeroinf.shard(build_model(), cfg)
+    opt = builds[optimizer](model)
+    assert getattr(opt.states, "split", None) == predicted.optimizer_split
+    live = zeroinf.engine_of(model).ledger.live_bytes(Tier.HOST, "optimizer_state")
+    assert live == predicted.ledger.by_tag["host"].get("optimizer_state", 0)
+    x, y = global_batch(0)
+    model(x, y).backward()
+    opt.step()
+    opt.close()

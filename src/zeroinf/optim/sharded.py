@@ -209,6 +209,10 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
                 self.runs[gi].append(Run(ui, piece.slot_index, start, end, piece.param_offset))
         offload = self.engine.cfg.offload
         units = self.engine.units
+        if self.engine.optimizer_io is None:  # the model's first optimizer: the plan is of its states
+            # (Lion's take 8 bytes an element, not Adam's 12: its host/NVMe split, and so whether
+            # the shards can be the masters, follow); a successor keeps the store and plan it finds
+            self.engine.unit_plan = self.engine.unit_plan.with_moments(len(self.state_names))
         # [Note: masters in the memory shard] (optim/states.py): such a unit's shard is its master.
         shared = self.engine.unit_plan.masters_in_memory_shard
         masters = MasterSource(
@@ -226,8 +230,6 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
         inherited = inherit_states(self.engine, len(self.state_names))
         if previous is not None and previous.scaler is not None and self.scaler is not None:
             self.scaler.load_state_dict(previous.scaler.state_dict())
-        if inherited is None:  # the plan of this optimizer's states: Lion's take 8 bytes an element, not Adam's 12
-            self.engine.unit_plan = self.engine.unit_plan.with_moments(len(self.state_names))
         self.states = inherited if inherited is not None else build_state_store(
             masters, offload, self.engine.ledger, self.engine.topo.rank, shadow=shadow,
             split=self.engine.unit_plan.optimizer_split(), tier=self.engine.nvme_tier,
