@@ -150,6 +150,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep only the N newest checkpoints in --save-dir, removing older ones once a new one is saved (0: all)",
     )
     launch.add_argument(
+        "--save-node-local", action="store_true",
+        help="--save-dir is each machine's own disk: each keeps its ranks' states (resume with the same ranks there)",
+    )
+    launch.add_argument(
         "--resume", metavar="CKPT", help="continue from a checkpoint root (its latest) or step folder, any world size"
     )
     launch.add_argument("--no-progress", action="store_true", help="no progress bar and no summary")
@@ -309,6 +313,7 @@ def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         save_every=ns.save_every,
         save_dir=ns.save_dir,
         keep_last=ns.keep_last,
+        save_node_local=ns.save_node_local,
         resume=ns.resume,
     )
     if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -328,7 +333,8 @@ def run_finetune(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         lora_alpha=ns.lora_alpha, lora_targets=ns.lora_targets, steps=ns.steps, epochs=ns.epochs,
         seq_len=ns.seq_len, global_batch=ns.batch, **optimizer_settings(ns, FinetuneArgs),
         seed=ns.seed, config=engine_config(ns, FINETUNE_CONFIG), out=ns.out,
-        save_every=ns.save_every, save_dir=ns.save_dir, keep_last=ns.keep_last, resume=ns.resume,
+        save_every=ns.save_every, save_dir=ns.save_dir, keep_last=ns.keep_last, save_node_local=ns.save_node_local,
+        resume=ns.resume,
         progress=not ns.no_progress, report_path=ns.report,
     )
     if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:

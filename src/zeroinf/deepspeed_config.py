@@ -89,6 +89,7 @@ _REASONS = {
     "zero_optimization.offload_param.max_in_cpu": "parameter staging is sized from prefetch_bytes",
     "zero_optimization.stage3_max_reuse_distance": "the prefetch plan keeps a unit for a reuse two units ahead",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "zeroinf consolidate writes full weights",
+    "checkpoint": "a save argument: zeroinf.save(..., node_local=True), zeroinf train --save-node-local",
 }
 """Why a DeepSpeed key has no counterpart, where a sentence helps; other ignored keys are just listed."""
 

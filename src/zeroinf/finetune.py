@@ -111,6 +111,7 @@ class FinetuneArgs:
     save_every: int = 0
     save_dir: str | None = None
     keep_last: int = 0
+    save_node_local: bool = False  # save_dir is each machine's own disk (zeroinf.save's node_local)
     resume: str | None = None
     log_interval: int = 10
     progress: bool = True
@@ -288,7 +289,9 @@ def finetune(args: FinetuneArgs) -> FinetuneResult:
             times.append(time.perf_counter() - t0)
             bar.update(1)
             if args.save_every and (step + 1) % args.save_every == 0:
-                note = save(run, args.save_dir or "", step + 1, args.keep_last)  # type: ignore[arg-type]
+                note = save(
+                    run, args.save_dir or "", step + 1, args.keep_last, args.save_node_local  # type: ignore[arg-type]
+                )
             if show and (step % args.log_interval == 0 or step == run.steps - 1):
                 memory = format_memory(zeroinf.memory_report(run.model))
                 bar.set_postfix_str(f"loss {losses[-1]:.3f}, {run.sampler.tokens_per_step / times[-1]:,.0f} tok/s, "

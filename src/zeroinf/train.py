@@ -144,6 +144,8 @@ class TrainArgs:
     """Checkpoint root for `save_every` (step folders and a `latest` pointer)."""
     keep_last: int = 0
     """Keep only this many checkpoints in `save_dir`, the newest (0: all); `zeroinf.save`'s `keep_last`."""
+    save_node_local: bool = False
+    """`save_dir` is each machine's own disk, not one every rank sees (`zeroinf.save`'s `node_local`)."""
     resume: str | None = None
     """Checkpoint root (its `latest`) or step folder to resume from: model, optimizer, LR schedule, RNG
     and data position; any world size, stage and offload placement. The run continues to `steps`."""
@@ -442,7 +444,7 @@ def train(args: TrainArgs) -> TrainResult:
             skipped_steps += int(run.opt.last_step_skipped)  # type: ignore[attr-defined]
             bar.update(1)
             if args.save_every and (step + 1) % args.save_every == 0:
-                saved = save(run, args.save_dir or "", step + 1, args.keep_last)
+                saved = save(run, args.save_dir or "", step + 1, args.keep_last, args.save_node_local)
             if show and (step % args.log_interval == 0 or step == args.steps - 1):
                 tokens_per_s = run.train_sampler.tokens_per_step / step_times_s[-1]
                 report = zeroinf.memory_report(run.model)
@@ -538,14 +540,16 @@ def placement_line(cfg: Config) -> str:
     return f"placement: stage {cfg.stage}, params {o.params}, optimizer {o.optimizer}, gradients {o.gradients}{ckpt}"
 
 
-def save(run: Run, root: str, step: int, keep_last: int = 0) -> str:
+def save(run: Run, root: str, step: int, keep_last: int = 0, node_local: bool = False) -> str:
     """Checkpoint after `step` steps (a collective), written in the background while the next step's
     forward and backward run; the next `opt.step()` finishes it (and then removes the checkpoints
-    beyond the `keep_last` newest, when > 0). Returns a progress-bar note."""
+    beyond the `keep_last` newest, when > 0); `node_local`: `root` is each machine's own disk.
+    Returns a progress-bar note."""
     previous = finish_pending_save(run.opt)  # normally done by the last step
     extra = {"lr_schedule": run.sched.state_dict()}
     zeroinf.checkpoint.save(
-        root, run.model, run.opt, step=step, extra=extra, blocking=False, keep_last=keep_last or None
+        root, run.model, run.opt, step=step, extra=extra, blocking=False, keep_last=keep_last or None,
+        node_local=node_local,
     )
     done = f", saved {os.path.basename(previous)}" if previous else ""
     return f"{done}, saving step {step} in the background"

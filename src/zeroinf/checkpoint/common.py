@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import os
+import socket
 from typing import Any, TypedDict
 
 import torch
@@ -27,6 +29,25 @@ def gather(engine: Engine, obj: Any) -> list[Any]:
     with naming_failures("checkpoint all-gather of objects", engine.topo.world_size, engine.topo):
         dist.all_gather_object(out, obj, group=engine.topo.group)
     return out
+
+
+def node_of_this_process() -> str:
+    """This process's machine, as the launcher numbers it: torchrun's GROUP_RANK, Slurm's
+    SLURM_NODEID, else the host name."""
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        value = os.environ.get(name)
+        if value:
+            return f"{name}={value}"
+    return f"host={socket.gethostname()}"
+
+
+def node_leaders(engine: Engine) -> tuple[list[str], list[int]]:
+    """Per rank, its node and that node's lowest rank (a collective)."""
+    nodes = [str(n) for n in gather(engine, node_of_this_process())]
+    first: dict[str, int] = {}
+    for rank, node in enumerate(nodes):
+        first.setdefault(node, rank)
+    return nodes, [first[node] for node in nodes]
 
 
 def broadcast_error(engine: Engine, error: str | None) -> None:

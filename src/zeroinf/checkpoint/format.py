@@ -209,7 +209,11 @@ class DataFiles:
         return fd
 
     def check_all_present(self) -> None:
-        for name in self.files:
+        self.check_present(self.files)
+
+    def check_present(self, names: Any) -> None:
+        """Open (and size-check) the data files `names`."""
+        for name in names:
             self._fd(name)
 
     def read_into(self, name: str, offset: int, out: torch.Tensor, expected: str, what: str) -> None:

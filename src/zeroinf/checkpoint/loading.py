@@ -19,6 +19,7 @@ from zeroinf.checkpoint.common import barrier, broadcast_error, module_state_ten
 from zeroinf.checkpoint.format import (
     DTYPES,
     MANIFEST,
+    MODULE_STATE_FILE,
     CheckpointError,
     DataFiles,
     read_manifest,
@@ -91,7 +92,10 @@ def load(
         _check_model(body, engine, ckpt)
         _check_optimizer(body, optimizer, ckpt)
         data = DataFiles(ckpt, body["files"])
-        data.check_all_present()
+        if body.get("node_local"):
+            _check_own_files_here(body, engine, data, ckpt)
+        else:
+            data.check_all_present()
     except CheckpointError as e:
         error = str(e)
     broadcast_error(engine, error)
@@ -124,6 +128,31 @@ def load(
         set_rng_state(engine, body["rng"][rank])
     barrier(engine)
     return {"step": body["step"], "extra": body["extra"], "path": data.dir, "world_size": body["world_size"]}
+
+
+def _check_own_files_here(body: dict[str, Any], engine: Engine, data: DataFiles, ckpt: str) -> None:
+    """A node-local checkpoint (saving.py [Note: node-local checkpoints]): the files this rank's
+    layout reads must be on this machine; a missing one is named with the machine that wrote it."""
+    needed = {MODULE_STATE_FILE} if body["module_state"] else set()
+    for unit in engine.units:
+        for piece in unit.layout.pieces(unit.owned_start, unit.owned_end):
+            lo, hi = piece.param_offset, piece.param_offset + piece.numel
+            for chunk in body["chunks"].get(unit.layout.slots[piece.slot_index].name, []):
+                if chunk["o"] < hi and lo < chunk["o"] + chunk["n"]:
+                    needed.add(chunk["f"])
+    nodes = body["node_local"]
+    for name in sorted(needed):
+        if not os.path.exists(os.path.join(ckpt, name)):
+            writer = int(name[len("rank") : -len(".bin")]) if name.startswith("rank") else 0
+            raise CheckpointError(
+                f"{os.path.join(ckpt, name)}: missing. {ckpt} is node-local (saved with node_local=True by "
+                f"{len(nodes)} ranks on {len(set(nodes))} machines): each machine holds its own ranks' states, "
+                f"and this rank (rank {engine.topo.rank} of {engine.topo.world_size}) needs rank {writer}'s, "
+                f"written on {nodes[writer] if writer < len(nodes) else 'another machine'}. Load with the same "
+                "ranks on each machine, or copy every machine's step folder into one (an ordinary checkpoint "
+                "then, loadable at any world size)"
+            )
+    data.check_present(needed)
 
 
 def _load_unit(reader: ChunkReader, store: Any, ui: int, unit: Any) -> torch.Tensor:

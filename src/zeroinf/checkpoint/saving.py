@@ -39,7 +39,7 @@ from typing import Any
 from torch import nn
 
 from zeroinf.aio import BufferPool
-from zeroinf.checkpoint.common import broadcast_error, gather, module_state_tensors, rng_state
+from zeroinf.checkpoint.common import broadcast_error, gather, module_state_tensors, node_leaders, rng_state
 from zeroinf.checkpoint.format import (
     CHUNK_NUMEL,
     DTYPE_NAMES,
@@ -78,6 +78,7 @@ def save(
     *,
     blocking: bool = True,
     keep_last: int | None = None,
+    node_local: bool = False,
 ) -> str | PendingSave:
     """Save a checkpoint of `model` and its zeroinf `optimizer` as `path/step_{step:08d}`; a collective.
 
@@ -86,7 +87,8 @@ def save(
     `blocking=False`, a `PendingSave` at once, whose writes overlap the next forward and backward
     ([Note: saving without stopping training]). `keep_last=N`: once this checkpoint is published,
     remove those of `path` with a lower step but the N - 1 highest, so N remain of this run
-    ([Note: keeping the last checkpoints]).
+    ([Note: keeping the last checkpoints]). `node_local=True`: `path` is each machine's own disk,
+    not a folder every rank sees ([Note: node-local checkpoints]).
     """
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"zeroinf.save: keep_last = {keep_last!r} is invalid; use None (keep all) or an int >= 1")
@@ -99,7 +101,7 @@ def save(
             "save between optimizer steps"
         )
     check_params_intact(engine.all_units)  # values written past the engine would not be saved
-    job = _SaveJob(model, engine, optimizer, os.fspath(path), int(step), extra, keep_last)
+    job = _SaveJob(model, engine, optimizer, os.fspath(path), int(step), extra, keep_last, node_local)
     if blocking:
         job.write()
         return job.finish()
@@ -162,14 +164,21 @@ class _SaveJob:
 
     def __init__(
         self, model: nn.Module, engine: Engine, optimizer: Any, root: str, step: int, extra: Any,
-        keep_last: int | None = None,
+        keep_last: int | None = None, node_local: bool = False,
     ) -> None:
         self.engine, self.store, self.root, self.keep_last = engine, optimizer.states, root, keep_last
         self.rank = engine.topo.rank
         self.name = step_dirname(step)
         self.tmp = os.path.join(root, TMP_PREFIX + self.name)
+        # Who writes the folder, the shared files and the manifest: rank 0, or with `node_local` the
+        # first rank of each machine, on that machine's disk ([Note: node-local checkpoints]).
+        self.nodes: list[str] | None = None
+        self.publisher = self.rank == 0
+        if node_local:
+            self.nodes, leaders = node_leaders(engine)
+            self.publisher = leaders[self.rank] == self.rank
         error = None
-        if self.rank == 0:
+        if self.publisher:
             try:
                 os.makedirs(root, exist_ok=True)
                 shutil.rmtree(self.tmp, ignore_errors=True)  # a crashed earlier attempt at this step
@@ -185,7 +194,7 @@ class _SaveJob:
         self.body = json.loads(json.dumps(_manifest_head(model, engine, optimizer, step, extra)))
         self.rng = rng_state(engine)
         self.buffers = (
-            [(n, t.detach().clone()) for n, t in module_state_tensors(model, engine)] if self.rank == 0 else []
+            [(n, t.detach().clone()) for n, t in module_state_tensors(model, engine)] if self.publisher else []
         )
         self.chunks: dict[str, list[dict[str, Any]]] = {}
         self.files: dict[str, dict[str, Any]] = {}
@@ -197,15 +206,18 @@ class _SaveJob:
         engine, rank, tmp = self.engine, self.rank, self.tmp
         try:
             with _stream_writers(engine) as open_writer:
-                if engine.policy.shard_optimizer or rank == 0:  # stage 0: every rank holds the same states
-                    fname = rank_filename(rank)
+                # stage 0: every rank holds the same states, written once (once per machine, node-local)
+                if engine.policy.shard_optimizer or self.publisher:
+                    fname = rank_filename(rank if engine.policy.shard_optimizer else 0)
                     state_bytes = 3 * 4 * sum(unit.owned_numel for unit in engine.units)
                     writer = open_writer(os.path.join(tmp, fname), state_bytes)
+                    # another machine's copy of rank 0's file: the same pieces, listed once (rank 0's)
+                    chunks = self.chunks if engine.policy.shard_optimizer or rank == 0 else {}
                     for ui, unit in enumerate(engine.units):
                         for s, e, views in self.store.iter_segments(ui):
-                            _append_segment(writer, fname, unit, s, e, views, self.chunks)
+                            _append_segment(writer, fname, unit, s, e, views, chunks)
                     self.files[fname] = {"size": writer.close()}
-                if rank == 0:
+                if self.publisher:
                     writer = open_writer(os.path.join(tmp, MODULE_STATE_FILE))
                     for sname, t in self.buffers:
                         at, h = writer.append(t)
@@ -223,15 +235,15 @@ class _SaveJob:
         gathered = gather(engine, (self.error, self.chunks, self.files, self.rng))
         errors = [g[0] for g in gathered if g[0]]
         if errors:
-            if rank == 0:  # every rank has stopped writing: free the space the partial save took
+            if self.publisher:  # every rank has stopped writing: free the space the partial save took
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{errors[0]} (the partial checkpoint was removed; the previous one is intact)")
         error = None
-        if rank == 0:
+        if self.publisher:
             try:
                 self._publish(gathered)
             except Exception as e:  # noqa: BLE001
-                error = f"zeroinf.save: rank 0 failed finishing {tmp}: {type(e).__name__}: {e}"
+                error = f"zeroinf.save: rank {rank} failed finishing {tmp}: {type(e).__name__}: {e}"
         broadcast_error(engine, error)
         return os.path.join(self.root, self.name)
 
@@ -246,6 +258,8 @@ class _SaveJob:
             lst.sort(key=lambda ch: ch["o"])
         body = {**self.body, "chunks": all_chunks, "files": all_files, "module_state": self.module_state,
                 "rng": [g[3] for g in gathered]}
+        if self.nodes is not None:  # the machine of each rank's file: loading checks its own are here
+            body["node_local"] = self.nodes
         write_atomic(os.path.join(self.tmp, MANIFEST), encode_manifest(body))
         fsync_dir(self.tmp)
         root, name = self.root, self.name
@@ -263,6 +277,19 @@ class _SaveJob:
         if self.keep_last is not None:
             remove_older_checkpoints(root, self.keep_last, name)
 
+
+# [Note: node-local checkpoints]
+# On machines without a file system they all see, `save(..., node_local=True)` writes each rank's
+# states to its own machine's disk (`path`, the same name on every machine), and the first rank of
+# each machine (by torchrun's GROUP_RANK, Slurm's SLURM_NODEID, else the host name) writes there
+# what rank 0 writes otherwise: the folder, the buffers, the manifest (listing every rank's file and
+# its machine) and `latest`, and removes that machine's old checkpoints (`keep_last`). At stage 0,
+# where every rank holds the same states, each machine keeps a copy of rank 0's file. As
+# DeepSpeed's `use_node_local_storage`, such a checkpoint loads with the same ranks on each machine:
+# each rank then finds its own pieces at home; `load` checks that every file this rank's layout
+# needs is there and otherwise names the missing file and its machine. Copied together into one
+# folder (every machine's step folder merged), it is an ordinary checkpoint again, loadable at any
+# world size, and `zeroinf.consolidate` reads it.
 
 # [Note: keeping the last checkpoints]
 # `save(..., keep_last=N)` bounds the disk a run's checkpoints take (a 7B model's fp32 master and
