@@ -118,6 +118,23 @@ def train_rank(rank: int, world: int, arch: str, stage: int, root: str) -> dict[
     return summary(trainer, rank)
 
 
+def each_node_rank(rank: int, world: int, root: str, resume: bool) -> dict[str, Any]:
+    """One rank of a world-2 run where each rank is a machine of its own (torchrun's GROUP_RANK)
+    with its own disk (`root/machine<rank>`), saving with `save_on_each_node` every 2 steps; or, with
+    `resume`, new processes continuing from each machine's own checkpoint-2."""
+    os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"] = str(rank), "0"  # torchrun's, on a machine of its own
+    out = os.path.join(root, f"machine{rank}", "run")
+    trainer = run_zeroinf(
+        "llama", out, 3, per_device_train_batch_size=4 // world, save_strategy="steps", save_steps=2,
+        save_on_each_node=True, resume_from_checkpoint=os.path.join(out, "checkpoint-2") if resume else None,
+    )
+    result = summary(trainer, rank)
+    result["files"] = {step: sorted(os.listdir(os.path.join(out, f"checkpoint-{step}", "zeroinf", f"step_{step:08d}")))
+                       for step in (2, 4)}
+    result["weights_files"] = sorted(f for f in os.listdir(os.path.join(out, "checkpoint-4")) if "safetensors" in f)
+    return result
+
+
 def lora_llama() -> torch.nn.Module:
     """The tiny Llama with peft LoRA adapters on q and v (the same adapters after the same seed)."""
     from peft import LoraConfig, get_peft_model

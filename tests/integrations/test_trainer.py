@@ -42,6 +42,7 @@ from tests.integrations._trainer_runs import (  # noqa: E402
     EVAL_DATA,
     ArithmeticSequences,
     build_dropout_gpt2,
+    each_node_rank,
     logged,
     lora_llama,
     lora_rank,
@@ -541,3 +542,23 @@ def test_a_bf16_model_built_under_init_with_exact_masters_trains_as_the_eagerly_
     eager, exact, rounded = run("eager"), run("exact"), run("init")
     assert exact == eager, (exact, eager)
     assert rounded[1] == eager[1] and rounded != eager, (rounded, eager)
+
+
+def test_save_on_each_node_keeps_each_machines_checkpoint_on_its_disk(tmp_path, plain_llama) -> None:
+    """`save_on_each_node=True` with machines that share no disk (two ranks, each a machine of its
+    own with its own folder): each checkpoint holds that machine's rank's states (node-local,
+    checkpoint/saving.py [Note: node-local checkpoints]) and the model's weights, and new processes
+    resume from their own disks with the straight run's losses."""
+    from transformers import LlamaForCausalLM
+
+    ranks = run_ranks(each_node_rank, 2, str(tmp_path), False, timeout_s=240)
+    _assert_parity(ranks[0], plain_llama, "stage 3, world 2, save_on_each_node")
+    for rank, got in enumerate(ranks):
+        for step in (2, 4):
+            assert got["files"][step] == ["manifest.json", "module_state.bin", f"rank{rank:05d}.bin"], (rank, got)
+        assert got["weights_files"] == ["model.safetensors"], got["weights_files"]
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / f"machine{rank}" / "run" / "checkpoint-4").state_dict()
+        assert all(torch.equal(loaded[n], t) for n, t in ranks[0]["weights"].items()), rank
+    resumed = run_ranks(each_node_rank, 2, str(tmp_path), True, timeout_s=240)
+    for step in (3, 4):
+        assert resumed[0]["loss"][step] == ranks[0]["loss"][step], f"step {step}"

@@ -375,7 +375,7 @@ class Trainer(transformers.Trainer):
         if self._saving_checkpoint and not self.args.save_only_model and self.optimizer is not None:
             return  # a checkpoint's weights are written with its sharded states (_save_optimizer_and_scheduler)
         assert output_dir is not None, "TrainingArguments always has an output_dir"
-        zeroinf.save_pretrained(self._sharded_model(), output_dir)
+        zeroinf.save_pretrained(self._sharded_model(), output_dir, on_each_node=self.args.save_on_each_node)
         if self.args.should_save:
             self._save_model_files(output_dir)
         if self.args.push_to_hub and not _internal_call:
@@ -391,14 +391,18 @@ class Trainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         sharded = os.path.join(output_dir, ZEROINF_DIR)
         model = self._sharded_model()
-        zeroinf.save(sharded, model, self.optimizer, step=self.state.global_step)  # a collective
+        # `save_on_each_node`: every machine keeps the checkpoint on its own disk (each its ranks' states,
+        # checkpoint/saving.py [Note: node-local checkpoints]); the weights are then written by each
+        # machine's first rank from the gathered model, since no machine holds every rank's states
+        each_node = self.args.save_on_each_node
+        zeroinf.save(sharded, model, self.optimizer, step=self.state.global_step, node_local=each_node)  # collective
         adapters = is_peft_model(model)  # the plain Trainer's checkpoints: adapters
-        if self.checkpoint_weights and adapters:  # a collective
-            zeroinf.save_pretrained(model, output_dir)
+        if self.checkpoint_weights and (adapters or each_node):  # a collective
+            zeroinf.save_pretrained(model, output_dir, on_each_node=each_node)
         if not self.args.should_save:
             return
         if self.checkpoint_weights:
-            if not adapters:  # streamed from the sharded states on rank 0, nothing gathered
+            if not adapters and not each_node:  # streamed from the sharded states on rank 0, nothing gathered
                 # frozen parameters sharded at stage 3 are not in the checkpoint: written without, warned
                 zeroinf.consolidate(sharded, output_dir, dtype=self.zeroinf_config.param_dtype, allow_missing=True)
             self._save_model_files(output_dir)

@@ -54,6 +54,7 @@ def save_pretrained_weights(
     max_shard_bytes: int = 5 * 10**9,
     hub_layout_of: nn.Module | None = None,
     engine: Engine | None = None,
+    write: bool | None = None,
 ) -> dict[str, str]:
     """Write the weights (parameters and persistent buffers) of sharded `model`; returns the
     weight map (name -> file). `dtype`: of floating tensors (default: as they are). `engine`: where
@@ -61,11 +62,12 @@ def save_pretrained_weights(
     part's own tensors are written, under its own names.
     `hub_layout_of`: the transformers model inside `model`, whose checkpoint conversions are
     reverted as its `save_pretrained` reverts them (fused experts written one tensor each:
-    weights/hf_conversion.py `hub_layout`), unit by unit, after `rename`."""
+    weights/hf_conversion.py `hub_layout`), unit by unit, after `rename`. `write`: whether this rank
+    writes the files (every rank gathers; default: rank 0)."""
     engine = engine or engine_of(model)
     part = engine.module is not model
     rename = rename or (lambda name: name)
-    rank0 = engine.topo.rank == 0
+    writer = engine.topo.rank == 0 if write is None else write
     first_name: dict[int, str] = {}
     for name, p in model.named_parameters():
         first_name.setdefault(id(p), name)
@@ -133,7 +135,7 @@ def save_pretrained_weights(
         # longer be resized (freed) when its unit is sharded again
         return write_safetensors_files(
             out_dir, entries, lambda i: values(i).to("cpu", dtype=entries[i][2], copy=True),
-            max_shard_bytes=max_shard_bytes, write=rank0,
+            max_shard_bytes=max_shard_bytes, write=writer,
         )
     finally:
         release()

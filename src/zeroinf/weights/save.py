@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroinf.engine import engine_containing, engine_of
+from zeroinf.engine import engine_containing
 from zeroinf.integrations.peft_layers import is_peft_model, tuner_layers
 from zeroinf.partition.gathered import gathered
 from zeroinf.weights.export import save_pretrained_weights
@@ -35,17 +35,24 @@ from zeroinf.weights.hf_conversion import transformers_model
 
 def save_pretrained(
     model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
-    max_shard_bytes: int = 5 * 10**9,
+    max_shard_bytes: int = 5 * 10**9, on_each_node: bool = False,
 ) -> None:
     """Write sharded `model` as a Hugging Face folder (module docstring). `dtype`: of the floating
     weights written (default: the compute dtype); `max_shard_bytes`: split the weights into files of
-    at most this size, with an index, as `save_pretrained` does."""
+    at most this size, with an index, as `save_pretrained` does. `on_each_node`: the first rank of
+    each machine writes the folder to its own disk, not rank 0 alone (machines without a shared file
+    system; the Trainer's `save_on_each_node`)."""
     engine = engine_containing(model)
     if engine is None:
         raise TypeError("zeroinf.save_pretrained: this module is not part of a sharded model: call zeroinf.shard first")
     out = os.fspath(out_dir)
+    writer = engine.topo.rank == 0
+    if on_each_node:
+        from zeroinf.checkpoint.common import node_leaders
+
+        writer = node_leaders(engine)[1][engine.topo.rank] == engine.topo.rank
     if engine.module is model and is_peft_model(model):
-        _save_adapters(model, out, dtype)
+        _save_adapters(model, out, dtype, writer)
     else:
         if engine.module is not model and tuner_layers(model):
             raise ValueError(
@@ -55,9 +62,9 @@ def save_pretrained(
             )
         save_pretrained_weights(
             model, out, dtype=dtype, max_shard_bytes=max_shard_bytes, hub_layout_of=transformers_model(model),
-            engine=engine,
+            engine=engine, write=writer,
         )
-        if engine.topo.rank == 0:
+        if writer:
             write_configs(model, out)
     if engine.topo.is_distributed:
         torch.distributed.barrier(group=engine.topo.group)
@@ -76,12 +83,12 @@ def write_configs(model: nn.Module, out: str) -> None:
             config.save_pretrained(out)
 
 
-def _save_adapters(model: Any, out: str, dtype: torch.dtype | None) -> None:
+def _save_adapters(model: Any, out: str, dtype: torch.dtype | None, writer: bool) -> None:
     """`PeftModel.save_pretrained(out)` from the trainable parameters and the persistent buffers
     alone: peft takes what it saves (adapters, `modules_to_save`, VeRA's projections) from the state
     dict it is given, under the names `state_dict()` gives: every path to a tensor that several
     layers share (VB-LoRA's vector bank, VeRA's projections; peft saves the model-level one)."""
-    writer = engine_of(model).topo.rank == 0  # every rank gathers (a collective); rank 0 alone copies and writes
+    # every rank gathers (a collective); the writer (rank 0, or each machine's first) copies and writes
     trainable = [(name, p) for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
     unique = list({id(p): p for _, p in trainable}.values())
     with gathered(unique):
