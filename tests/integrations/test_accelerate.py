@@ -299,3 +299,57 @@ def test_accelerate_accumulating_over_other_batches_than_the_engine_is_refused(r
     for r in results:
         message = r["accumulate"].get("mismatch_error", "")
         assert "gradient_accumulation_steps=2" in message and "grad_accum_steps is 1" in message, message
+
+
+def _each_node(rank: int, world: int, root: str, load: bool) -> dict[str, Any]:
+    """`sharded_save_state` with accelerate's `save_on_each_node`: each rank a machine of its own
+    (torchrun's GROUP_RANK and LOCAL_RANK) with its own folder; two steps, save_state, two more; or
+    load_state from its own folder in new processes, then two steps."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from zeroinf.integrations import sharded_save_state
+
+    os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"] = str(rank), "0"
+    folder, nvme = os.path.join(root, f"machine{rank}", "state"), os.path.join(root, f"machine{rank}", "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    x = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    rows = x[rank * 4 // world : (rank + 1) * 4 // world]
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(save_on_each_node=True))
+    model, opt, scheduler = _prepared(accelerator, "zeroinf", 3, "nvme", "bf16", nvme)
+    sharded_save_state(accelerator)
+
+    def step() -> float:
+        loss = model(input_ids=rows, labels=rows).loss
+        accelerator.backward(loss)
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+        return loss.item()
+
+    result: dict[str, Any] = {}
+    if load:
+        accelerator.load_state(folder)
+    else:
+        result["before"] = [step(), step()]
+        accelerator.save_state(folder)
+        accelerator.wait_for_everyone()
+        result["files"] = sorted(os.listdir(os.path.join(folder, "zeroinf_optimizer_0", "step_00000002")))
+    result["after"] = [step(), step()]
+    opt.close()
+    zeroinf.engine_of(model).close()
+    return result
+
+
+def test_sharded_save_state_on_each_node_keeps_each_machines_piece_on_its_disk(tmp_path) -> None:
+    """accelerate's `save_on_each_node` with `sharded_save_state`: each machine's folder holds its
+    own rank's piece (node-local, checkpoint/saving.py [Note: node-local checkpoints]), and new
+    processes resume from their own folders bitwise (stage 3 on NVMe, bf16)."""
+    pytest.importorskip("accelerate")
+    from tests._harness import run_ranks
+
+    saved = run_ranks(_each_node, 2, str(tmp_path), False, timeout_s=300)
+    loaded = run_ranks(_each_node, 2, str(tmp_path), True, timeout_s=300)
+    for rank in range(2):
+        assert saved[rank]["files"] == ["manifest.json", "module_state.bin", f"rank{rank:05d}.bin"], saved[rank]
+        assert loaded[rank]["after"] == saved[rank]["after"], (rank, saved[rank], loaded[rank])

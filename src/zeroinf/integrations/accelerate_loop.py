@@ -14,6 +14,7 @@ only: a run that never imported accelerate pays nothing and needs nothing instal
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import weakref
@@ -93,7 +94,7 @@ def sharded_save_state(accelerator: Any) -> None:
     if getattr(accelerator, "_zeroinf_sharded_state", False):
         return
     accelerator._zeroinf_sharded_state = True
-    accelerator.register_save_state_pre_hook(_save_sharded)
+    accelerator.register_save_state_pre_hook(functools.partial(_save_sharded, accelerator))
     accelerator.register_load_state_pre_hook(_remember_load_dir)
 
 
@@ -110,12 +111,17 @@ def _optimizers_of(models: list[Any]) -> list[tuple[int, Any, Any]]:
     return found
 
 
-def _save_sharded(models: list[Any], weights: list[Any], output_dir: str) -> None:
+def _save_sharded(accelerator: Any, models: list[Any], weights: list[Any], output_dir: str) -> None:
+    """The pre-hook: zeroinf.save of each optimizer; node-local where accelerate saves on each
+    machine (`ProjectConfiguration(save_on_each_node=True)`: checkpoint/saving.py [Note: node-local
+    checkpoints])."""
     import zeroinf
 
+    config = getattr(accelerator, "project_configuration", None)
+    each_node = bool(getattr(config, "save_on_each_node", False))
     for index, model, optimizer in _optimizers_of(models):
         name = f"zeroinf_optimizer_{index}"
-        zeroinf.save(os.path.join(output_dir, name), model, optimizer, step=optimizer.step_count)
+        zeroinf.save(os.path.join(output_dir, name), model, optimizer, step=optimizer.step_count, node_local=each_node)
         _to_save[optimizer] = name
 
 
