@@ -240,16 +240,22 @@ def test_demo_loop_equals_plain_pytorch_bitwise(stage: int) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, args.warmup_steps, args.steps, args.min_lr_ratio)
     )
+    assert train(args).losses == _plain_losses(model, opt, sched, sampler, args.steps)
+
+
+def _plain_losses(model, opt, sched, sampler, steps: int) -> list[float]:
+    """The demo's loop in plain PyTorch: the reference the zeroinf runs are compared with."""
     plain = []
-    for step in range(args.steps):
+    for step in range(steps):
         ((inputs, targets),) = sampler.micro_batches(step)
         loss = model(inputs, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        sched.step()
+        if sched is not None:
+            sched.step()
         plain.append(float(loss.detach()))
-    assert train(args).losses == plain
+    return plain
 
 
 def test_a_deepspeed_configs_optimizer_and_scheduler_make_the_runs(tmp_path: Path, capsys) -> None:
@@ -285,17 +291,7 @@ def test_a_deepspeed_configs_optimizer_and_scheduler_make_the_runs(tmp_path: Pat
         model = GPT(args.model_config())
         opt = torch.optim.AdamW(param_groups(model, 0.05), lr=3e-3, betas=(0.9, 0.95), eps=eps, fused=True)
         sched = DeepSpeedSchedule(opt, "WarmupDecayLR", **schedule) if scheduled else None
-        plain = []
-        for step in range(args.steps):
-            ((inputs, targets),) = sampler.micro_batches(step)
-            loss = model(inputs, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if sched is not None:
-                sched.step()
-            plain.append(float(loss.detach()))
-        assert train(args).losses == plain, name
+        assert train(args).losses == _plain_losses(model, opt, sched, sampler, args.steps), name
     assert cli.main(["train", "--deepspeed", str(tmp_path / "constant.json"), "--lr", "1e-3", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "--lr (optimizer.params.lr): set by DeepSpeed config" in err and "drop the flag" in err, err

@@ -100,12 +100,8 @@ class FinetuneArgs:
     config: Config | str | None = None
     """Engine config (or a TOML/JSON path); None: stage 3 with clipping at 1.0."""
     deepspeed: str | dict[str, Any] | None = None
-    """A DeepSpeed JSON config or its dict (the engine settings come through `config`,
-    `Config.from_deepspeed`): where it has an `optimizer` section, that section and its `scheduler`
-    section make the optimizer and the LR schedule as DeepSpeed's engine does
-    (`zeroinf.optimizer_from_deepspeed`), in place of lr, betas, weight_decay, warmup_steps and
-    min_lr_ratio, which fill only its "auto" values (`DEEPSPEED_AUTO`); without a scheduler section
-    the learning rate stays constant, as under DeepSpeed."""
+    """A DeepSpeed config whose optimizer and scheduler sections make the optimizer and schedule,
+    as `zeroinf.train.TrainArgs.deepspeed` says."""
     out: str | None = None
     """Write the fine-tuned model here as a Hugging Face folder."""
     save_every: int = 0

@@ -150,6 +150,18 @@ def _prepared(accelerator: Any, kind: str, stage: int, tier: str, dtype: str, nv
     return accelerator.prepare(model, opt, scheduler)
 
 
+def _step(accelerator: Any, model: Any, opt: Any, scheduler: Any, rows: torch.Tensor, world: int) -> float:
+    """One training step through accelerate; the loss averaged over the ranks."""
+    loss = model(input_ids=rows, labels=rows).loss
+    accelerator.backward(loss)
+    opt.step()
+    scheduler.step()
+    opt.zero_grad()
+    mean = loss.detach().float().clone()
+    dist.all_reduce(mean)
+    return mean.item() / world
+
+
 def _save_or_load(rank: int, world: int, folder: str, nvme: str, load: bool, case: str) -> dict[str, Any]:
     """Two steps, `accelerator.save_state`, two more (load=False); or `load_state` of that folder in
     new processes (any world size), then two steps."""
@@ -166,14 +178,7 @@ def _save_or_load(rank: int, world: int, folder: str, nvme: str, load: bool, cas
         sharded_save_state(accelerator)
 
     def step() -> float:
-        loss = model(input_ids=rows, labels=rows).loss
-        accelerator.backward(loss)
-        opt.step()
-        scheduler.step()
-        opt.zero_grad()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        return mean.item() / world
+        return _step(accelerator, model, opt, scheduler, rows, world)
 
     result: dict[str, Any] = {}
     try:
@@ -318,24 +323,15 @@ def _each_node(rank: int, world: int, root: str, load: bool) -> dict[str, Any]:
     accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(save_on_each_node=True))
     model, opt, scheduler = _prepared(accelerator, "zeroinf", 3, "nvme", "bf16", nvme)
     sharded_save_state(accelerator)
-
-    def step() -> float:
-        loss = model(input_ids=rows, labels=rows).loss
-        accelerator.backward(loss)
-        opt.step()
-        scheduler.step()
-        opt.zero_grad()
-        return loss.item()
-
     result: dict[str, Any] = {}
     if load:
         accelerator.load_state(folder)
     else:
-        result["before"] = [step(), step()]
+        result["before"] = [_step(accelerator, model, opt, scheduler, rows, world) for _ in range(2)]
         accelerator.save_state(folder)
         accelerator.wait_for_everyone()
         result["files"] = sorted(os.listdir(os.path.join(folder, "zeroinf_optimizer_0", "step_00000002")))
-    result["after"] = [step(), step()]
+    result["after"] = [_step(accelerator, model, opt, scheduler, rows, world) for _ in range(2)]
     opt.close()
     zeroinf.engine_of(model).close()
     return result
