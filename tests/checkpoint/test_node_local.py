@@ -5,8 +5,9 @@ a "machine" of its own (torchrun's GROUP_RANK) with its own disk (a folder no ot
 manifest and `latest` (stage 0: a copy of rank 0's file on each); new processes with the same ranks
 on each machine load from their own disks and continue the straight run bitwise (stage 0, 2, and 3
 on NVMe); `keep_last` prunes each disk. One machine's folder alone is refused at world 1, naming
-the file and the machine that holds it; every machine's folders merged load at world 1 and continue
-the straight run (within fp32 reduction order).
+the file and the machine that holds it (`verify` checks its own files and lists the others',
+`consolidate` says to merge); every machine's folders merged load at world 1 and continue the
+straight run (within fp32 reduction order).
 """
 
 from __future__ import annotations
@@ -99,11 +100,18 @@ def test_one_machines_folder_is_refused_elsewhere_and_merged_folders_load_anywhe
 
     root, scratch, per_rank = saved
     m, o = _make(2, False, scratch)
+    alone = os.path.join(_disk(root, 0), "s2")
     with pytest.raises(CheckpointError, match=r"rank00001.bin: missing.*node-local.*rank 1's, written on GROUP_RANK=1"):
-        zeroinf.load(os.path.join(_disk(root, 0), "s2"), m, o)
+        zeroinf.load(alone, m, o)
+    # verify checks what is here and lists what is elsewhere; consolidate needs every rank's states
+    summary = zeroinf.checkpoint.verify(alone)
+    assert summary["elsewhere"] == ["rank00001.bin"] and summary["files"] == 2, summary
+    with pytest.raises(CheckpointError, match="keeps rank00001.bin on other machines: copy every machine's"):
+        zeroinf.consolidate(alone, str(tmp_path / "hf"))
     merged = tmp_path / "merged" / "step_00000003"
     for rank in range(2):
         shutil.copytree(os.path.join(_disk(root, rank), "s2", "step_00000003"), merged, dirs_exist_ok=True)
+    assert zeroinf.checkpoint.verify(str(merged))["elsewhere"] == []
     info = zeroinf.load(str(merged), m, o)
     losses = train_rank_slices(m, o, 0, 1, info["step"], STEPS, BATCH)
     assert losses == pytest.approx(per_rank[0]["s2"][SAVE_AT:], rel=1e-5)

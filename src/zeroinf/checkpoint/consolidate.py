@@ -34,6 +34,7 @@ from zeroinf.checkpoint.format import (
     as_bytes,
     fsync_dir,
     read_manifest,
+    refuse_files_elsewhere,
     resolve,
     write_atomic,
 )
@@ -85,6 +86,7 @@ def consolidate(
             "model.merge_and_unload() and zeroinf.save_pretrained(merged, out). zeroinf.integrations.Trainer's "
             "checkpoint-N folders hold the adapters already"
         )
+    refuse_files_elsewhere(ckpt, body, "consolidate")
     frozen = (body.get("frozen") or {}) if include_module_state else {}
     named = ", ".join(list(frozen)[:3]) + (", ..." if len(frozen) > 3 else "")
     if frozen and frozen_from is None and not allow_missing:

@@ -172,6 +172,26 @@ def resolve(path: str) -> str:
     )
 
 
+def files_elsewhere(ckpt: str, body: dict[str, Any]) -> list[str]:
+    """The data files a node-local checkpoint (saving.py [Note: node-local checkpoints]) keeps on
+    other machines: listed in its manifest, absent from this machine's folder; [] for any other."""
+    if not body.get("node_local"):
+        return []
+    return sorted(name for name in body["files"] if not os.path.exists(os.path.join(ckpt, name)))
+
+
+def refuse_files_elsewhere(ckpt: str, body: dict[str, Any], what: str) -> None:
+    """`what` needs every rank's states: refuse a node-local folder that lacks some, saying how to merge."""
+    absent = files_elsewhere(ckpt, body)
+    if absent:
+        more = " and more" if len(absent) > 3 else ""
+        raise CheckpointError(
+            f"{ckpt}: {what} needs every rank's states, and this node-local checkpoint keeps "
+            f"{', '.join(absent[:3])}{more} on other machines: copy every machine's {os.path.basename(ckpt)} "
+            "folder into one first (it is then an ordinary checkpoint)"
+        )
+
+
 READ_AHEAD_BYTES = 64 * 1024 * 1024
 
 

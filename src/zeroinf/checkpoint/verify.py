@@ -1,6 +1,7 @@
 """`verify(path)`: check a whole checkpoint without a model: the manifest, that the chunks of every
 parameter cover it exactly once, and that the recorded pieces tile every data file exactly (no
-unaccounted byte), each piece read back and checked against its xxh3-64."""
+unaccounted byte), each piece read back and checked against its xxh3-64. A node-local checkpoint's
+files on other machines are listed (`elsewhere`), the ones here checked."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from zeroinf.checkpoint.format import (
     CheckpointError,
     DataFiles,
     chunk_what,
+    files_elsewhere,
     read_manifest,
     resolve,
 )
@@ -50,11 +52,14 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
         if pos != body["params"][name]["numel"]:
             raise CheckpointError(f"{ckpt}/{MANIFEST}: parameter {name}: chunks cover {pos} of "
                                   f"{body['params'][name]['numel']} elements")
+    elsewhere = files_elsewhere(ckpt, body)
     data = DataFiles(ckpt, body["files"])
     try:
-        data.check_all_present()
+        data.check_present([name for name in body["files"] if name not in elsewhere])
         buf = torch.empty(0, dtype=torch.uint8)
         for fname, pieces in file_pieces(body).items():
+            if fname in elsewhere:
+                continue
             if fname not in body["files"]:
                 raise CheckpointError(f"{ckpt}/{MANIFEST}: {pieces[0][3]} lies in {fname}, which is not listed")
             pos = 0
@@ -75,5 +80,6 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
                 )
     finally:
         data.close()
-    return {"path": ckpt, "step": body["step"], "files": len(body["files"]),
-            "bytes": sum(f["size"] for f in body["files"].values())}
+    return {"path": ckpt, "step": body["step"], "files": len(body["files"]) - len(elsewhere),
+            "bytes": sum(f["size"] for name, f in body["files"].items() if name not in elsewhere),
+            "elsewhere": elsewhere}
