@@ -7,7 +7,8 @@ on each machine load from their own disks and continue the straight run bitwise 
 on NVMe); `keep_last` prunes each disk. One machine's folder alone is refused at world 1, naming
 the file and the machine that holds it (`verify` checks its own files and lists the others',
 `consolidate` says to merge); every machine's folders merged load at world 1 and continue the
-straight run (within fp32 reduction order).
+straight run (within fp32 reduction order). World 3 over two machines (2 + 1 ranks): the machine
+with two ranks holds both their states in its one folder, and all three resume bitwise.
 """
 
 from __future__ import annotations
@@ -132,3 +133,35 @@ def test_train_save_node_local_writes_node_local_checkpoints(tmp_path) -> None:
     assert body["step"] == 4 and len(body["node_local"]) == 1
     resumed = train(TrainArgs(**tiny, steps=4, resume=str(tmp_path / "step_00000002")))
     assert resumed.losses == straight.losses[2:]
+
+
+def phase_two_on_one(rank: int, world: int, root: str, scratch: str, load: bool) -> dict:
+    """Three ranks, two on machine 0 (one disk, one folder), one on machine 1: the machine's first
+    rank writes the folder and manifest, the other writes its states beside them."""
+    import zeroinf
+
+    machine = 0 if rank < 2 else 1
+    os.environ["GROUP_RANK"] = str(machine)
+    folder = os.path.join(root, f"machine{machine}", "s3")
+    m, o = _make(3, True, scratch)
+    if load:
+        info = zeroinf.load(folder, m, o)
+        return {"after": train_rank_slices(m, o, rank, world, info["step"], STEPS, BATCH)}
+    straight = train_rank_slices(m, o, rank, world, 0, STEPS, BATCH)
+    m, o = _make(3, True, scratch)
+    train_rank_slices(m, o, rank, world, 0, SAVE_AT, BATCH)
+    zeroinf.save(folder, m, o, step=SAVE_AT, node_local=True)
+    return {"straight": straight, "files": sorted(os.listdir(os.path.join(folder, "step_00000003")))}
+
+
+def test_two_ranks_on_one_machine_and_one_on_another(tmp_path) -> None:
+    """World 3 over two machines (2 + 1 ranks): machine 0's folder holds ranks 0 and 1's states,
+    machine 1's rank 2's, each with the manifest; all three resume bitwise from their machines."""
+    root, scratch = str(tmp_path / "disks"), str(tmp_path / "swap")
+    os.makedirs(scratch)
+    saved = run_ranks(phase_two_on_one, 3, root, scratch, False, timeout_s=240)
+    assert saved[0]["files"] == ["manifest.json", "module_state.bin", "rank00000.bin", "rank00001.bin"], saved[0]
+    assert saved[2]["files"] == ["manifest.json", "module_state.bin", "rank00002.bin"], saved[2]
+    loaded = run_ranks(phase_two_on_one, 3, root, scratch, True, timeout_s=240)
+    for rank in range(3):
+        assert loaded[rank]["after"] == saved[rank]["straight"][SAVE_AT:], rank
