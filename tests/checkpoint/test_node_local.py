@@ -165,3 +165,33 @@ def test_two_ranks_on_one_machine_and_one_on_another(tmp_path) -> None:
     loaded = run_ranks(phase_two_on_one, 3, root, scratch, True, timeout_s=240)
     for rank in range(3):
         assert loaded[rank]["after"] == saved[rank]["straight"][SAVE_AT:], rank
+
+
+def phase_shared(rank: int, world: int, root: str, scratch: str) -> str:
+    """Two machines (GROUP_RANK 0 and 1) saving node-local into one folder they both see."""
+    import zeroinf
+    from zeroinf.checkpoint.format import CheckpointError
+
+    os.environ["GROUP_RANK"] = str(rank)
+    m, o = _make(2, False, scratch)
+    train_rank_slices(m, o, rank, world, 0, 1, BATCH)
+    zeroinf.save(os.path.join(root, "shared"), m, o, step=1)  # an ordinary checkpoint first
+    try:
+        zeroinf.save(os.path.join(root, "shared"), m, o, step=2, node_local=True)
+    except CheckpointError as error:
+        return str(error)
+    return "saved"
+
+
+def test_node_local_into_a_folder_the_machines_share_is_refused(tmp_path) -> None:
+    """On a shared file system, node_local=True would have each machine's first rank write its own
+    manifest over the other's: refused on every rank, naming the fix; the checkpoint before stays
+    the latest."""
+    import zeroinf
+
+    scratch = str(tmp_path / "swap")
+    os.makedirs(scratch)
+    got = run_ranks(phase_shared, 2, str(tmp_path), scratch, timeout_s=240)
+    for message in got:
+        assert "is one folder for several machines" in message and "node_local=False" in message, message
+    assert zeroinf.checkpoint.verify(str(tmp_path / "shared"))["step"] == 1

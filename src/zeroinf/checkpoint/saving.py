@@ -187,6 +187,8 @@ class _SaveJob:
             except (OSError, TypeError, ValueError) as e:
                 error = f"zeroinf.save: cannot prepare {self.tmp}: {e}"
         broadcast_error(engine, error)
+        if node_local:
+            self._refuse_a_shared_folder()
         # Masters kept in parameter files: their last writes land now, on this thread; the writer
         # then reads those files alone while training gathers from them (optim/states.py).
         self.store.land_master_writes()
@@ -200,6 +202,29 @@ class _SaveJob:
         self.files: dict[str, dict[str, Any]] = {}
         self.module_state: dict[str, Any] = {}
         self.error: str | None = None
+
+    def _refuse_a_shared_folder(self) -> None:
+        """node_local=True where machines share the folder (a shared file system): their first ranks
+        would write one manifest over another's, each listing its own machine's files. Each one marks
+        the folder it prepared, and a mark of another machine's means the folder is shared."""
+        mark = os.path.join(self.tmp, f".publisher-{self.rank}")
+        if self.publisher:
+            open(mark, "w").close()
+        gather(self.engine, None)  # every publisher has marked
+        error = None
+        if self.publisher:
+            mine = os.path.basename(mark)
+            others = sorted(f for f in os.listdir(self.tmp) if f.startswith(".publisher-") and f != mine)
+            if others:
+                error = (
+                    f"zeroinf.save(node_local=True): {self.root} is one folder for several machines (ranks "
+                    f"{', '.join(f.removeprefix('.publisher-') for f in others)} of other machines prepared it "
+                    "too): node_local is for a disk each machine has alone; on a file system the machines share, "
+                    "save with node_local=False (the Trainer's and accelerate's save_on_each_node=False)"
+                )
+        broadcast_error(self.engine, error)  # every publisher has looked
+        if self.publisher:
+            os.remove(mark)
 
     def write(self) -> None:
         """This rank's data files; no collective, so it may run on a background thread."""
@@ -289,7 +314,9 @@ class _SaveJob:
 # each rank then finds its own pieces at home; `load` checks that every file this rank's layout
 # needs is there and otherwise names the missing file and its machine. Copied together into one
 # folder (every machine's step folder merged), it is an ordinary checkpoint again, loadable at any
-# world size, and `zeroinf.consolidate` reads it.
+# world size, and `zeroinf.consolidate` reads it. On a file system the machines share, their first
+# ranks would write one manifest over another's: each marks the folder it prepares, and a mark of
+# another machine's refuses the save on every rank (`_refuse_a_shared_folder`).
 
 # [Note: keeping the last checkpoints]
 # `save(..., keep_last=N)` bounds the disk a run's checkpoints take (a 7B model's fp32 master and
