@@ -182,7 +182,9 @@ class _SaveJob:
             try:
                 os.makedirs(root, exist_ok=True)
                 shutil.rmtree(self.tmp, ignore_errors=True)  # a crashed earlier attempt at this step
-                os.makedirs(self.tmp)
+                # node-local: another machine preparing the same folder is what `_refuse_a_shared_folder`
+                # reports; its `makedirs` must not end the save first with a bare FileExistsError
+                os.makedirs(self.tmp, exist_ok=node_local)
                 json.dumps(extra)  # fail early (before any data is written) if not serializable
             except (OSError, TypeError, ValueError) as e:
                 error = f"zeroinf.save: cannot prepare {self.tmp}: {e}"
@@ -208,20 +210,27 @@ class _SaveJob:
         would write one manifest over another's, each listing its own machine's files. Each one marks
         the folder it prepared, and a mark of another machine's means the folder is shared."""
         mark = os.path.join(self.tmp, f".publisher-{self.rank}")
-        if self.publisher:
-            open(mark, "w").close()
-        gather(self.engine, None)  # every publisher has marked
+        shared = (
+            f"zeroinf.save(node_local=True): {self.root} is one folder for several machines ({{}}): node_local is "
+            "for a disk each machine has alone; on a file system the machines share, save with node_local=False "
+            "(the Trainer's and accelerate's save_on_each_node=False)"
+        )
         error = None
         if self.publisher:
+            try:
+                open(mark, "w").close()
+            except OSError:  # its folder went: another machine's save removed it to prepare its own
+                error = shared.format(f"{self.tmp} was removed while rank {self.rank} prepared it")
+        gather(self.engine, None)  # every publisher has marked (a mark is made after its maker's removal)
+        if self.publisher and error is None:
             mine = os.path.basename(mark)
-            others = sorted(f for f in os.listdir(self.tmp) if f.startswith(".publisher-") and f != mine)
+            try:
+                others = sorted(f for f in os.listdir(self.tmp) if f.startswith(".publisher-") and f != mine)
+            except OSError:
+                others = ["?"]
             if others:
-                error = (
-                    f"zeroinf.save(node_local=True): {self.root} is one folder for several machines (ranks "
-                    f"{', '.join(f.removeprefix('.publisher-') for f in others)} of other machines prepared it "
-                    "too): node_local is for a disk each machine has alone; on a file system the machines share, "
-                    "save with node_local=False (the Trainer's and accelerate's save_on_each_node=False)"
-                )
+                ranks = ", ".join(f.removeprefix(".publisher-") for f in others)
+                error = shared.format(f"ranks {ranks} of other machines prepared it too")
         broadcast_error(self.engine, error)  # every publisher has looked
         if self.publisher:
             os.remove(mark)
