@@ -176,7 +176,9 @@ class OffloadConfig:
     """Dtype of Adam's two moments, wherever they live: "fp32" (12 bytes per parameter with the fp32
     master), or "bf16" (8 bytes: a third less memory, disk and NVMe traffic for the states; each moment
     is updated in fp32 and rounded to bf16 stochastically, so it stays unbiased; optim/moments.py).
-    Not bitwise torch.optim's AdamW: within its rounding (docs/design.md, "Optimizer step")."""
+    Not bitwise torch.optim's AdamW: within its rounding (docs/design.md, "Optimizer step"). The states
+    of a torch optimizer through `zeroinf.ShardedOptimizer` (Lion's momentum, SGD's, RMSprop's square
+    average) likewise: Lion then keeps 6 bytes per parameter."""
     gradients: str = "device"
     """Tier of the fp32 gradient shards."""
     nvme_dir: str | None = None

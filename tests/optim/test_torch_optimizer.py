@@ -481,8 +481,35 @@ def test_other_refusals() -> None:
         zeroinf.ShardedOptimizer("sgd", model.parameters())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"ShardedOptimizer\(SGD\): these parameters belong to no sharded model"):
         zeroinf.ShardedOptimizer(torch.optim.SGD, build_model().parameters(), lr=0.1)
-    bf16 = zeroinf.shard(build_model(), zeroinf.Config(stage=1, offload={"optimizer": "host", "moment_dtype": "bf16"}))
-    with pytest.raises(ValueError, match="moment_dtype = 'bf16' is zeroinf.AdamW's"):
-        zeroinf.ShardedOptimizer(torch.optim.SGD, bf16.parameters(), lr=0.1, momentum=0.9)
-    adamw = zeroinf.AdamW(bf16, lr=1e-3)  # nothing was built or taken over by the refused one
-    assert zeroinf.engine_of(bf16).optimizer_ref() is adamw
+
+
+@pytest.mark.parametrize("name", ["lion", "sgd-momentum", "rmsprop"])
+def test_bf16_states_are_placement_invariant_and_follow_fp32_ones(name: str, tmp_path: Path) -> None:
+    """`offload.moment_dtype = "bf16"` for a torch optimizer ([Note: bf16 states of a torch
+    optimizer]): every placement (stage 3 with states on the host and on NVMe in small sub-groups,
+    stage 1 on the device) trains the same bits, the losses follow fp32 states', and the states take
+    2 bytes an element each on the host."""
+    cls, settings = {
+        "lion": (zeroinf.Lion, {"lr": 1e-3, "weight_decay": 0.1}), "sgd-momentum": SGD_MOMENTUM,
+        "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3}),
+    }[name]
+
+    def run(stage: int, tier: str, moments: str) -> tuple[list[float], torch.Tensor, int]:
+        folder = tmp_path / f"{stage}-{tier}-{moments}"
+        folder.mkdir()
+        offload = zeroinf.OffloadConfig(params=tier if stage == 3 else "device", optimizer=tier, moment_dtype=moments,
+                                        nvme_dir=str(folder) if tier == "nvme" else None, sub_group_numel=2048)
+        model = zeroinf.shard(build_model(), zeroinf.Config(stage=stage, persist_threshold_bytes=0, offload=offload))
+        opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
+        losses = train_rank_slices(model, opt, 0, 1, 0, 5)
+        weights = torch.cat([v.float().flatten() for v in model.state_dict().values()])
+        states = zeroinf.engine_of(model).ledger.live_bytes(zeroinf.Tier.HOST, "optimizer_state")
+        opt.close()
+        return losses, weights, states
+
+    host, nvme, device = run(3, "host", "bf16"), run(3, "nvme", "bf16"), run(1, "device", "bf16")
+    assert host[0] == nvme[0] == device[0] and torch.equal(host[1], nvme[1]) and torch.equal(host[1], device[1])
+    fp32 = run(3, "host", "fp32")
+    assert host[0] == pytest.approx(fp32[0], rel=1e-3), (host[0], fp32[0])
+    # the masters are the fp32 parameter shards here (counted with them): the states alone, half the bytes
+    assert fp32[2] == 2 * host[2] > 0, (fp32[2], host[2])

@@ -27,6 +27,15 @@ Its state must be at most two tensors shaped as the parameter (the store's slots
 tensors) are refused with what they keep. Only the slots it keeps take memory or move to and from
 NVMe (optim/states.py `absent_slot`, optim/nvme_states.py).
 
+[Note: bf16 states of a torch optimizer]
+With `offload.moment_dtype = "bf16"` the store keeps these states in bf16, as zeroinf.AdamW's
+moments (optim/moments.py [Note: bf16 moments]): 2 bytes an element each (Lion's momentum beside
+its fp32 master: 6 bytes per parameter instead of 8). The update runs window by window (at most
+WINDOW_NUMEL elements of one parameter): each state widened to fp32, the torch optimizer's step,
+then rounded back stochastically with the noise of (parameter name, element, step, state slot),
+so every placement trains the same bits (tests: stage 3 on the host and on NVMe in small
+sub-groups, stage 1 on the device), within bf16's rounding of fp32 states.
+
 A parameter's first step runs in a fresh instance of the optimizer built over its pieces, so the
 optimizer creates its own initial state as it would (SGD's momentum is the first gradient,
 Adagrad's sum starts at `initial_accumulator_value`, Rprop's step sizes at lr); later steps run in
@@ -46,6 +55,7 @@ import torch
 from torch import nn
 
 from zeroinf.engine import engine_of
+from zeroinf.optim.moments import WINDOW_NUMEL, NoiseTable, param_key, round_stochastic_
 from zeroinf.optim.pipeline import StateViews, SubGroup
 from zeroinf.optim.sharded import ShardedOptimizerBase
 from zeroinf.optim.torch_args import model_of_params
@@ -249,12 +259,9 @@ class ShardedOptimizer(ShardedOptimizerBase):
                 f"zeroinf.ShardedOptimizer: {cls.__name__}'s param groups keep {len(union)} different tensors "
                 f"per parameter together ({', '.join(union)}); zeroinf keeps at most {MAX_STATES}"
             )
-        moment_dtype = engine_of(owner).cfg.offload.moment_dtype
-        if moment_dtype != "fp32":
-            raise ValueError(
-                f"zeroinf.ShardedOptimizer: offload.moment_dtype = {moment_dtype!r} is zeroinf.AdamW's (its "
-                "moments with stochastic rounding); a torch optimizer's states stay fp32: set moment_dtype='fp32'"
-            )
+        # bf16 states ([Note: bf16 states of a torch optimizer]): widened per window, rounded back
+        self._bf16_states = engine_of(owner).cfg.offload.moment_dtype == "bf16"
+        self._noise: NoiseTable | None = None
         self.state_names = union  # what the store's two state slots hold
         self.keeps_step = any(found.keeps_step for found in inspected)
         super().__init__(owner, given, defaults, track_grad_norm)
@@ -278,6 +285,9 @@ class ShardedOptimizer(ShardedOptimizerBase):
                 continue
             group = self.param_groups[gi] if hyper is None else hyper[gi]
             settings = {k: group[k] for k in self.hyperparameter_keys}
+            if self._bf16_states and slots:
+                self._update_bf16(sg, views, grad, gi, cuts, slots, settings)
+                continue
             pieces = [views.master[a:b] for _, a, b, _ in cuts]
             for piece, (_, a, b, _) in zip(pieces, cuts, strict=True):
                 piece.grad = grad[a:b]
@@ -289,6 +299,34 @@ class ShardedOptimizer(ShardedOptimizerBase):
                 target = views.master[a:b]
                 if piece.data_ptr() != target.data_ptr():  # the optimizer set `p.data` instead of writing it
                     target.copy_(piece)
+
+    def _update_bf16(
+        self, sg: SubGroup, views: StateViews, grad: torch.Tensor, gi: int, cuts: list[tuple[int, int, int, int]],
+        slots: list[torch.Tensor], settings: dict[str, Any],
+    ) -> None:
+        """The step over bf16 states: window by window, each state widened to fp32, the torch step,
+        then rounded back stochastically with the noise of (parameter, element, step, state)."""
+        steps = self.param_steps[sg.unit_index]
+        names = self.engine.units[sg.unit_index].param_names
+        moments = self._group_slots[gi]  # the store slot of each state: the noise's `moment`
+        if self._noise is None:
+            self._noise = NoiseTable(views.master.device)
+        for slot, a, b, param_start in cuts:
+            key, count = param_key(names[slot]), steps[slot]
+            for lo in range(a, b, WINDOW_NUMEL):
+                hi = min(b, lo + WINDOW_NUMEL)
+                piece = views.master[lo:hi]
+                piece.grad = grad[lo:hi]
+                wide = [s[lo:hi].float() for s in slots]
+                with self._kept_lock:
+                    self._step_pieces([piece], [count], settings, self._group_names[gi], [wide])
+                piece.grad = None
+                target = views.master[lo:hi]
+                if piece.data_ptr() != target.data_ptr():  # the optimizer set `p.data` instead of writing it
+                    target.copy_(piece)
+                start = param_start + lo - a
+                for s, w, moment in zip(slots, wide, moments, strict=True):
+                    s[lo:hi].copy_(round_stochastic_(w, self._noise.slice(key, start, count + 1, moment, hi - lo)))
 
     def _step_state(self, count: int, device: torch.device, settings: dict[str, Any]) -> torch.Tensor | int | float:
         """A parameter's `step` state at `count`, of the type, dtype and device the optimizer gives it on
