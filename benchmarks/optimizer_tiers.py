@@ -13,11 +13,11 @@ update rate (params/s) and, for nvme, the disk throughput the step reached (read
 over the step time), the host bytes the offload held, the time of the same swaps with no update
 (`io_only_median_s`) and the overlap of update and I/O: (io + update - step) / min(io, update),
 with the host setting's step of the same moment dtype as the update time (1: the shorter one fully
-hidden; 0: in sequence). `--moment-dtypes fp32,bf16` runs every setting with each dtype of Adam's
-moments (`offload.moment_dtype`), interleaved like the rest. `--optimizers` runs every setting
+hidden; 0: in sequence). `--moment-dtypes fp32,bf16` runs every setting with each dtype of the
+optimizer's states (`offload.moment_dtype`: Adam's moments, a torch optimizer's states), interleaved like the rest. `--optimizers` runs every setting
 with each optimizer: `adamw` is zeroinf.AdamW (its fused kernel, the default), the others a torch
 optimizer through zeroinf.ShardedOptimizer (`torch-adamw`: torch's fused AdamW, the same update as
-`adamw` through the generic path; `sgd`: SGD with momentum 0.9; `adagrad`); each entry also gives
+`adamw` through the generic path; `sgd`: SGD with momentum 0.9; `adagrad`; `lion`: zeroinf.Lion); each entry also gives
 the optimizer-state bytes per parameter the ledger holds on the setting's tier.
 """
 
@@ -57,6 +57,7 @@ OPTIMIZERS = {
     "torch-adamw": lambda model: zeroinf.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-4, fused=True),
     "sgd": lambda model: zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=1e-4, momentum=0.9),
     "adagrad": lambda model: zeroinf.ShardedOptimizer(torch.optim.Adagrad, model.parameters(), lr=1e-4),
+    "lion": lambda model: zeroinf.ShardedOptimizer(zeroinf.Lion, model.parameters(), lr=1e-4),
 }
 
 
@@ -125,7 +126,6 @@ def main() -> None:
     runs = [
         build(name if optimizer == "adamw" else f"{name} {optimizer}", offload, layers, args.width, optimizer)
         for name, offload in settings for optimizer in optimizers
-        if optimizer == "adamw" or offload.moment_dtype == "fp32"  # bf16 moments are zeroinf.AdamW's
     ]
     for run in runs:  # warm-up: first touch of every buffer and file
         timed_step(run)
