@@ -15,10 +15,11 @@ over the step time), the host bytes the offload held, the time of the same swaps
 with the host setting's step of the same moment dtype as the update time (1: the shorter one fully
 hidden; 0: in sequence). `--moment-dtypes fp32,bf16` runs every setting with each dtype of the
 optimizer's states (`offload.moment_dtype`: Adam's moments, a torch optimizer's states),
-interleaved like the rest. `--optimizers` runs every setting with each optimizer: `adamw` is zeroinf.AdamW (its fused kernel, the default), the others a torch
-optimizer through zeroinf.ShardedOptimizer (`torch-adamw`: torch's fused AdamW, the same update as
-`adamw` through the generic path; `sgd`: SGD with momentum 0.9; `adagrad`; `lion`: zeroinf.Lion); each entry also gives
-the optimizer-state bytes per parameter the ledger holds on the setting's tier.
+interleaved like the rest. `--optimizers` runs every setting with each optimizer: `adamw` is
+zeroinf.AdamW (its fused kernel, the default), the others a torch optimizer through
+zeroinf.ShardedOptimizer (`torch-adamw`: torch's fused AdamW, the same update as `adamw` through
+the generic path; `sgd`: SGD with momentum 0.9; `adagrad`; `lion`: zeroinf.Lion); each entry also
+gives the optimizer-state bytes per parameter the ledger holds on the setting's tier.
 """
 
 from __future__ import annotations
