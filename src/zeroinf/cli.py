@@ -218,8 +218,11 @@ def optimizer_settings(ns: argparse.Namespace, d: Any) -> dict[str, Any]:
     data, label = read_deepspeed(ns.deepspeed)
     if not isinstance(data.get("optimizer"), dict):
         return settings  # the flags make the optimizer
-    keys = {"--lr": [("optimizer", "lr"), ("scheduler", "warmup_max_lr")],
-            "--warmup": [("scheduler", "warmup_num_steps")], "--weight-decay": [("optimizer", "weight_decay")]}
+    from zeroinf.train import DEEPSPEED_AUTO
+
+    # the section keys each flag's field fills (what "auto" there becomes: train.py DEEPSPEED_AUTO)
+    fields = {"--lr": "lr", "--warmup": "warmup_steps", "--weight-decay": "weight_decay"}
+    keys = {flag: [key for key, by in DEEPSPEED_AUTO.items() if by == field] for flag, field in fields.items()}
     filled = {name: {**data[name], "params": dict(data[name].get("params") or {})}
               for name in ("optimizer", "scheduler") if isinstance(data.get(name), dict)}
     clashes = []

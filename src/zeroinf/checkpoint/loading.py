@@ -22,6 +22,8 @@ from zeroinf.checkpoint.format import (
     MODULE_STATE_FILE,
     CheckpointError,
     DataFiles,
+    files_elsewhere,
+    rank_filename,
     read_manifest,
     resolve,
 )
@@ -140,18 +142,18 @@ def _check_own_files_here(body: dict[str, Any], engine: Engine, data: DataFiles,
             for chunk in body["chunks"].get(unit.layout.slots[piece.slot_index].name, []):
                 if chunk["o"] < hi and lo < chunk["o"] + chunk["n"]:
                     needed.add(chunk["f"])
-    nodes = body["node_local"]
-    for name in sorted(needed):
-        if not os.path.exists(os.path.join(ckpt, name)):
-            writer = int(name[len("rank") : -len(".bin")]) if name.startswith("rank") else 0
-            raise CheckpointError(
-                f"{os.path.join(ckpt, name)}: missing. {ckpt} is node-local (saved with node_local=True by "
-                f"{len(nodes)} ranks on {len(set(nodes))} machines): each machine holds its own ranks' states, "
-                f"and this rank (rank {engine.topo.rank} of {engine.topo.world_size}) needs rank {writer}'s, "
-                f"written on {nodes[writer] if writer < len(nodes) else 'another machine'}. Load with the same "
-                "ranks on each machine, or copy every machine's step folder into one (an ordinary checkpoint "
-                "then, loadable at any world size)"
-            )
+    missing = sorted(needed & set(files_elsewhere(ckpt, body)))
+    if missing:
+        nodes = body["node_local"]
+        writer = next((r for r in range(len(nodes)) if rank_filename(r) == missing[0]), None)
+        whose = "another machine's" if writer is None else f"rank {writer}'s, written on {nodes[writer]}"
+        raise CheckpointError(
+            f"{os.path.join(ckpt, missing[0])}: missing. {ckpt} is node-local (saved with node_local=True by "
+            f"{len(nodes)} ranks on {len(set(nodes))} machines): each machine holds its own ranks' states, "
+            f"and this rank (rank {engine.topo.rank} of {engine.topo.world_size}) needs {whose}. Load with the "
+            "same ranks on each machine, or copy every machine's step folder into one (an ordinary checkpoint "
+            "then, loadable at any world size)"
+        )
     data.check_present(needed)
 
 

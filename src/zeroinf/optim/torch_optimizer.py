@@ -288,17 +288,27 @@ class ShardedOptimizer(ShardedOptimizerBase):
             if self._bf16_states and slots:
                 self._update_bf16(sg, views, grad, gi, cuts, slots, settings)
                 continue
-            pieces = [views.master[a:b] for _, a, b, _ in cuts]
-            for piece, (_, a, b, _) in zip(pieces, cuts, strict=True):
-                piece.grad = grad[a:b]
-            with self._kept_lock:
-                self._step_pieces(pieces, [steps[slot] for slot, *_ in cuts], settings, self._group_names[gi],
-                                  [[s[a:b] for s in slots] for _, a, b, _ in cuts])
-            for piece, (_, a, b, _) in zip(pieces, cuts, strict=True):
-                piece.grad = None
-                target = views.master[a:b]
-                if piece.data_ptr() != target.data_ptr():  # the optimizer set `p.data` instead of writing it
-                    target.copy_(piece)
+            self._step_ranges(
+                views.master, grad, [(a, b) for _, a, b, _ in cuts], [steps[slot] for slot, *_ in cuts], settings,
+                self._group_names[gi], [[s[a:b] for s in slots] for _, a, b, _ in cuts],
+            )
+
+    def _step_ranges(
+        self, master: torch.Tensor, grad: torch.Tensor, ranges: list[tuple[int, int]], counts: list[int],
+        settings: dict[str, Any], names: tuple[str, ...], states: list[list[torch.Tensor]],
+    ) -> None:
+        """The torch step over ranges [a, b) of a sub-group's master (each its own parameter to the
+        optimizer, its gradient the same range of `grad`), with these states and step counts."""
+        pieces = [master[a:b] for a, b in ranges]
+        for piece, (a, b) in zip(pieces, ranges, strict=True):
+            piece.grad = grad[a:b]
+        with self._kept_lock:
+            self._step_pieces(pieces, counts, settings, names, states)
+        for piece, (a, b) in zip(pieces, ranges, strict=True):
+            piece.grad = None
+            target = master[a:b]
+            if piece.data_ptr() != target.data_ptr():  # the optimizer set `p.data` instead of writing it
+                target.copy_(piece)
 
     def _update_bf16(
         self, sg: SubGroup, views: StateViews, grad: torch.Tensor, gi: int, cuts: list[tuple[int, int, int, int]],
@@ -315,15 +325,8 @@ class ShardedOptimizer(ShardedOptimizerBase):
             key, count = param_key(names[slot]), steps[slot]
             for lo in range(a, b, WINDOW_NUMEL):
                 hi = min(b, lo + WINDOW_NUMEL)
-                piece = views.master[lo:hi]
-                piece.grad = grad[lo:hi]
                 wide = [s[lo:hi].float() for s in slots]
-                with self._kept_lock:
-                    self._step_pieces([piece], [count], settings, self._group_names[gi], [wide])
-                piece.grad = None
-                target = views.master[lo:hi]
-                if piece.data_ptr() != target.data_ptr():  # the optimizer set `p.data` instead of writing it
-                    target.copy_(piece)
+                self._step_ranges(views.master, grad, [(lo, hi)], [count], settings, self._group_names[gi], [wide])
                 start = param_start + lo - a
                 for s, w, moment in zip(slots, wide, moments, strict=True):
                     s[lo:hi].copy_(round_stochastic_(w, self._noise.slice(key, start, count + 1, moment, hi - lo)))
