@@ -432,8 +432,7 @@ class SplitStateStore:
                 self._local.append((part, sg))
 
     def keep_moments(self, moments: int) -> None:
-        self.check_room_for(moments)
-        self.host.keep_moments(moments)
+        self.host.keep_moments(moments)  # first: it refuses what the host part cannot hold, before any file is made
         self.nvme.keep_moments(moments)
 
     def check_room_for(self, moments: int) -> None:
