@@ -214,6 +214,45 @@ def test_save_every_and_resume_continue_the_straight_run_exactly(tmp_path: Path)
         train(TrainArgs(**base, config=Config(stage=2), resume=root))
 
 
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path: Path, capsys) -> None:
+    """`--init-from CKPT`: a new run (step 0, new optimizer, schedule and data order) from the weights
+    of a checkpoint saved at stage 3 on NVMe, here at stage 2 in memory: bitwise plain PyTorch's loop
+    started from that checkpoint's consolidated fp32 weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from zeroinf.data import BatchSampler, load_corpus, split_corpus
+    from zeroinf.models.gpt import GPT
+    from zeroinf.train import param_groups
+
+    (tmp_path / "swap").mkdir()
+    root = str(tmp_path / "ckpt")
+    offload = zeroinf.OffloadConfig(params="nvme", optimizer="nvme", nvme_dir=str(tmp_path / "swap"))
+    base = {**TINY_RUN, "eval_batches": 0}
+    train(TrainArgs(**base, steps=4, config=Config(stage=3, persist_threshold_bytes=0, offload=offload),
+                    save_every=4, save_dir=root))
+    args = TrainArgs(**base, steps=5, config=Config(stage=2), init_from=root)
+    new = train(args)
+    assert new.start_step == 0 and len(new.losses) == 5
+    zeroinf.consolidate(root, str(tmp_path / "weights"), dtype="fp32")
+    model = GPT(args.model_config())
+    weights = {}
+    for f in sorted((tmp_path / "weights").glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    model.load_state_dict(weights, strict=False)
+    assert {n for n, _ in model.named_parameters()} <= weights.keys()
+    train_bytes, _ = split_corpus(load_corpus(None, args.max_corpus_bytes), args.val_fraction)
+    sampler = BatchSampler(train_bytes, args.seq_len, args.global_batch, seed=args.seed, rank=0, world_size=1)
+    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=args.betas, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, args.warmup_steps, args.steps, args.min_lr_ratio)
+    )
+    assert new.losses == _plain_losses(model, opt, sched, sampler, args.steps)
+    assert cli.main(["train", "--model", "tiny", "--steps", "2", "--init-from", root, "--resume", root,
+                     "--no-progress"]) == 2
+    assert "--init-from and --resume both given" in capsys.readouterr().err
+
+
 def test_cli_save_needs_a_folder_and_resume_names_a_bad_checkpoint(tmp_path: Path, capsys) -> None:
     assert cli.main(["train", "--model", "tiny", "--steps", "2", "--save-every", "1", "--no-progress"]) == 2
     assert "--save-every 1 needs --save-dir" in capsys.readouterr().err

@@ -75,6 +75,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.eval_batches,
         help="validation batches at the end, 0 to skip (default: %(default)s)",
     )
+    run.add_argument(
+        "--init-from", metavar="CKPT",
+        help="start from the weights of a zeroinf checkpoint (its fp32 masters; root or step folder, any world "
+        "size), with a new optimizer, LR schedule and data order from step 0: a new phase of training, where "
+        "--resume continues the same run",
+    )
     add_engine_arguments(parser)
     add_launch_arguments(parser)
 
@@ -318,6 +324,7 @@ def run_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         keep_last=ns.keep_last,
         save_node_local=ns.save_node_local,
         resume=ns.resume,
+        init_from=ns.init_from,
     )
     if ns.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return relaunch_with_torchrun(ns.nproc, "train", argv)

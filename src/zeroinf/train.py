@@ -149,9 +149,18 @@ class TrainArgs:
     resume: str | None = None
     """Checkpoint root (its `latest`) or step folder to resume from: model, optimizer, LR schedule, RNG
     and data position; any world size, stage and offload placement. The run continues to `steps`."""
+    init_from: str | None = None
+    """Checkpoint whose weights (its fp32 masters) this run starts from, with a new optimizer, LR
+    schedule and data order from step 0 (`zeroinf.load` of the weights alone, before the optimizer
+    exists): a new phase of training. Not with `resume`, which continues the saving run."""
 
     def __post_init__(self) -> None:
         check_run_numbers(self)
+        if self.init_from and self.resume:
+            raise ValueError(
+                "--init-from and --resume both given: --resume continues a run (its optimizer, schedule and data "
+                "position), --init-from starts a new one from a checkpoint's weights; use one"
+            )
         for name in ("n_layer", "n_head", "d_model"):
             value = getattr(self, name)
             if value is not None and not _is_int(value, 1):
@@ -333,8 +342,9 @@ class Run:
     val_sampler: BatchSampler | None
     param_count: int
     corpus_bytes: int
-    plan_note: str = ""
-    """With "auto" placement fields: the chosen placement and its prediction."""
+    start_note: str = ""
+    """Printed before the first step: with "auto" placement fields the chosen placement and its
+    prediction; with `init_from` the checkpoint the weights came from."""
 
 
 def build_run(args: TrainArgs) -> Run:
@@ -342,7 +352,7 @@ def build_run(args: TrainArgs) -> Run:
     cfg = args.engine_config()
     topo = zeroinf.init_distributed(timeout_s=cfg.collective_timeout_s)
     set_cpu_threads(topo)
-    plan_note = ""
+    start_note = ""
     if cfg.is_auto:  # the fastest predicted placement that fits, before any memory is touched
         from zeroinf.planner.api import resolve_for_ranks
         from zeroinf.planner.model_facts import from_gpt_config
@@ -353,7 +363,7 @@ def build_run(args: TrainArgs) -> Run:
             tokens_per_step=args.global_batch * args.seq_len, seq_len=args.seq_len,
         )
         if chosen is not None and chosen.best is not None:
-            plan_note = f"auto placement (zeroinf plan): {format_estimate(chosen.best)}"
+            start_note = f"auto placement (zeroinf plan): {format_estimate(chosen.best)}"
     corpus = load_corpus(args.data, args.max_corpus_bytes)
     train_bytes, val_bytes = split_corpus(corpus, args.val_fraction)
 
@@ -377,6 +387,9 @@ def build_run(args: TrainArgs) -> Run:
     # placeholder of shape (0,), so `p.dim()` no longer tells matrices from vectors.
     groups = param_groups(model, args.weight_decay)
     model = zeroinf.shard(model, cfg, topology=topo)
+    if args.init_from:  # before the optimizer: it takes the checkpoint's fp32 masters as its own
+        info = zeroinf.load(args.init_from, model, load_rng=False)
+        start_note = "\n".join(filter(None, [start_note, f"weights from {info['path']} (step {info['step']})"]))
     from_file = deepspeed_optimizer(args.deepspeed, groups, args)
     if from_file is not None:
         opt, sched = from_file
@@ -395,7 +408,7 @@ def build_run(args: TrainArgs) -> Run:
         sampler(val_bytes) if use_val else None,
         param_count,
         len(corpus),
-        plan_note,
+        start_note,
     )
 
 
@@ -420,8 +433,8 @@ def train(args: TrainArgs) -> TrainResult:
     run = build_run(args)
     show = args.progress and run.topo.rank == 0
     if show:
-        if run.plan_note:
-            print(run.plan_note, flush=True)
+        if run.start_note:
+            print(run.start_note, flush=True)
         print(describe(args, run), flush=True)
     timeline: dict[str, Any] = {}
     try:
