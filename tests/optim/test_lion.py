@@ -31,6 +31,35 @@ def test_the_update_is_lions_formula() -> None:
         torch.testing.assert_close(opt.state[p]["exp_avg"], m, rtol=0, atol=1e-7)
 
 
+def test_in_blocks_the_update_is_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU the update runs in blocks of BLOCK_NUMEL elements (cache-sized; optim/lion.py): the
+    same bits as the whole-tensor update, for parameters of several blocks and a last partial one,
+    one smaller than a block, and a non-contiguous one (taken whole), over three steps."""
+    from zeroinf.optim import lion
+
+    def whole(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor) -> None:
+        update = m.mul(0.8).add_(g, alpha=0.2).sign_()
+        p.mul_(1 - 0.01 * 0.1)
+        p.add_(update, alpha=-0.01)
+        m.mul_(0.95).add_(g, alpha=0.05)
+
+    monkeypatch.setattr(lion, "BLOCK_NUMEL", 1000)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(2500)), torch.nn.Parameter(torch.randn(70, 30)),
+              torch.nn.Parameter(torch.randn(40, 60).t())]
+    want = [p.detach().clone() for p in params]
+    moments = [torch.zeros_like(w) for w in want]
+    opt = zeroinf.Lion(params, lr=0.01, betas=(0.8, 0.95), weight_decay=0.1)
+    for _ in range(3):
+        for p, w, m in zip(params, want, moments, strict=True):
+            g = torch.randn_like(w)
+            p.grad = g.clone()
+            whole(w, g, m)
+        opt.step()
+        for p, w, m in zip(params, want, moments, strict=True):
+            assert torch.equal(p.detach(), w) and torch.equal(opt.state[p]["exp_avg"], m)
+
+
 def test_a_parameter_with_no_gradient_signal_stays() -> None:
     p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     p.grad = torch.tensor([0.0, 0.5, -0.5])

@@ -22,6 +22,12 @@ from typing import Any
 
 import torch
 
+# On a CPU the update runs block by block: its five passes over a block of this many elements (the
+# sign's scratch, the parameter, gradient and momentum: 16 MiB in fp32) stay in cache, so memory sees
+# each tensor about once. 100M elements, AMD EPYC, 2 threads: 0.17-0.21 s a step whole, 0.047-0.056 s
+# in blocks of 2^20 (0.097 in 2^22, 0.054 in 2^18), the same bits. An accelerator takes it whole.
+BLOCK_NUMEL = 1 << 20
+
 
 class Lion(torch.optim.Optimizer):
     """Lion's sign update with decoupled weight decay (module docstring)."""
@@ -47,6 +53,7 @@ class Lion(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scratches: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the sign's, one per step
         for group in self.param_groups:
             lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
             for p in group["params"]:
@@ -55,10 +62,19 @@ class Lion(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avg = state["exp_avg"]
-                update = exp_avg.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
-                if decay:
-                    p.mul_(1 - lr * decay)
-                p.add_(update, alpha=-lr)
-                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+                exp_avg, grad = state["exp_avg"], p.grad
+                blocks = p.device.type == "cpu" and all(t.is_contiguous() for t in (p, grad, exp_avg))
+                size = min(BLOCK_NUMEL, p.numel()) if blocks else p.numel()
+                scratch = scratches.get((p.dtype, p.device))
+                if blocks and (scratch is None or scratch.numel() < size):
+                    scratch = scratches[(p.dtype, p.device)] = torch.empty(size, dtype=p.dtype, device=p.device)
+                flat = [t.view(-1) for t in (p, grad, exp_avg)] if blocks else [p, grad, exp_avg]
+                for start in range(0, p.numel(), size):
+                    pb, gb, mb = (t[start : start + size] for t in flat) if blocks else flat
+                    out = scratch[: pb.numel()] if blocks else torch.empty_like(mb)  # type: ignore[index]
+                    update = torch.mul(mb, beta1, out=out).add_(gb, alpha=1 - beta1).sign_()
+                    if decay:
+                        pb.mul_(1 - lr * decay)
+                    pb.add_(update, alpha=-lr)
+                    mb.mul_(beta2).add_(gb, alpha=1 - beta2)
         return loss
