@@ -211,7 +211,9 @@ READ_AHEAD_BYTES = 64 * 1024 * 1024
 # EPYC 2 threads, 4 rounds, `benchmarks/checkpoint_io.py` builds the model): medians 8.5 s plain
 # against 3.8 s direct for the whole state, 2.36 against 1.61 s for the masters alone
 # (`load_optimizer_states=False`, 4 of each 12 bytes, whose plain read-ahead also read the states
-# it skipped). More reader threads (2, 4, 8) changed nothing.
+# it skipped). More reader threads (2, 4, 8) changed nothing. `consolidate` reads the masters the
+# same way (its own engine): 3.06 -> 2.50 s for that checkpoint (medians of 3, writing 1 GB of bf16
+# safetensors); `verify` reads every byte in order and keeps the plain reads.
 
 
 class DataFiles:
