@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroinf.aio import AioConfig, AioEngine
 from zeroinf.checkpoint.format import (
     CHUNK_NUMEL,
     DTYPES,
@@ -125,10 +124,7 @@ def consolidate(
         for n, meta in body["module_state"].items():
             src = DTYPES[meta["dtype"]]
             groups[-1][n] = (meta["shape"], out_dtype if src.is_floating_point else src, ("module", meta))
-    # The masters alone, a third of each chunk: read around the rest, without the page cache
-    # (format.py [Note: checkpoint reads bypass the page cache]).
-    aio = AioEngine(AioConfig())
-    data = DataFiles(ckpt, body["files"], aio=aio)
+    data = DataFiles(ckpt, body["files"])
     try:
         entries, revert = _entries(model, groups)
         shards: list[list[Entry]] = [[]]
@@ -150,7 +146,6 @@ def consolidate(
             weight_map.update({e[0]: fname for e in shard})
     finally:
         data.close()
-        aio.close()
         if folder is not None:
             folder.close()
     tied = {n: body["params"][n]["aliases"] for n in body["order"] if body["params"][n]["aliases"]}
