@@ -513,3 +513,18 @@ def test_bf16_states_are_placement_invariant_and_follow_fp32_ones(name: str, tmp
     assert host[0] == pytest.approx(fp32[0], rel=1e-3), (host[0], fp32[0])
     # the masters are the fp32 parameter shards here (counted with them): the states alone, half the bytes
     assert fp32[2] == 2 * host[2] > 0, (fp32[2], host[2])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_in_windows_on_a_cpu_the_step_is_the_same_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU each parameter run is stepped in windows of STEP_WINDOW_NUMEL elements (its passes
+    stay in cache; optim/torch_optimizer.py `_update_sub_group`): with windows of 100 elements, so
+    that every matrix is cut and the last window is partial, every optimizer trains plain PyTorch's
+    bits (states on the host, stage 3, the step after backward)."""
+    from zeroinf.optim import torch_optimizer
+
+    monkeypatch.setattr(torch_optimizer, "STEP_WINDOW_NUMEL", 100)
+    cls, settings = OPTIMIZERS[name]
+    offload = {"params": "host", "optimizer": "host", "step_in_backward": False}
+    got = _sharded(cls, settings, 3, offload)
+    _assert_equal(got, _plain(cls, settings), f"{name} in windows of 100")

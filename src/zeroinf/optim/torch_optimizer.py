@@ -36,6 +36,13 @@ then rounded back stochastically with the noise of (parameter name, element, ste
 so every placement trains the same bits (tests: stage 3 on the host and on NVMe in small
 sub-groups, stage 1 on the device), within bf16's rounding of fp32 states.
 
+On a CPU each run is handed to the optimizer in windows of at most STEP_WINDOW_NUMEL elements,
+each a piece of its own: an elementwise update gives the same bits, and the optimizer's passes over
+a window (torch's single-tensor code makes two to four, some with a temporary) stay in cache. 100.7M
+parameters, host states, 2 threads, medians of 4 alternated steps (`/tmp/s59/win_ab.py`): SGD with
+momentum 0.053 -> 0.047 s, Adagrad 0.074 -> 0.069, torch's AdamW (fused) and zeroinf.Lion (in blocks
+already) unchanged.
+
 A parameter's first step runs in a fresh instance of the optimizer built over its pieces, so the
 optimizer creates its own initial state as it would (SGD's momentum is the first gradient,
 Adagrad's sum starts at `initial_accumulator_value`, Rprop's step sizes at lr); later steps run in
@@ -62,6 +69,7 @@ from zeroinf.optim.torch_args import model_of_params
 
 T = TypeVar("T")
 MAX_STATES = 2  # tensors shaped as the parameter that the store keeps beside the master (exp_avg, exp_avg_sq)
+STEP_WINDOW_NUMEL = WINDOW_NUMEL  # most elements one piece of a CPU step holds (see `_update_sub_group`)
 
 
 class UnsupportedOptimizer(ValueError):
@@ -288,9 +296,13 @@ class ShardedOptimizer(ShardedOptimizerBase):
             if self._bf16_states and slots:
                 self._update_bf16(sg, views, grad, gi, cuts, slots, settings)
                 continue
+            # In windows of at most STEP_WINDOW_NUMEL elements on a CPU (each its own piece to the
+            # optimizer: the update is elementwise, so the bits are the same), whose passes stay in cache.
+            window = STEP_WINDOW_NUMEL if views.master.device.type == "cpu" else max(1, sg.numel)
+            ranges = [(lo, min(b, lo + window), steps[slot]) for slot, a, b, _ in cuts for lo in range(a, b, window)]
             self._step_ranges(
-                views.master, grad, [(a, b) for _, a, b, _ in cuts], [steps[slot] for slot, *_ in cuts], settings,
-                self._group_names[gi], [[s[a:b] for s in slots] for _, a, b, _ in cuts],
+                views.master, grad, [(a, b) for a, b, _ in ranges], [n for *_, n in ranges], settings,
+                self._group_names[gi], [[s[a:b] for s in slots] for a, b, _ in ranges],
             )
 
     def _step_ranges(
