@@ -39,7 +39,8 @@ sub-groups, stage 1 on the device), within bf16's rounding of fp32 states.
 On a CPU each run is handed to the optimizer in windows of at most STEP_WINDOW_NUMEL elements,
 each a piece of its own: an elementwise update gives the same bits, and the optimizer's passes over
 a window (torch's single-tensor code makes two to four, some with a temporary) stay in cache. 100.7M
-parameters, host states, 2 threads, medians of 4 alternated steps (`/tmp/s59/win_ab.py`): SGD with
+parameters (benchmarks/optimizer_tiers.py's model), host states, 2 threads, medians of 4 steps
+alternating STEP_WINDOW_NUMEL = 2^40 (whole runs) and 2^20 in one process: SGD with
 momentum 0.053 -> 0.047 s, Adagrad 0.074 -> 0.069, torch's AdamW (fused) and zeroinf.Lion (in blocks
 already) unchanged.
 
