@@ -5,7 +5,8 @@ Against plain PyTorch (torch's fused AdamW, the kernel zeroinf runs) on the same
 with a first optimizer, then 3 with a new one of another learning rate and other param groups
 (decay / no decay): the same losses and weights, bitwise, at stages 0-3 with the optimizer states on
 the device, the host and NVMe (stage 3: the parameters there too), split between host and NVMe, and
-with the first optimizer deleted before the second is built; with bf16 moments, the run a rebuilt
+with the first optimizer deleted before the second is built, or closed (its states and masters freed:
+the new one starts from the weights, still plain PyTorch's bits); with bf16 moments, the run a rebuilt
 model with a first optimizer gives; at world 2 (one spawned group) on NVMe, to the parity suite's
 fp32 tolerances. The replaced optimizer refuses every use, naming the new one, and its `close()`
 leaves the new one's states alone; the fp16 loss scale carries over. Off a step boundary (a backward
@@ -63,7 +64,8 @@ def _rows(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
 
 
 def _sharded(
-    stage: int, offload: dict[str, Any], world: int = 1, rank: int = 0, drop_first: bool = False
+    stage: int, offload: dict[str, Any], world: int = 1, rank: int = 0, drop_first: bool = False,
+    close_first: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     """The loop with a second optimizer after FIRST steps; the losses (averaged over ranks), the
     weights, and the first optimizer (None when dropped)."""
@@ -73,6 +75,8 @@ def _sharded(
     losses = []
     for step in range(FIRST + SECOND):
         if step == FIRST:
+            if close_first:
+                opt.close()
             if drop_first:
                 del opt, first
                 gc.collect()
@@ -125,6 +129,43 @@ def test_split_states_and_a_deleted_first_optimizer(tmp_path: Path) -> None:
     _assert_plain(_sharded(3, split), "split host/NVMe")
     dropped = _sharded(3, {"params": "nvme", "optimizer": "nvme", "nvme_dir": str(tmp_path)}, drop_first=True)
     _assert_plain(dropped, "first optimizer deleted")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("tier", TIERS)
+def test_after_the_first_is_closed_a_new_optimizer_starts_from_the_weights(
+    stage: int, tier: str, tmp_path: Path
+) -> None:
+    """`opt.close()` frees the states and the masters with them (optim/sharded.py [Note: an optimizer
+    closed before the model]): an optimizer made afterwards starts as the model's first, from the
+    weights the model holds, which in fp32 are the masters: plain PyTorch's bits. (Before, it tried
+    to inherit the closed states and failed with an IndexError.)"""
+    offload = {**TIERS[tier], "nvme_dir": str(tmp_path)}
+    if stage == 3 and tier != "device":
+        offload["params"] = tier
+    _assert_plain(_sharded(stage, offload, close_first=True), f"stage {stage}, {tier}, first closed")
+
+
+def test_after_the_first_is_closed_a_weights_only_load_is_let_in(tmp_path: Path) -> None:
+    """A closed optimizer no longer counts as the model's: `zeroinf.load(path, model)` loads the
+    weights, and the next optimizer takes the checkpoint's fp32 masters (bf16 model: not the bf16
+    weights cast up)."""
+    cfg = zeroinf.Config(stage=3, param_dtype="bf16", offload={"params": "host", "optimizer": "host"})
+    model = zeroinf.shard(build_model(), cfg)
+    opt = zeroinf.AdamW(model, lr=LR)
+    opt.backward(model(*global_batch(0)))
+    opt.step()
+    opt.zero_grad()
+    ck.save(tmp_path / "ckpt", model, opt, step=1)
+    saved = [opt.states.read_unit(ui).master.clone() for ui in range(len(opt.engine.units))]
+    with pytest.raises(ValueError, match="this model has an optimizer"):
+        zeroinf.load(tmp_path / "ckpt", model)
+    opt.close()
+    zeroinf.load(tmp_path / "ckpt", model)
+    new = zeroinf.AdamW(model, lr=LR)
+    masters = [new.states.read_unit(ui).master for ui in range(len(new.engine.units))]
+    assert all(torch.equal(a, b) for a, b in zip(masters, saved, strict=True))
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters)  # fp32 values, not bf16 ones
 
 
 def test_bf16_moments_restart_from_zero(tmp_path: Path) -> None:

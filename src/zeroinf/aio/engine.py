@@ -318,6 +318,10 @@ class AioEngine:
     def backend_name(self) -> str:
         return self._backend.name
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # ---- files -------------------------------------------------------------------------------
 
     def open_file(self, path: str | os.PathLike[str], *, create: bool = False) -> int:

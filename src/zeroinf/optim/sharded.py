@@ -698,3 +698,13 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
             self._background = None
         self._release_update()
         self.states.close()
+        if self.engine.optimizer_ref is not None and self.engine.optimizer_ref() is self:
+            # [Note: an optimizer closed before the model] Its states, the fp32 masters with them, are
+            # gone, so no successor can inherit them (optim/succession.py): the model forgets it, and an
+            # optimizer made later starts as the model's first, its masters from the units' values
+            # (fp32 shards, a memory shard that held the master, or the NVMe parameter file: the same
+            # numbers; a bf16/fp16 shard: rounded), and a weights-only `zeroinf.load` is let in.
+            self.engine.optimizer_io = None
+            self.engine.optimizer_ref = None
+            for unit in self.engine.units:
+                unit.release_master()

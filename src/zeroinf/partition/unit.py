@@ -341,6 +341,13 @@ class ShardedUnit(UnitGradients):
         self._kept_masters.clear()
         return master
 
+    def release_master(self) -> None:
+        """The optimizer holding this unit's master was closed, its states freed: the next optimizer
+        takes the master anew, from the unit's values (optim/sharded.py `close`)."""
+        self._master_taken = False
+        self.initial_master = self._master_source = None
+        self.master_in_params = False
+
     def drop_kept_masters(self) -> None:
         """Let zeroinf.init's kept values go: the master comes from elsewhere (a checkpoint), or the
         engine is closed."""

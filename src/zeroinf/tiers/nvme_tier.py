@@ -78,7 +78,7 @@ class NvmeTier:
         if lane not in LANES:
             raise ValueError(f"unknown I/O lane {lane!r}; lanes: {LANES}")
         engine = self._engines.get(lane)
-        if engine is None:
+        if engine is None or engine.closed:  # closed with its user (a closed optimizer's store): a new one
             engine = self._engines[lane] = AioEngine(self.aio, ledger=self.ledger)
         return engine
 
