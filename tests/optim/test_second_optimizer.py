@@ -146,6 +146,22 @@ def test_after_the_first_is_closed_a_new_optimizer_starts_from_the_weights(
     _assert_plain(_sharded(stage, offload, close_first=True), f"stage {stage}, {tier}, first closed")
 
 
+def test_a_closed_optimizer_refuses_every_use_naming_why(tmp_path: Path) -> None:
+    model = zeroinf.shard(build_model(), zeroinf.Config(stage=3, offload={"params": "host", "optimizer": "host"}))
+    opt = zeroinf.AdamW(model, lr=LR)
+    opt.backward(model(*global_batch(0)))
+    opt.step()
+    opt.zero_grad()
+    opt.close()
+    opt.close()  # a second close does nothing
+    uses = [opt.step, opt.state_dict, lambda: opt.load_state_dict({}),
+            lambda: opt.backward(model(*global_batch(1))), lambda: ck.save(tmp_path / "ckpt", model, opt, step=1)]
+    for use in uses:
+        with pytest.raises(RuntimeError, match="this zeroinf.AdamW was closed: its states"):
+            use()
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("step_*"))
+
+
 def test_after_the_first_is_closed_a_weights_only_load_is_let_in(tmp_path: Path) -> None:
     """A closed optimizer no longer counts as the model's: `zeroinf.load(path, model)` loads the
     weights, and the next optimizer takes the checkpoint's fp32 masters (bf16 model: not the bf16

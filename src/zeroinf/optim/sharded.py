@@ -145,6 +145,7 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
                 )
         self.engine: Engine = engine_of(model)
         self._retired = False  # a newer optimizer of this model took over the states (optim/succession.py)
+        self._closed = False  # `close()` freed the states
         trainable = [p for u in self.engine.units for p in u.params]
         if not trainable:
             raise ValueError(
@@ -682,10 +683,16 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
     def require_current(self) -> None:
         if self._retired:
             raise RuntimeError(RETIRED)
+        if self._closed:
+            raise RuntimeError(
+                f"this {self.display_name} was closed: its states (the fp32 master weights among them) are freed. "
+                "Make a new optimizer for the model: it starts from the weights the model holds (optim/sharded.py "
+                "[Note: an optimizer closed before the model])"
+            )
 
     def close(self) -> None:
         """Free the optimizer states (for nvme: remove the swap files). Also done at exit."""
-        if self._retired:  # the states belong to the optimizer that replaced this one
+        if self._retired or self._closed:  # the states belong to the optimizer that replaced this one, or are gone
             return
         if self.pending_save is not None:  # its writer still reads the states
             self.pending_save.wait()
@@ -698,6 +705,7 @@ class ShardedOptimizerBase(StepInBackward, torch.optim.Optimizer):
             self._background = None
         self._release_update()
         self.states.close()
+        self._closed = True
         if self.engine.optimizer_ref is not None and self.engine.optimizer_ref() is self:
             # [Note: an optimizer closed before the model] Its states, the fp32 masters with them, are
             # gone, so no successor can inherit them (optim/succession.py): the model forgets it, and an
