@@ -226,8 +226,7 @@ class NvmeSwap:
 
     def add_slot(self, unit: str, kind: str, nbytes: int, alignment_bytes: int = 4096) -> SwapSlot:
         """Append a slot for a shard not in the planned layout (the file grows, preallocated)."""
-        if self._closed:
-            raise RuntimeError("NvmeSwap is closed")
+        self._require_open(unit, kind)
         if (unit, kind) in self._slots:
             raise ValueError(f"swap of rank {self.layout.rank} already has a slot for ({unit!r}, {kind!r})")
         if not _KIND_PATTERN.match(kind):
@@ -270,9 +269,17 @@ class NvmeSwap:
         """Where the shard of `unit` and `kind` lives now (a grown file may have moved it)."""
         return self._slots.get((unit, kind)) or self.layout.slot(unit, kind)  # the layout's error names it
 
-    def _slot_for(self, unit: str, kind: str, tensor: torch.Tensor, op: str, at_bytes: int | None) -> SwapSlot:
+    def _require_open(self, unit: str, kind: str) -> None:
         if self._closed:
-            raise RuntimeError("NvmeSwap is closed")
+            raise RuntimeError(
+                f"the NVMe swap files of rank {self.layout.rank} in {self.layout.folder} were closed and removed "
+                f"(the {kind} shard of {unit!r} was asked for): the engine or optimizer that owned them was closed "
+                "(engine_of(model).close(), optimizer.close(), or the process exiting). Shard the model again, or "
+                "make a new optimizer, to go on"
+            )
+
+    def _slot_for(self, unit: str, kind: str, tensor: torch.Tensor, op: str, at_bytes: int | None) -> SwapSlot:
+        self._require_open(unit, kind)
         slot = self.slot_of(unit, kind)
         nbytes = as_bytes(tensor, f"the {kind} shard of {unit!r}").numel()
         start = at_bytes or 0
