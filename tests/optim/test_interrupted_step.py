@@ -238,3 +238,51 @@ def test_ctrl_c_anywhere_in_an_nvme_step_then_a_load_trains_on(tmp_path: Path) -
     (outcomes,) = run_ranks(_ctrl_c_sweep, 1, str(tmp_path), points, timeout_s=600)
     assert [at for at, _ in outcomes] == points
     assert sum(outcome == "interrupted" for _, outcome in outcomes) >= 12, outcomes
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_load_while_a_step_inside_backward_waits_for_step(tier: str, tmp_path: Path) -> None:
+    """A backward stepped units inside it (offload.step_in_backward) and the loop then went wrong
+    (a second backward refused, `model.zero_grad()` refused) instead of calling `step()`: that step
+    still held staging buffers, and `zeroinf.load` waited 30 s for them and failed
+    (BufferPoolTimeout; found by a random draw of optimizer lifecycles). The load now drops the
+    waiting step (every state is rewritten), and the run goes on as one that loaded the checkpoint
+    afresh, bitwise."""
+    import torch
+
+    from tests._parity import build_model, global_batch
+
+    def make(sub: str) -> tuple[torch.nn.Module, Any]:
+        offload = {"optimizer": tier, "step_in_backward": True, "sub_group_numel": 2048}
+        if tier == "nvme":
+            offload["nvme_dir"] = str(tmp_path / sub)
+            (tmp_path / sub).mkdir()
+        model = zeroinf.shard(build_model(), zeroinf.Config(stage=2, offload=offload))
+        return model, zeroinf.AdamW(model, lr=1e-3)
+
+    def train(model: torch.nn.Module, opt: Any, steps: range) -> list[float]:
+        losses = []
+        for s in steps:
+            loss = model(*global_batch(s))
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model, opt = make("a")
+    train(model, opt, range(2))
+    zeroinf.save(tmp_path / "ckpt", model, opt, step=2)
+    model(*global_batch(5)).backward()  # steps units inside it; no step() follows
+    with pytest.raises(RuntimeError, match="already stepped units inside it"):
+        model.zero_grad()
+    with pytest.raises(RuntimeError, match="backward pass 2 since the last optimizer step"):
+        opt.backward(model(*global_batch(6)))
+    zeroinf.load(tmp_path / "ckpt", model, opt)
+    model.zero_grad()
+    resumed = train(model, opt, range(2, 4))
+    fresh_model, fresh_opt = make("b")
+    zeroinf.load(tmp_path / "ckpt", fresh_model, fresh_opt)
+    assert resumed == train(fresh_model, fresh_opt, range(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values(),
+                                                 strict=True))

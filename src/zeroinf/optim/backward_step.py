@@ -294,6 +294,8 @@ class StepInBackward:
         stepped model whole."""
         self.require_current()
         self.engine.release_gathered()
+        if self._session is not None:  # a step inside backward still waiting for `step()`: moot, every
+            self._abandon_backward_step()  # state is rewritten; its stream holds staging buffers the writes need
         self.states.forget_failure()
         try:
             yield
