@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests._harness import run_ranks
-from tests._parity import LR, build_model, global_batch
+from tests._parity import LR, build_model, global_batch, train_rank_slices
 
 BATCH, SAVED_STEPS, STEPS = 12, 2, 4
 LOADS = {  # name -> (stage, tiers of the loading model, optimizer after the load)
@@ -52,27 +52,12 @@ def _shard(stage: int, tiers: dict[str, str], scratch: str, dtype: str = "fp32")
     return zeroinf.shard(build_model(), cfg)
 
 
-def _train(model: Any, opt: Any, rank: int, world: int, start: int, stop: int) -> list[float]:
-    per = BATCH // world
-    losses = []
-    for step in range(start, stop):
-        x, y = (t[rank * per : (rank + 1) * per] for t in global_batch(step, batch=BATCH))
-        loss = model(x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
-
-
 def _save(rank: int, world: int, root: str, scratch: str, dtype: str) -> list[float]:
     import zeroinf
 
     model = _shard(3, {"params": "nvme", "optimizer": "nvme"}, scratch, dtype)
     opt = zeroinf.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=LR * 10, momentum=0.9)
-    losses = _train(model, opt, rank, world, 0, SAVED_STEPS)
+    losses = train_rank_slices(model, opt, rank, world, 0, SAVED_STEPS, batch=BATCH)
     zeroinf.save(root, model, opt, step=SAVED_STEPS)
     zeroinf.engine_of(model).close()
     return losses
@@ -89,7 +74,7 @@ def _run(rank: int, world: int, scratch: str) -> dict[str, Any]:
         info = zeroinf.load(root, model)
         loaded = {k: v.clone() for k, v in model.state_dict().items()}
         opt = _new_optimizer(kind, model)
-        weights_only = _train(model, opt, rank, world, info["step"], STEPS)
+        weights_only = train_rank_slices(model, opt, rank, world, info["step"], STEPS, batch=BATCH)
         final = {k: v.clone() for k, v in model.state_dict().items()}
         zeroinf.engine_of(model).close()
         # a new optimizer, its states fresh, the checkpoint's masters
@@ -97,7 +82,7 @@ def _run(rank: int, world: int, scratch: str) -> dict[str, Any]:
         opt = _new_optimizer(kind, model)
         step = zeroinf.load(root, model, opt, load_optimizer_states=False)["step"]
         lr_kept = opt.param_groups[0]["lr"]
-        fresh = _train(model, opt, rank, world, step, STEPS)
+        fresh = train_rank_slices(model, opt, rank, world, step, STEPS, batch=BATCH)
         out[name] = {
             "loaded": loaded, "weights_only": weights_only, "fresh": fresh, "final": final, "lr": lr_kept,
             "same_final": all(torch.equal(v, final[k]) for k, v in model.state_dict().items()),
@@ -173,7 +158,7 @@ def _run_other_world(rank: int, world: int, scratch: str) -> dict[str, Any]:
         else:
             opt = _new_optimizer("adamw", model)
             step = zeroinf.load(f"{scratch}/fp32", model, opt, load_optimizer_states=False)["step"]
-        losses = _train(model, opt, rank, world, step, STEPS)
+        losses = train_rank_slices(model, opt, rank, world, step, STEPS, batch=BATCH)
         out[weights_only] = {"losses": losses, "final": {k: v.clone() for k, v in model.state_dict().items()}}
         zeroinf.engine_of(model).close()
     return out

@@ -250,7 +250,7 @@ def test_a_load_while_a_step_inside_backward_waits_for_step(tier: str, tmp_path:
     afresh, bitwise."""
     import torch
 
-    from tests._parity import build_model, global_batch
+    from tests._parity import build_model, global_batch, train_rank_slices
 
     def make(sub: str) -> tuple[torch.nn.Module, Any]:
         offload = {"optimizer": tier, "step_in_backward": True, "sub_group_numel": 2048}
@@ -260,18 +260,8 @@ def test_a_load_while_a_step_inside_backward_waits_for_step(tier: str, tmp_path:
         model = zeroinf.shard(build_model(), zeroinf.Config(stage=2, offload=offload))
         return model, zeroinf.AdamW(model, lr=1e-3)
 
-    def train(model: torch.nn.Module, opt: Any, steps: range) -> list[float]:
-        losses = []
-        for s in steps:
-            loss = model(*global_batch(s))
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
     model, opt = make("a")
-    train(model, opt, range(2))
+    train_rank_slices(model, opt, 0, 1, 0, 2)
     zeroinf.save(tmp_path / "ckpt", model, opt, step=2)
     model(*global_batch(5)).backward()  # steps units inside it; no step() follows
     with pytest.raises(RuntimeError, match="already stepped units inside it"):
@@ -280,9 +270,9 @@ def test_a_load_while_a_step_inside_backward_waits_for_step(tier: str, tmp_path:
         opt.backward(model(*global_batch(6)))
     zeroinf.load(tmp_path / "ckpt", model, opt)
     model.zero_grad()
-    resumed = train(model, opt, range(2, 4))
+    resumed = train_rank_slices(model, opt, 0, 1, 2, 4)
     fresh_model, fresh_opt = make("b")
     zeroinf.load(tmp_path / "ckpt", fresh_model, fresh_opt)
-    assert resumed == train(fresh_model, fresh_opt, range(2, 4))
+    assert resumed == train_rank_slices(fresh_model, fresh_opt, 0, 1, 2, 4)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values(),
                                                  strict=True))

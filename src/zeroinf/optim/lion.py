@@ -71,7 +71,7 @@ class Lion(torch.optim.Optimizer):
                 flat = [t.view(-1) for t in (p, grad, exp_avg)] if blocks else [p, grad, exp_avg]
                 for start in range(0, p.numel(), size):
                     pb, gb, mb = (t[start : start + size] for t in flat) if blocks else flat
-                    out = scratch[: pb.numel()] if blocks else torch.empty_like(mb)  # type: ignore[index]
+                    out = torch.empty_like(mb) if scratch is None or not blocks else scratch[: pb.numel()]
                     update = torch.mul(mb, beta1, out=out).add_(gb, alpha=1 - beta1).sign_()
                     if decay:
                         pb.mul_(1 - lr * decay)
