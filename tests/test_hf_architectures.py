@@ -1,18 +1,22 @@
-"""Stage 3 on eighteen more Hugging Face architectures, unchanged, against plain PyTorch.
+"""Stage 3 on twenty-three more Hugging Face architectures, unchanged, against plain PyTorch.
 
 Tiny configs (no downloads) of T5 (encoder-decoder, shared embeddings), BERT and DistilBERT (masked
 LM, tied decoder), Mistral, Gemma (scaled, tied embeddings), Gemma 2 (sliding window, soft-capping),
 Phi-3, GPT-NeoX, GPT-J, OPT (projected embeddings), BLOOM (ALiBi), Falcon, Mixtral, Qwen2-MoE (with
 a shared expert) and DeepSeek-V3 (latent attention, a dense first layer) as mixtures of experts
 where each rank routes its own tokens, Mamba (a state-space model), Whisper (audio features into an
-encoder-decoder) and ViT (images, a class token and position embeddings held by the root). One
+encoder-decoder), ViT (images, a class token and position embeddings held by the root), and five
+whose layers are not all alike: Jamba (Mamba and attention layers, experts every other layer), Qwen3-Next
+(gated delta-net linear attention beside full attention), gpt-oss (attention sinks, sliding and full
+layers, experts), Cohere 2 (parallel attention and MLP, sliding layers) and RWKV (recurrent). One
 spawned group at world 2, parameters on NVMe, every unit sharded (`persist_threshold_bytes=0`),
 untied embeddings and heads split from the root (`split_root_min_bytes=0`), 3 steps of AdamW on
 each rank's half of the batch; the reference trains the whole batch with `torch.optim.AdamW(fused=True)`,
 whose arithmetic zeroinf's CPU step shares (at world 1 the weights are then bitwise equal; the
 default foreach kernel differs in the last bit, which Adam turns into ~5e-5 where gradients are
 near zero). Weights within the foundation's fp32 tolerance (tests/test_parity.py: atol 5e-5), at a
-learning rate of 1e-3.
+learning rate of 1e-3. `benchmarks/hf_sweep.py` runs every causal-LM type of the installed
+transformers the same way from generically shrunk configs (by hand: minutes; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from tests._harness import run_ranks
 VOCAB, STEPS, BATCH, LR = 96, 3, 8, 1e-3
 ARCHS = [
     "t5", "bert", "distilbert", "mistral", "gemma", "gemma2", "phi3", "gpt_neox", "gptj", "opt", "bloom", "falcon",
-    "mixtral", "qwen2_moe", "deepseek_v3", "mamba", "whisper", "vit",
+    "mixtral", "qwen2_moe", "deepseek_v3", "mamba", "whisper", "vit", "jamba", "qwen3_next", "gpt_oss", "cohere2",
+    "rwkv",
 ]
 NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None}
 
@@ -103,6 +108,31 @@ def build(arch: str) -> tuple[torch.nn.Module, str]:
         cfg = tf.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
                              conv_kernel=4, pad_token_id=None, **NO_SPECIAL_TOKENS)
         return tf.MambaForCausalLM(cfg), "clm"
+    if arch == "jamba":
+        cfg = tf.JambaConfig(**decoder, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                             attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                             mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
+                             pad_token_id=None)
+        return tf.JambaForCausalLM(cfg), "clm"
+    if arch == "qwen3_next":
+        cfg = tf.Qwen3NextConfig(**decoder, num_key_value_heads=2, head_dim=8, linear_num_value_heads=4,
+                                 linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                                 linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                 layer_types=["linear_attention", "full_attention"], pad_token_id=None)
+        return tf.Qwen3NextForCausalLM(cfg), "clm"
+    if arch == "gpt_oss":
+        cfg = tf.GptOssConfig(**decoder, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=4, layer_types=["sliding_attention", "full_attention"], pad_token_id=None)
+        return tf.GptOssForCausalLM(cfg), "clm"
+    if arch == "cohere2":
+        cfg = tf.Cohere2Config(**decoder, num_key_value_heads=2, sliding_window=4,
+                               layer_types=["sliding_attention", "full_attention"], pad_token_id=None)
+        return tf.Cohere2ForCausalLM(cfg), "clm"
+    if arch == "rwkv":
+        cfg = tf.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                            intermediate_size=64, context_length=32, **NO_SPECIAL_TOKENS)
+        return tf.RwkvForCausalLM(cfg), "clm"
     if arch == "whisper":
         cfg = tf.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2,
                                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,

@@ -1,0 +1,311 @@
+"""Every causal-LM architecture of the installed transformers, tiny, at stage 3 against plain PyTorch.
+
+    python benchmarks/hf_sweep.py --placement nvme --out sweep.json      # ~5 min on 2 cores
+    python benchmarks/hf_sweep.py --only llama,jamba,gpt_oss --world 2
+
+tests/test_hf_architectures.py checks eighteen hand-written configurations in the suite; this sweep
+asks the installed transformers for every model type its `AutoModelForCausalLM` knows, builds each
+from its default config shrunk to a few thousand parameters (hidden 32, 2 layers, 4 heads, vocab 128,
+every dropout and router jitter at 0: the shrinking is generic, so some types do not build or do not
+run this way, and are reported as such, not as zeroinf's failures), and trains it 2 steps of AdamW
+on random tokens three ways:
+
+- plain PyTorch (`torch.optim.AdamW(fused=True)`), the reference;
+- world 1: a copy sharded by `zeroinf.shard` at stage 3 with every unit sharded
+  (`persist_threshold_bytes=0`) and parameters and optimizer states on `--placement`, in this
+  process: losses and weights must be **bitwise** the reference's (zeroinf's CPU step is the same
+  fused kernel);
+- world 2 (`--world 2`): the same in one spawned gloo group, each rank on half of each batch:
+  losses (the mean of the ranks') and weights within the parity suite's fp32 tolerance (rtol 1e-5
+  on losses, 5e-5 absolute on weights), since the gradients are summed in another order.
+
+Prints one line per model type as it goes and writes a JSON report: per type its verdict ("bitwise",
+"within", "differs", "error" with zeroinf's traceback tail, "not-built" with the plain model's error,
+"too-large"), the losses and the largest weight difference; and a summary with the counts, the
+machine and the transformers version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _bench import machine  # noqa: E402
+
+STEPS, ROWS, SEQ, VOCAB, LR = 2, 4, 12, 128, 1e-3
+MAX_PARAMS = 3_000_000  # types whose shrunk config stays larger are skipped (encoder-decoders with fixed sizes)
+SHRINK = dict(  # applied to every attribute the default config has, under any of these names
+    hidden_size=32, n_embd=32, d_model=32, num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2,
+    num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, num_key_value_heads=2, intermediate_size=64,
+    ffn_dim=64, n_inner=64, d_ff=64, vocab_size=VOCAB, max_position_embeddings=64, n_positions=64, head_dim=8,
+    num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_routed_experts=4,
+    shared_expert_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0, decoder_start_token_id=0, rotary_dim=4, sliding_window=16,
+    encoder_attention_heads=4, decoder_attention_heads=4, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+)
+LATENT_ATTENTION = dict(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)
+RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter")  # config attributes set to 0: ranks draw other numbers
+
+
+def model_types() -> dict[str, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
+    return {t: (c[0] if isinstance(c, (list, tuple)) else c) for t, c in names}
+
+
+def tiny_config(model_type: str) -> Any:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    kwargs = {k: v for k, v in SHRINK.items() if hasattr(default, k)}
+    if hasattr(default, "qk_rope_head_dim"):  # latent attention derives its head sizes from these
+        kwargs.update(LATENT_ATTENTION)
+        kwargs.pop("head_dim", None)
+    for name, value in default.to_dict().items():
+        if isinstance(value, float) and any(word in name for word in RANDOM_IN_TRAINING):
+            kwargs[name] = 0.0
+    try:
+        cfg = cls(**kwargs)  # through the constructor: derived sizes follow
+    except Exception:  # noqa: BLE001 - a config that refuses these: set what it has on the default
+        cfg = default
+        for k, v in kwargs.items():
+            try:
+                setattr(cfg, k, v)
+            except Exception:  # noqa: BLE001, S112 - an attribute it computes: keep its own
+                continue
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+class TooLarge(Exception):
+    pass
+
+
+def build(model_type: str) -> torch.nn.Module:
+    """The tiny model, seeded; TooLarge (counted on the meta device first) above MAX_PARAMS."""
+    import transformers
+
+    cfg = tiny_config(model_type)
+    cls = getattr(transformers, model_types()[model_type])
+    with torch.device("meta"):  # a size left unshrunk (a hash-embedding table) would not fit in memory
+        numel = sum(p.numel() for p in cls(cfg).parameters())
+    if numel > MAX_PARAMS:
+        raise TooLarge(f"{numel} parameters")
+    torch.manual_seed(0)
+    return cls(cfg)
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(100 + step))
+
+
+def train(model: torch.nn.Module, step: Any, rows: slice = slice(None)) -> list[float]:
+    """STEPS steps; `step(loss)` runs backward and the optimizer step."""
+    model.train()
+    torch.manual_seed(1234)
+    losses = []
+    for s in range(STEPS):
+        ids = batch(s)[rows]
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        step(loss)
+        losses.append(loss.item())
+    return losses
+
+
+def train_plain(model: torch.nn.Module) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+
+    def step(loss: torch.Tensor) -> None:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return train(model, step)
+
+
+def train_sharded(
+    model: torch.nn.Module, placement: str, folder: str, rows: slice = slice(None)
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import zeroinf
+
+    nvme_dir = folder if placement == "nvme" else None
+    offload = zeroinf.OffloadConfig(params=placement, optimizer=placement, nvme_dir=nvme_dir)
+    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload, collective_timeout_s=120)
+    model = zeroinf.shard(model, cfg)
+    opt = zeroinf.AdamW(model, lr=LR)
+
+    def step(loss: torch.Tensor) -> None:
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        losses = train(model, step, rows)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}  # a gather at stage 3
+    finally:
+        opt.close()
+        zeroinf.engine_of(model).close()
+    return losses, weights
+
+
+def weight_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    missing = sorted(set(ref) - set(ours))
+    if missing:
+        raise KeyError(f"the sharded model's state_dict lacks {missing[:3]}")
+    return max(
+        ((ours[k].float() - v.float()).abs().max().item()
+         for k, v in ref.items() if v.is_floating_point() and v.numel()),
+        default=0.0,
+    )
+
+
+def _rank_main(rank: int, world: int, store: str, types: list[str], placement: str, root: str, results: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    per = ROWS // world
+    for model_type in types:
+        try:
+            folder = os.path.join(root, f"{model_type}-w{world}")
+            os.makedirs(folder, exist_ok=True)
+            losses, weights = train_sharded(build(model_type), placement, folder, slice(rank * per, (rank + 1) * per))
+            results.put((rank, model_type, {"losses": losses, "weights": weights if rank == 0 else None}))
+        except Exception:  # noqa: BLE001 - reported by the parent
+            results.put((rank, model_type, {"error": traceback.format_exc()[-1500:]}))
+    dist.destroy_process_group()
+
+
+def run_world(types: list[str], world: int, placement: str, root: str, timeout_s: float) -> dict[str, list[dict]]:
+    """Every type of `types` in one spawned group of `world` ranks: {type: [rank 0's result, ...]}."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = os.path.join(root, "store")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, store, types, placement, root, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[str, list[Any]] = {t: [None] * world for t in types}
+    deadline, expected = time.monotonic() + timeout_s, len(types) * world
+    received = 0
+    try:
+        while received < expected:
+            try:
+                rank, model_type, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    break  # what has not come is reported as an error below
+                continue
+            got[model_type][rank] = payload
+            received += 1
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for per_rank in got.values():
+        for r, payload in enumerate(per_rank):
+            if payload is None:
+                per_rank[r] = {"error": f"rank {r} gave no result (exit codes {[p.exitcode for p in procs]})"}
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--placement", choices=("device", "host", "nvme"), default="nvme",
+                        help="where parameters and optimizer states live (default nvme)")
+    parser.add_argument("--world", type=int, choices=(1, 2), default=2, help="2: also a spawned world-2 group")
+    parser.add_argument("--only", default="", help="comma-separated model types (default: every causal-LM type)")
+    parser.add_argument("--out", default=None, help="the JSON report (default: printed only)")
+    parser.add_argument("--timeout-s", type=float, default=1800, help="limit of the world-2 group")
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    known = model_types()
+    types = [t for t in args.only.split(",") if t] or list(known)
+    unknown = sorted(set(types) - set(known))
+    if unknown:
+        parser.error(f"not causal-LM model types of transformers {transformers.__version__}: {', '.join(unknown)}")
+    report: dict[str, dict[str, Any]] = {}
+    plain: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+    with tempfile.TemporaryDirectory(prefix="zeroinf-hf-sweep-") as root:
+        for model_type in types:
+            entry = report[model_type] = {"class": known[model_type]}
+            try:
+                model = build(model_type)
+                entry["params"] = sum(p.numel() for p in model.parameters())
+                twin = copy.deepcopy(model)
+                losses = train_plain(model)
+            except TooLarge as exc:
+                entry.update(verdict="too-large", error=str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - the shrunk config does not build or run as plain PyTorch
+                entry.update(verdict="not-built", error=f"{type(exc).__name__}: {exc}"[:300])
+                continue
+            plain[model_type] = (losses, model.state_dict())
+            entry["plain_losses"] = losses
+            try:
+                ours, weights = train_sharded(twin, args.placement, os.path.join(root, f"{model_type}-w1"))
+                diff = weight_diff(weights, plain[model_type][1])
+            except Exception:  # noqa: BLE001 - zeroinf's failure: reported with its traceback
+                entry.update(verdict="error", error=traceback.format_exc()[-1500:])
+                continue
+            bitwise = ours == losses and diff == 0.0
+            entry.update(world1_losses=ours, world1_weight_diff=diff, verdict="bitwise" if bitwise else "differs")
+            print(f"{model_type:28} world 1: {entry['verdict']:8} (weights {diff:.2e})", flush=True)
+        if args.world == 2:
+            trained = [t for t in types if report[t].get("verdict") in ("bitwise", "differs")]
+            for model_type, per_rank in run_world(trained, 2, args.placement, root, args.timeout_s).items():
+                entry = report[model_type]
+                errors = [p["error"] for p in per_rank if "error" in p]
+                if errors:
+                    entry.update(verdict="error", error=errors[0])
+                    print(f"{model_type:28} world 2: error", flush=True)
+                    continue
+                ref_losses, ref_weights = plain[model_type]
+                mean = [sum(p["losses"][s] for p in per_rank) / len(per_rank) for s in range(STEPS)]
+                diff = weight_diff(per_rank[0]["weights"], ref_weights)
+                close = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, ref_losses, strict=True)) and diff <= 5e-5
+                entry.update(world2_losses=mean, world2_weight_diff=diff)
+                if not close:
+                    entry["verdict"] = "differs"
+                elif entry["verdict"] == "bitwise":
+                    entry["verdict"] = "bitwise+within"
+                print(f"{model_type:28} world 2: {'within' if close else 'differs'} (weights {diff:.2e})", flush=True)
+    counts: dict[str, int] = {}
+    for entry in report.values():
+        counts[entry["verdict"]] = counts.get(entry["verdict"], 0) + 1
+    summary = {
+        "placement": args.placement, "world": args.world, "counts": counts, "transformers": transformers.__version__,
+        "torch": torch.__version__, "machine": machine(),
+    }
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "types": report}, f, indent=1)
+    return 1 if counts.get("error", 0) or counts.get("differs", 0) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
