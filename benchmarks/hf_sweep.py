@@ -19,6 +19,11 @@ on random tokens three ways:
   losses (the mean of the ranks') and weights within the parity suite's fp32 tolerance (rtol 1e-5
   on losses, 5e-5 absolute on weights), since the gradients are summed in another order.
 
+With `--init`, the sharded copies are built under `zeroinf.init(cfg)` (one unit at a time, each
+rank keeping its shard) instead of copied from an eagerly built model: the gathered `state_dict`
+after `zeroinf.shard`, buffers included, must then be bitwise the eager model's before training
+starts (the init issue's "same seed, same model" across architectures), and training as above.
+
 Prints one line per model type as it goes and writes a JSON report: per type its verdict ("bitwise",
 "within", "differs", "error" with zeroinf's traceback tail, "not-built" with the plain model's error,
 "too-large"), the losses and the largest weight difference; and a summary with the counts, the
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import io
 import json
 import multiprocessing as mp
 import os
@@ -98,9 +104,12 @@ class TooLarge(Exception):
     pass
 
 
-def build(model_type: str) -> torch.nn.Module:
-    """The tiny model, seeded; TooLarge (counted on the meta device first) above MAX_PARAMS."""
+def build(model_type: str, under: Any = None) -> torch.nn.Module:
+    """The tiny model, seeded; TooLarge (counted on the meta device first) above MAX_PARAMS. `under`:
+    a zeroinf Config to build it under `zeroinf.init` (then sharded by it)."""
     import transformers
+
+    import zeroinf
 
     cfg = tiny_config(model_type)
     cls = getattr(transformers, model_types()[model_type])
@@ -109,7 +118,11 @@ def build(model_type: str) -> torch.nn.Module:
     if numel > MAX_PARAMS:
         raise TooLarge(f"{numel} parameters")
     torch.manual_seed(0)
-    return cls(cfg)
+    if under is None:
+        return cls(cfg)
+    with zeroinf.init(under):
+        model = cls(cfg)
+    return zeroinf.shard(model, under)
 
 
 def batch(step: int) -> torch.Tensor:
@@ -140,15 +153,24 @@ def train_plain(model: torch.nn.Module) -> list[float]:
     return train(model, step)
 
 
-def train_sharded(
-    model: torch.nn.Module, placement: str, folder: str, rows: slice = slice(None)
-) -> tuple[list[float], dict[str, torch.Tensor]]:
+def sharding(placement: str, folder: str) -> Any:
     import zeroinf
 
     nvme_dir = folder if placement == "nvme" else None
     offload = zeroinf.OffloadConfig(params=placement, optimizer=placement, nvme_dir=nvme_dir)
-    cfg = zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload, collective_timeout_s=120)
-    model = zeroinf.shard(model, cfg)
+    return zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload, collective_timeout_s=120)
+
+
+def train_sharded(
+    model: torch.nn.Module | str, placement: str, folder: str, rows: slice = slice(None)
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`model`, or the model type to build under `zeroinf.init`: the losses, the gathered state
+    before training and after it."""
+    import zeroinf
+
+    cfg = sharding(placement, folder)
+    model = build(model, under=cfg) if isinstance(model, str) else zeroinf.shard(model, cfg)
+    built = {k: v.clone() for k, v in model.state_dict().items()}  # a gather at stage 3
     opt = zeroinf.AdamW(model, lr=LR)
 
     def step(loss: torch.Tensor) -> None:
@@ -158,11 +180,11 @@ def train_sharded(
 
     try:
         losses = train(model, step, rows)
-        weights = {k: v.clone() for k, v in model.state_dict().items()}  # a gather at stage 3
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
     finally:
         opt.close()
         zeroinf.engine_of(model).close()
-    return losses, weights
+    return losses, built, weights
 
 
 def weight_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -176,7 +198,16 @@ def weight_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> 
     )
 
 
-def _rank_main(rank: int, world: int, store: str, types: list[str], placement: str, root: str, results: Any) -> None:
+def _packed(result: dict[str, Any]) -> bytes:
+    """Tensors as bytes: a queue would pass them as shared memory, gone once this rank has exited."""
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def _rank_main(
+    rank: int, world: int, store: str, types: list[str], placement: str, root: str, under_init: bool, results: Any
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -188,20 +219,26 @@ def _rank_main(rank: int, world: int, store: str, types: list[str], placement: s
         try:
             folder = os.path.join(root, f"{model_type}-w{world}")
             os.makedirs(folder, exist_ok=True)
-            losses, weights = train_sharded(build(model_type), placement, folder, slice(rank * per, (rank + 1) * per))
-            results.put((rank, model_type, {"losses": losses, "weights": weights if rank == 0 else None}))
+            model = model_type if under_init else build(model_type)
+            losses, built, weights = train_sharded(model, placement, folder, slice(rank * per, (rank + 1) * per))
+            mine = {"built": built, "weights": weights} if rank == 0 else {}
+            results.put((rank, model_type, _packed({"losses": losses, **mine})))
         except Exception:  # noqa: BLE001 - reported by the parent
             results.put((rank, model_type, {"error": traceback.format_exc()[-1500:]}))
     dist.destroy_process_group()
 
 
-def run_world(types: list[str], world: int, placement: str, root: str, timeout_s: float) -> dict[str, list[dict]]:
+def run_world(
+    types: list[str], world: int, placement: str, root: str, under_init: bool, timeout_s: float
+) -> dict[str, list[dict]]:
     """Every type of `types` in one spawned group of `world` ranks: {type: [rank 0's result, ...]}."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = os.path.join(root, "store")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store, types, placement, root, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, store, types, placement, root, under_init, results), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     got: dict[str, list[Any]] = {t: [None] * world for t in types}
@@ -215,7 +252,7 @@ def run_world(types: list[str], world: int, placement: str, root: str, timeout_s
                 if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
                     break  # what has not come is reported as an error below
                 continue
-            got[model_type][rank] = payload
+            got[model_type][rank] = torch.load(io.BytesIO(payload)) if isinstance(payload, bytes) else payload
             received += 1
     finally:
         for p in procs:
@@ -236,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, choices=(1, 2), default=2, help="2: also a spawned world-2 group")
     parser.add_argument("--only", default="", help="comma-separated model types (default: every causal-LM type)")
     parser.add_argument("--out", default=None, help="the JSON report (default: printed only)")
+    parser.add_argument("--init", action="store_true",
+                        help="build the sharded copies under zeroinf.init; their state must be the eager model's")
     parser.add_argument("--timeout-s", type=float, default=1800, help="limit of the world-2 group")
     args = parser.parse_args(argv)
     import transformers
@@ -256,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 model = build(model_type)
                 entry["params"] = sum(p.numel() for p in model.parameters())
                 twin = copy.deepcopy(model)
+                as_built = {k: v.clone() for k, v in model.state_dict().items()}
                 losses = train_plain(model)
             except TooLarge as exc:
                 entry.update(verdict="too-large", error=str(exc))
@@ -263,31 +303,37 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - the shrunk config does not build or run as plain PyTorch
                 entry.update(verdict="not-built", error=f"{type(exc).__name__}: {exc}"[:300])
                 continue
-            plain[model_type] = (losses, model.state_dict())
+            plain[model_type] = (losses, model.state_dict(), as_built)
             entry["plain_losses"] = losses
             try:
-                ours, weights = train_sharded(twin, args.placement, os.path.join(root, f"{model_type}-w1"))
+                folder = os.path.join(root, f"{model_type}-w1")
+                ours, built, weights = train_sharded(model_type if args.init else twin, args.placement, folder)
+                built_diff = weight_diff(built, plain[model_type][2])
                 diff = weight_diff(weights, plain[model_type][1])
             except Exception:  # noqa: BLE001 - zeroinf's failure: reported with its traceback
                 entry.update(verdict="error", error=traceback.format_exc()[-1500:])
                 continue
-            bitwise = ours == losses and diff == 0.0
-            entry.update(world1_losses=ours, world1_weight_diff=diff, verdict="bitwise" if bitwise else "differs")
+            bitwise = ours == losses and diff == 0.0 and built_diff == 0.0
+            entry.update(world1_losses=ours, world1_built_diff=built_diff, world1_weight_diff=diff,
+                         verdict="bitwise" if bitwise else "differs")
             print(f"{model_type:28} world 1: {entry['verdict']:8} (weights {diff:.2e})", flush=True)
         if args.world == 2:
             trained = [t for t in types if report[t].get("verdict") in ("bitwise", "differs")]
-            for model_type, per_rank in run_world(trained, 2, args.placement, root, args.timeout_s).items():
+            by_type = run_world(trained, 2, args.placement, root, args.init, args.timeout_s)
+            for model_type, per_rank in by_type.items():
                 entry = report[model_type]
                 errors = [p["error"] for p in per_rank if "error" in p]
                 if errors:
                     entry.update(verdict="error", error=errors[0])
                     print(f"{model_type:28} world 2: error", flush=True)
                     continue
-                ref_losses, ref_weights = plain[model_type]
+                ref_losses, ref_weights, ref_built = plain[model_type]
                 mean = [sum(p["losses"][s] for p in per_rank) / len(per_rank) for s in range(STEPS)]
                 diff = weight_diff(per_rank[0]["weights"], ref_weights)
-                close = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, ref_losses, strict=True)) and diff <= 5e-5
-                entry.update(world2_losses=mean, world2_weight_diff=diff)
+                built_diff = weight_diff(per_rank[0]["built"], ref_built)  # as built: bitwise at any world
+                close = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, ref_losses, strict=True))
+                close = close and diff <= 5e-5 and built_diff == 0.0
+                entry.update(world2_losses=mean, world2_built_diff=built_diff, world2_weight_diff=diff)
                 if not close:
                     entry["verdict"] = "differs"
                 elif entry["verdict"] == "bitwise":
@@ -297,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     for entry in report.values():
         counts[entry["verdict"]] = counts.get(entry["verdict"], 0) + 1
     summary = {
-        "placement": args.placement, "world": args.world, "counts": counts, "transformers": transformers.__version__,
+        "placement": args.placement, "world": args.world, "init": args.init, "counts": counts,
+        "transformers": transformers.__version__,
         "torch": torch.__version__, "machine": machine(),
     }
     print(json.dumps(summary, indent=1))
