@@ -24,6 +24,11 @@ rank keeping its shard) instead of copied from an eagerly built model: the gathe
 after `zeroinf.shard`, buffers included, must then be bitwise the eager model's before training
 starts (the init issue's "same seed, same model" across architectures), and training as above.
 
+With `--init --dtype bf16`, the reference is zeroinf's own eager path instead of plain PyTorch: the
+eagerly built model sharded with bf16 compute (fp32 masters from the fp32 values it was built with),
+against the model built under `zeroinf.init(cfg, exact_masters=True)`, world 1: state after `shard`,
+losses and weights must be bitwise equal (the init issue's bf16 case).
+
 Prints one line per model type as it goes and writes a JSON report: per type its verdict ("bitwise",
 "within", "differs", "error" with zeroinf's traceback tail, "not-built" with the plain model's error,
 "too-large"), the losses and the largest weight difference; and a summary with the counts, the
@@ -104,7 +109,7 @@ class TooLarge(Exception):
     pass
 
 
-def build(model_type: str, under: Any = None) -> torch.nn.Module:
+def build(model_type: str, under: Any = None, exact_masters: bool = False) -> torch.nn.Module:
     """The tiny model, seeded; TooLarge (counted on the meta device first) above MAX_PARAMS. `under`:
     a zeroinf Config to build it under `zeroinf.init` (then sharded by it)."""
     import transformers
@@ -120,7 +125,7 @@ def build(model_type: str, under: Any = None) -> torch.nn.Module:
     torch.manual_seed(0)
     if under is None:
         return cls(cfg)
-    with zeroinf.init(under):
+    with zeroinf.init(under, exact_masters=exact_masters):
         model = cls(cfg)
     return zeroinf.shard(model, under)
 
@@ -153,23 +158,28 @@ def train_plain(model: torch.nn.Module) -> list[float]:
     return train(model, step)
 
 
-def sharding(placement: str, folder: str) -> Any:
+def sharding(placement: str, folder: str, dtype: str = "fp32") -> Any:
     import zeroinf
 
     nvme_dir = folder if placement == "nvme" else None
     offload = zeroinf.OffloadConfig(params=placement, optimizer=placement, nvme_dir=nvme_dir)
-    return zeroinf.Config(stage=3, persist_threshold_bytes=0, offload=offload, collective_timeout_s=120)
+    return zeroinf.Config(
+        stage=3, persist_threshold_bytes=0, offload=offload, collective_timeout_s=120, param_dtype=dtype
+    )
 
 
 def train_sharded(
-    model: torch.nn.Module | str, placement: str, folder: str, rows: slice = slice(None)
+    model: torch.nn.Module | str, placement: str, folder: str, rows: slice = slice(None), dtype: str = "fp32"
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """`model`, or the model type to build under `zeroinf.init`: the losses, the gathered state
-    before training and after it."""
+    """`model`, or the model type to build under `zeroinf.init` (with exact masters in bf16): the
+    losses, the gathered state before training and after it."""
     import zeroinf
 
-    cfg = sharding(placement, folder)
-    model = build(model, under=cfg) if isinstance(model, str) else zeroinf.shard(model, cfg)
+    cfg = sharding(placement, folder, dtype)
+    if isinstance(model, str):
+        model = build(model, under=cfg, exact_masters=dtype != "fp32")
+    else:
+        model = zeroinf.shard(model, cfg)
     built = {k: v.clone() for k, v in model.state_dict().items()}  # a gather at stage 3
     opt = zeroinf.AdamW(model, lr=LR)
 
@@ -275,8 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="the JSON report (default: printed only)")
     parser.add_argument("--init", action="store_true",
                         help="build the sharded copies under zeroinf.init; their state must be the eager model's")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16 (with --init, world 1): init with exact masters against zeroinf's eager path")
     parser.add_argument("--timeout-s", type=float, default=1800, help="limit of the world-2 group")
     args = parser.parse_args(argv)
+    if args.dtype != "fp32" and (not args.init or args.world != 1):
+        parser.error("--dtype bf16 compares zeroinf.init with zeroinf's eager path: give --init and --world 1")
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -307,7 +321,13 @@ def main(argv: list[str] | None = None) -> int:
             entry["plain_losses"] = losses
             try:
                 folder = os.path.join(root, f"{model_type}-w1")
-                ours, built, weights = train_sharded(model_type if args.init else twin, args.placement, folder)
+                if args.dtype != "fp32":  # the reference: zeroinf's eager path in that dtype
+                    losses, as_built, eager_weights = train_sharded(twin, args.placement, folder, dtype=args.dtype)
+                    plain[model_type] = (losses, eager_weights, as_built)
+                    entry["eager_losses"] = losses
+                    folder += "-init"
+                subject = model_type if args.init else twin
+                ours, built, weights = train_sharded(subject, args.placement, folder, dtype=args.dtype)
                 built_diff = weight_diff(built, plain[model_type][2])
                 diff = weight_diff(weights, plain[model_type][1])
             except Exception:  # noqa: BLE001 - zeroinf's failure: reported with its traceback
@@ -343,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     for entry in report.values():
         counts[entry["verdict"]] = counts.get(entry["verdict"], 0) + 1
     summary = {
-        "placement": args.placement, "world": args.world, "init": args.init, "counts": counts,
+        "placement": args.placement, "world": args.world, "init": args.init, "dtype": args.dtype, "counts": counts,
         "transformers": transformers.__version__,
         "torch": torch.__version__, "machine": machine(),
     }
