@@ -27,7 +27,9 @@ starts (the init issue's "same seed, same model" across architectures), and trai
 With `--init --dtype bf16`, the reference is zeroinf's own eager path instead of plain PyTorch: the
 eagerly built model sharded with bf16 compute (fp32 masters from the fp32 values it was built with),
 against the model built under `zeroinf.init(cfg, exact_masters=True)`, world 1: state after `shard`,
-losses and weights must be bitwise equal (the init issue's bf16 case).
+losses and weights must be bitwise equal (the init issue's bf16 case); and the first loss must be
+bitwise that of the eager model cast by hand with `.to(torch.bfloat16)`, rotary `inv_freq` tables
+kept fp32 (precision.py [Note: which buffers take the compute dtype]).
 
 Prints one line per model type as it goes and writes a JSON report: per type its verdict ("bitwise",
 "within", "differs", "error" with zeroinf's traceback tail, "not-built" with the plain model's error,
@@ -197,6 +199,22 @@ def train_sharded(
     return losses, built, weights
 
 
+DTYPES = {"bf16": torch.bfloat16}
+
+
+def first_loss_cast_by_hand(model: torch.nn.Module, dtype: torch.dtype) -> float:
+    """The first training loss of a copy of `model` cast with `.to(dtype)`, rotary tables kept as built."""
+    from zeroinf.precision import keeps_its_precision
+
+    cast = copy.deepcopy(model)
+    kept = {(n, b): t for n, m in cast.named_modules() for b, t in m._buffers.items()
+            if t is not None and keeps_its_precision(m, b)}
+    cast = cast.to(dtype)
+    for (n, b), t in kept.items():
+        cast.get_submodule(n)._buffers[b] = t
+    return train(cast, lambda loss: None)[0]
+
+
 def weight_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     missing = sorted(set(ref) - set(ours))
     if missing:
@@ -322,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 folder = os.path.join(root, f"{model_type}-w1")
                 if args.dtype != "fp32":  # the reference: zeroinf's eager path in that dtype
+                    entry["cast_by_hand_loss"] = first_loss_cast_by_hand(twin, DTYPES[args.dtype])
                     losses, as_built, eager_weights = train_sharded(twin, args.placement, folder, dtype=args.dtype)
                     plain[model_type] = (losses, eager_weights, as_built)
                     entry["eager_losses"] = losses
@@ -334,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry.update(verdict="error", error=traceback.format_exc()[-1500:])
                 continue
             bitwise = ours == losses and diff == 0.0 and built_diff == 0.0
+            bitwise = bitwise and entry.get("cast_by_hand_loss", losses[0]) == losses[0]
             entry.update(world1_losses=ours, world1_built_diff=built_diff, world1_weight_diff=diff,
                          verdict="bitwise" if bitwise else "differs")
             print(f"{model_type:28} world 1: {entry['verdict']:8} (weights {diff:.2e})", flush=True)

@@ -1,4 +1,5 @@
-"""Dynamic loss scaling: back off and skip on overflow, grow after clean intervals, stop at the floor."""
+"""Precision: dynamic loss scaling (back off and skip on overflow, grow after clean intervals, stop at
+the floor), and which buffers take the compute dtype."""
 
 from __future__ import annotations
 
@@ -227,3 +228,82 @@ def test_a_bf16_model_under_fp32_compute_is_named_at_the_shard_call() -> None:
         warnings.simplefilter("error")  # the same model in bf16, and an fp32 model: nothing to say
         zeroinf.shard(build_model().to(torch.bfloat16), zeroinf.Config(stage=3, param_dtype="bf16"))
         zeroinf.shard(build_model(), zeroinf.Config(stage=3))
+
+
+# -- which buffers take the compute dtype (precision.py [Note: which buffers take the compute dtype]) ----------
+def test_buffers_take_the_compute_dtype_except_rotary_frequency_tables() -> None:
+    import torch
+    from torch import nn
+
+    import zeroinf
+
+    class Tables(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.full((8,), 0.5))  # persistent
+            self.register_buffer("mask", torch.tril(torch.ones(8, 8)), persistent=False)  # a derived table
+            self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
+            self.register_buffer("positions", torch.arange(8), persistent=False)  # not floating
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.lin(x) * self.scale) @ self.mask
+
+    torch.manual_seed(0)
+    model = zeroinf.shard(Tables(), zeroinf.Config(stage=3, param_dtype="bf16"))
+    dtypes = {name: b.dtype for name, b in model.named_buffers()}
+    assert dtypes == {"scale": torch.bfloat16, "mask": torch.bfloat16, "inv_freq": torch.float32,
+                      "positions": torch.int64}
+    assert model(torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("arch", ["openai-gpt", "xglm", "codegen", "llama"])
+def test_hf_models_compute_in_bf16_as_cast_by_hand(arch: str) -> None:
+    """Built in fp32, sharded with bf16 compute: the first loss is bitwise that of the model cast with
+    `.to(torch.bfloat16)` (rotary `inv_freq` kept fp32, as Hugging Face keeps it). openai-gpt's causal
+    mask and xglm's sinusoidal positions, non-persistent fp32 tables kept as built, used to upcast
+    the activations and stop the forward (a matmul, a layer norm refusing mixed dtypes); codegen's
+    sinusoidal table computed its loss in another precision."""
+    import copy
+
+    import torch
+
+    pytest.importorskip("transformers")
+    import transformers as tf
+
+    import zeroinf
+    from zeroinf.precision import keeps_its_precision
+
+    tf.utils.logging.set_verbosity_error()
+    small = dict(vocab_size=96, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    configs = {
+        "openai-gpt": lambda: tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(
+            n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **small)),
+        "xglm": lambda: tf.XGLMForCausalLM(tf.XGLMConfig(
+            d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0, **{**small, "pad_token_id": 1})),
+        "codegen": lambda: tf.CodeGenForCausalLM(tf.CodeGenConfig(
+            n_embd=32, n_layer=2, n_head=4, n_positions=32, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, **small)),
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=32, **small)),
+    }
+    torch.manual_seed(0)
+    model = configs[arch]()
+    by_hand = copy.deepcopy(model)
+    kept = {(n, b): t for n, m in by_hand.named_modules() for b, t in m._buffers.items()
+            if t is not None and keeps_its_precision(m, b)}
+    by_hand = by_hand.to(torch.bfloat16)
+    for (n, b), t in kept.items():
+        by_hand.get_submodule(n)._buffers[b] = t
+    assert (arch == "llama") == bool(kept)
+    ids = torch.randint(2, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    expected = by_hand(input_ids=ids, labels=ids).loss
+    sharded = zeroinf.shard(model, zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=0))
+    opt = zeroinf.AdamW(sharded, lr=1e-3)
+    loss = sharded(input_ids=ids, labels=ids).loss
+    assert loss.dtype == expected.dtype and torch.equal(loss, expected)
+    opt.backward(loss)
+    opt.step()
+    assert torch.isfinite(sharded(input_ids=ids, labels=ids).loss)

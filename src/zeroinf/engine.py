@@ -155,8 +155,9 @@ class Engine:
         # (98M GPT in memory, bf16, 2 ranks: 1.27 s/step against 0.93 built eagerly).
         reuse_step_buffers()
         module.to(topo.device)  # buffers and frozen parameters; unit parameters are already there
-        # Frozen parameters and persistent floating-point buffers take the compute dtype in place
-        # (as `module.to(param_dtype)` would), so mixed-dtype arithmetic does not upcast activations.
+        # Frozen parameters and floating-point buffers take the compute dtype in place (as
+        # `module.to(param_dtype)` would), so mixed-dtype arithmetic does not upcast activations
+        # (precision.py [Note: which buffers take the compute dtype]).
         for p in module.parameters():
             if p.dtype != cfg.param_torch_dtype and p.numel() > 0:
                 p.data = p.data.to(cfg.param_torch_dtype)

@@ -1,8 +1,8 @@
 """Precision: which buffers take the compute dtype, and dynamic loss scaling for fp16 compute.
 
-`buffer_in_compute_dtype`: the engine casts a model's persistent floating buffers to the compute
-dtype, as `module.to(param_dtype)` would, and the planner's meta pass does the same so it meets the
-dtypes training meets.
+`buffer_in_compute_dtype`: the engine casts a model's floating buffers (rotary frequency tables
+aside) to the compute dtype, as `module.to(param_dtype)` would, and the planner's meta pass does the
+same so it meets the dtypes training meets.
 
 The loss scale multiplies the loss before backward; the optimizer divides it out of the gradients
 (bf16 and fp32 need none). A step whose gradients overflow (inf/nan anywhere, on any rank) is
@@ -24,13 +24,29 @@ from zeroinf.config import LossScaleConfig
 from zeroinf.telemetry import get_logger
 
 
+# [Note: which buffers take the compute dtype]
+# Floating buffers take the compute dtype, as `module.to(param_dtype)` (and DeepSpeed's
+# `module.bfloat16()`) would make them: a table left in fp32 upcasts the activations it touches, and
+# the next matmul or layer norm against bf16 weights refuses the mixed dtypes. Rotary frequency
+# tables are the exception: Hugging Face builds every `inv_freq` (also `original_inv_freq`,
+# `{layer_type}_inv_freq`) in fp32 on purpose, non-persistent, and its rotary modules read it in
+# fp32 (a bf16 `inv_freq` would shift the positions of long sequences); a bf16 `from_pretrained`
+# keeps them fp32 too, so they keep the precision they were built in. This rule used to keep every
+# non-persistent buffer as built, which broke two of the 150 causal-LM types benchmarks/hf_sweep.py
+# trains in bf16: openai-gpt's causal mask (`bias`) and xglm's sinusoidal positions (`weights`),
+# built in fp32 by an fp32 model and in bf16 by a bf16 load, where they work.
 def buffer_in_compute_dtype(module: nn.Module, name: str, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Buffer `name` of `module` as the engine holds it: persistent floating buffers in the compute
-    `dtype` (so mixed-dtype arithmetic does not upcast activations); derived tables (non-persistent:
-    rotary inv_freq) keep the precision they were built in."""
-    if name in module._non_persistent_buffers_set or not buffer.is_floating_point() or buffer.dtype == dtype:
+    """Buffer `name` of `module` as the engine holds it: floating buffers in the compute `dtype` (so
+    mixed-dtype arithmetic does not upcast activations), rotary frequency tables (non-persistent,
+    named `*inv_freq`) as they were built ([Note: which buffers take the compute dtype])."""
+    if not buffer.is_floating_point() or buffer.dtype == dtype or keeps_its_precision(module, name):
         return buffer
     return buffer.to(dtype)
+
+
+def keeps_its_precision(module: nn.Module, name: str) -> bool:
+    """A rotary frequency table (Hugging Face's non-persistent `inv_freq` buffers)."""
+    return name in module._non_persistent_buffers_set and name.endswith("inv_freq")
 
 
 # [Note: a bf16 model under the default fp32 compute dtype]
