@@ -3,7 +3,7 @@
     python benchmarks/hf_sweep.py --placement nvme --out sweep.json      # ~5 min on 2 cores
     python benchmarks/hf_sweep.py --only llama,jamba,gpt_oss --world 2
 
-tests/test_hf_architectures.py checks eighteen hand-written configurations in the suite; this sweep
+tests/test_hf_architectures.py checks twenty-three hand-written configurations in the suite; this sweep
 asks the installed transformers for every model type its `AutoModelForCausalLM` knows, builds each
 from its default config shrunk to a few thousand parameters (hidden 32, 2 layers, 4 heads, vocab 128,
 every dropout and router jitter at 0: the shrinking is generic, so some types do not build or do not
@@ -31,10 +31,16 @@ losses and weights must be bitwise equal (the init issue's bf16 case); and the f
 bitwise that of the eager model cast by hand with `.to(torch.bfloat16)`, rotary `inv_freq` tables
 kept fp32 (precision.py [Note: which buffers take the compute dtype]).
 
-Prints one line per model type as it goes and writes a JSON report: per type its verdict ("bitwise",
-"within", "differs", "error" with zeroinf's traceback tail, "not-built" with the plain model's error,
-"too-large"), the losses and the largest weight difference; and a summary with the counts, the
-machine and the transformers version.
+With `--checkpointing`, activations are recomputed in backward: `hf` turns on Hugging Face's own
+gradient checkpointing in both models (`gradient_checkpointing_enable()`, torch.utils.checkpoint
+around each layer, which at stage 3 gathers the layer's parameters again inside the recompute);
+`zeroinf` and `zeroinf-offload` set the sharded copy's `activation_checkpointing` (and
+`offload_activations`), the reference training without: the results must not change.
+
+Prints one line per model type as it goes and writes a JSON report: per type its verdict ("bitwise"
+at world 1, "bitwise+within" with world 2, "differs", "error" with zeroinf's traceback tail,
+"not-built" with the plain model's error, "too-large"), the losses and the largest weight
+difference; and a summary with the counts, the machine and the transformers version.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ SHRINK = dict(  # applied to every attribute the default config has, under any o
     decoder_ffn_dim=64,
 )
 LATENT_ATTENTION = dict(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)
+CHECKPOINTING = {"mode": "none"}  # --checkpointing, set in main and in each spawned rank
 RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter")  # config attributes set to 0: ranks draw other numbers
 
 
@@ -126,10 +133,16 @@ def build(model_type: str, under: Any = None, exact_masters: bool = False) -> to
         raise TooLarge(f"{numel} parameters")
     torch.manual_seed(0)
     if under is None:
-        return cls(cfg)
+        return _with_hf_checkpointing(cls(cfg))
     with zeroinf.init(under, exact_masters=exact_masters):
-        model = cls(cfg)
+        model = _with_hf_checkpointing(cls(cfg))
     return zeroinf.shard(model, under)
+
+
+def _with_hf_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    if CHECKPOINTING["mode"] == "hf":
+        model.gradient_checkpointing_enable()
+    return model
 
 
 def batch(step: int) -> torch.Tensor:
@@ -165,8 +178,10 @@ def sharding(placement: str, folder: str, dtype: str = "fp32") -> Any:
 
     nvme_dir = folder if placement == "nvme" else None
     offload = zeroinf.OffloadConfig(params=placement, optimizer=placement, nvme_dir=nvme_dir)
+    mode = CHECKPOINTING["mode"]
     return zeroinf.Config(
-        stage=3, persist_threshold_bytes=0, offload=offload, collective_timeout_s=120, param_dtype=dtype
+        stage=3, persist_threshold_bytes=0, offload=offload, collective_timeout_s=120, param_dtype=dtype,
+        activation_checkpointing=mode.startswith("zeroinf"), offload_activations=mode == "zeroinf-offload",
     )
 
 
@@ -234,10 +249,12 @@ def _packed(result: dict[str, Any]) -> bytes:
 
 
 def _rank_main(
-    rank: int, world: int, store: str, types: list[str], placement: str, root: str, under_init: bool, results: Any
+    rank: int, world: int, store: str, types: list[str], placement: str, root: str, under_init: bool,
+    checkpointing: str, results: Any,
 ) -> None:
     import torch.distributed as dist
 
+    CHECKPOINTING["mode"] = checkpointing
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
@@ -264,7 +281,10 @@ def run_world(
     results = ctx.Queue()
     store = os.path.join(root, "store")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, store, types, placement, root, under_init, results), daemon=True)
+        ctx.Process(
+            target=_rank_main, daemon=True,
+            args=(r, world, store, types, placement, root, under_init, CHECKPOINTING["mode"], results),
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -305,12 +325,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="build the sharded copies under zeroinf.init; their state must be the eager model's")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="bf16 (with --init, world 1): init with exact masters against zeroinf's eager path")
+    parser.add_argument("--checkpointing", choices=("none", "hf", "zeroinf", "zeroinf-offload"), default="none",
+                        help="recompute activations in backward: Hugging Face's own, or zeroinf's (and offloaded)")
     parser.add_argument("--timeout-s", type=float, default=1800, help="limit of the world-2 group")
     args = parser.parse_args(argv)
     if args.dtype != "fp32" and (not args.init or args.world != 1):
         parser.error("--dtype bf16 compares zeroinf.init with zeroinf's eager path: give --init and --world 1")
     import transformers
 
+    CHECKPOINTING["mode"] = args.checkpointing
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(1)
     known = model_types()
@@ -383,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     for entry in report.values():
         counts[entry["verdict"]] = counts.get(entry["verdict"], 0) + 1
     summary = {
-        "placement": args.placement, "world": args.world, "init": args.init, "dtype": args.dtype, "counts": counts,
+        "placement": args.placement, "world": args.world, "init": args.init, "dtype": args.dtype,
+        "checkpointing": args.checkpointing, "counts": counts,
         "transformers": transformers.__version__,
         "torch": torch.__version__, "machine": machine(),
     }

@@ -63,3 +63,41 @@ def test_only_models_with_a_cache_flag_and_a_use_cache_argument_are_rewritten() 
     assert no_cache_in_training(build_model()) == []  # no config
     assert no_cache_in_training(NoKwargs()) == []  # a config, but nowhere to pass use_cache
     assert len(no_cache_in_training(build("gpt2"))) == 1
+
+
+def test_a_recompute_that_fails_where_the_forward_ran_names_the_unit_and_the_fix() -> None:
+    """A unit that keeps state between calls (here a call counter; Hugging Face's XLM extends its own KV
+    cache) meets other inputs in its recompute: the error says a recompute failed, in which unit, why,
+    and what to do (activations.py [Note: a recompute that fails where the forward ran])."""
+    import pytest
+
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            shift = torch.zeros(8)[: 8 // self.calls]  # 8 wide in the forward, 4 in the recompute
+            return self.out(torch.relu(self.lin(x)) + shift)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Counting(), Counting()])
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = zeroinf.shard(Net(), zeroinf.Config(stage=3, persist_threshold_bytes=0, activation_checkpointing=True))
+    opt = zeroinf.AdamW(model, lr=1e-3)
+    loss = model(torch.randn(2, 8)).square().mean()  # the forward runs: each unit called once
+    with pytest.raises(RuntimeError, match=r"recomputing unit Counting in backward failed where its forward ran "
+                       r"\(RuntimeError: .*keeps state between calls.*activation_checkpointing=False") as got:
+        opt.backward(loss)
+    assert isinstance(got.value.__cause__, RuntimeError)  # the model's own error, chained

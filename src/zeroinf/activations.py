@@ -102,14 +102,43 @@ class ActivationOffloader:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-def _checkpointed(forward: Callable[..., Any], offloader: ActivationOffloader | None) -> Callable[..., Any]:
+# [Note: a recompute that fails where the forward ran]
+# A module that keeps state from one call to the next sees other inputs in its recompute than in its
+# forward: Hugging Face's XLM builds its own KV cache in every forward, whatever `use_cache` says, and
+# each attention appends its keys to it, so the recompute meets keys twice as long and a mask
+# `expand` fails in backward (benchmarks/hf_sweep.py --checkpointing zeroinf: the one type of 150;
+# Hugging Face does not offer gradient checkpointing for XLM either). That error came out of
+# torch.utils.checkpoint's unpack hook with nothing saying a recompute was running; it is now
+# raised from one that names the unit, the cause and the fix.
+def _checkpointed(forward: Callable[..., Any], offloader: ActivationOffloader | None, what: str) -> Callable[..., Any]:
     @functools.wraps(forward)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        calls = 0
+
+        def run(*a: Any, **k: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return forward(*a, **k)
+            try:  # the recompute in backward
+                return forward(*a, **k)
+            except Exception as exc:
+                if type(exc).__module__ == checkpoint.__module__:
+                    raise  # torch's own: a mismatch it names (CheckpointError), or its early stop of the recompute
+                raise RuntimeError(
+                    f"activation checkpointing: recomputing {what} in backward failed where its forward ran "
+                    f"({type(exc).__name__}: {exc}). The module gives another result the second time it is "
+                    "called on the same inputs: it keeps state between calls (a KV cache it builds itself "
+                    "and appends to, as Hugging Face's XLM does, or a counter it reads). Set "
+                    "activation_checkpointing=False for this model, or make the module's forward depend on "
+                    "its inputs alone"
+                ) from exc
+
         ctx = offloader.context() if offloader is not None else contextlib.nullcontext()
         with ctx:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     wrapper.__zeroinf_checkpointed__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -123,7 +152,7 @@ def apply_activation_checkpointing(
     for i, module in enumerate(modules):
         if i % every != 0 or getattr(module.forward, "__zeroinf_checkpointed__", False):
             continue
-        module.forward = _checkpointed(module.forward, offloader)
+        module.forward = _checkpointed(module.forward, offloader, f"unit {type(module).__name__}")
         count += 1
     return count
 
