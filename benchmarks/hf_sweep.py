@@ -1,4 +1,4 @@
-"""Every causal-LM architecture of the installed transformers, tiny, at stage 3 against plain PyTorch.
+"""Every causal-LM architecture of the installed transformers, tiny, sharded against plain PyTorch.
 
     python benchmarks/hf_sweep.py --placement nvme --out sweep.json      # ~5 min on 2 cores
     python benchmarks/hf_sweep.py --only llama,jamba,gpt_oss --world 2
@@ -11,8 +11,8 @@ run this way, and are reported as such, not as zeroinf's failures), and trains i
 on random tokens three ways:
 
 - plain PyTorch (`torch.optim.AdamW(fused=True)`), the reference;
-- world 1: a copy sharded by `zeroinf.shard` at stage 3 with every unit sharded
-  (`persist_threshold_bytes=0`) and parameters and optimizer states on `--placement`, in this
+- world 1: a copy sharded by `zeroinf.shard` at stage 3 (`--stage`) with every unit sharded
+  (`persist_threshold_bytes=0`) and parameters (stage 3) and optimizer states on `--placement`, in this
   process: losses and weights must be **bitwise** the reference's (zeroinf's CPU step is the same
   fused kernel);
 - world 2 (`--world 2`): the same in one spawned gloo group, each rank on half of each batch:
@@ -78,7 +78,7 @@ SHRINK = dict(  # applied to every attribute the default config has, under any o
     decoder_ffn_dim=64,
 )
 LATENT_ATTENTION = dict(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)
-CHECKPOINTING = {"mode": "none"}  # --checkpointing, set in main and in each spawned rank
+SETTINGS: dict[str, Any] = {"checkpointing": "none", "stage": 3}  # set by main and in each spawned rank
 RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter")  # config attributes set to 0: ranks draw other numbers
 
 
@@ -140,7 +140,7 @@ def build(model_type: str, under: Any = None, exact_masters: bool = False) -> to
 
 
 def _with_hf_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
-    if CHECKPOINTING["mode"] == "hf":
+    if SETTINGS["checkpointing"] == "hf":
         model.gradient_checkpointing_enable()
     return model
 
@@ -177,10 +177,11 @@ def sharding(placement: str, folder: str, dtype: str = "fp32") -> Any:
     import zeroinf
 
     nvme_dir = folder if placement == "nvme" else None
-    offload = zeroinf.OffloadConfig(params=placement, optimizer=placement, nvme_dir=nvme_dir)
-    mode = CHECKPOINTING["mode"]
+    stage, mode = SETTINGS["stage"], SETTINGS["checkpointing"]
+    params = placement if stage == 3 else "device"  # parameters leave the device at stage 3 only
+    offload = zeroinf.OffloadConfig(params=params, optimizer=placement, nvme_dir=nvme_dir)
     return zeroinf.Config(
-        stage=3, persist_threshold_bytes=0, offload=offload, collective_timeout_s=120, param_dtype=dtype,
+        stage=stage, persist_threshold_bytes=0, offload=offload, collective_timeout_s=120, param_dtype=dtype,
         activation_checkpointing=mode.startswith("zeroinf"), offload_activations=mode == "zeroinf-offload",
     )
 
@@ -250,11 +251,11 @@ def _packed(result: dict[str, Any]) -> bytes:
 
 def _rank_main(
     rank: int, world: int, store: str, types: list[str], placement: str, root: str, under_init: bool,
-    checkpointing: str, results: Any,
+    settings: dict[str, Any], results: Any,
 ) -> None:
     import torch.distributed as dist
 
-    CHECKPOINTING["mode"] = checkpointing
+    SETTINGS.update(settings)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
@@ -283,7 +284,7 @@ def run_world(
     procs = [
         ctx.Process(
             target=_rank_main, daemon=True,
-            args=(r, world, store, types, placement, root, under_init, CHECKPOINTING["mode"], results),
+            args=(r, world, store, types, placement, root, under_init, dict(SETTINGS), results),
         )
         for r in range(world)
     ]
@@ -325,15 +326,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="build the sharded copies under zeroinf.init; their state must be the eager model's")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="bf16 (with --init, world 1): init with exact masters against zeroinf's eager path")
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3,
+                        help="ZeRO stage (below 3 the parameters stay on the device, the optimizer on --placement)")
     parser.add_argument("--checkpointing", choices=("none", "hf", "zeroinf", "zeroinf-offload"), default="none",
                         help="recompute activations in backward: Hugging Face's own, or zeroinf's (and offloaded)")
     parser.add_argument("--timeout-s", type=float, default=1800, help="limit of the world-2 group")
     args = parser.parse_args(argv)
     if args.dtype != "fp32" and (not args.init or args.world != 1):
         parser.error("--dtype bf16 compares zeroinf.init with zeroinf's eager path: give --init and --world 1")
+    if args.init and args.stage != 3:
+        parser.error("--init builds each rank's stage-3 shards: give --stage 3")
     import transformers
 
-    CHECKPOINTING["mode"] = args.checkpointing
+    SETTINGS.update(checkpointing=args.checkpointing, stage=args.stage)
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(1)
     known = model_types()
@@ -407,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         counts[entry["verdict"]] = counts.get(entry["verdict"], 0) + 1
     summary = {
         "placement": args.placement, "world": args.world, "init": args.init, "dtype": args.dtype,
-        "checkpointing": args.checkpointing, "counts": counts,
+        "checkpointing": args.checkpointing, "stage": args.stage, "counts": counts,
         "transformers": transformers.__version__,
         "torch": torch.__version__, "machine": machine(),
     }
