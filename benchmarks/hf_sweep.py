@@ -37,6 +37,10 @@ around each layer, which at stage 3 gathers the layer's parameters again inside 
 `zeroinf` and `zeroinf-offload` set the sharded copy's `activation_checkpointing` (and
 `offload_activations`), the reference training without: the results must not change.
 
+With `--generate`, world 1 also compares `generate()` (greedy, 6 new tokens from 2 prompts, the KV
+cache on) of a freshly built plain model and its sharded copy: the tokens must be equal. This is the
+inference path (use_cache=True, each unit gathered once per token), which training does not walk.
+
 Prints one line per model type as it goes and writes a JSON report: per type its verdict ("bitwise"
 at world 1, "bitwise+within" with world 2, "differs", "error" with zeroinf's traceback tail,
 "not-built" with the plain model's error, "too-large"), the losses and the largest weight
@@ -231,6 +235,33 @@ def first_loss_cast_by_hand(model: torch.nn.Module, dtype: torch.dtype) -> float
     return train(cast, lambda loss: None)[0]
 
 
+def compare_generation(model_type: str, placement: str, folder: str) -> dict[str, Any]:
+    """Greedy tokens of the plain model and of its sharded copy (world 1): {"verdict": "equal" |
+    "differs" | "plain-cannot" | "error", ...}."""
+    import zeroinf
+
+    prompt = batch(0)[:2, :6]
+    kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
+    model = build(model_type).eval()
+    twin = copy.deepcopy(model)
+    try:
+        with torch.no_grad():
+            expected = model.generate(prompt, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - this shrunk config cannot generate as plain PyTorch
+        return {"verdict": "plain-cannot", "error": f"{type(exc).__name__}: {exc}"[:200]}
+    try:
+        sharded = zeroinf.shard(twin, sharding(placement, folder)).eval()
+        try:
+            with torch.no_grad():
+                got = sharded.generate(prompt, **kwargs)
+        finally:
+            zeroinf.engine_of(sharded).close()
+    except Exception:  # noqa: BLE001 - zeroinf's failure: reported with its traceback
+        return {"verdict": "error", "error": traceback.format_exc()[-1500:]}
+    equal = torch.equal(got, expected)
+    return {"verdict": "equal" if equal else "differs", "plain": expected.tolist(), "ours": got.tolist()}
+
+
 def weight_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     missing = sorted(set(ref) - set(ours))
     if missing:
@@ -326,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="build the sharded copies under zeroinf.init; their state must be the eager model's")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="bf16 (with --init, world 1): init with exact masters against zeroinf's eager path")
+    parser.add_argument("--generate", action="store_true",
+                        help="also compare greedy generate() of the plain model and its sharded copy (world 1)")
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3,
                         help="ZeRO stage (below 3 the parameters stay on the device, the optimizer on --placement)")
     parser.add_argument("--checkpointing", choices=("none", "hf", "zeroinf", "zeroinf-offload"), default="none",
@@ -385,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
             entry.update(world1_losses=ours, world1_built_diff=built_diff, world1_weight_diff=diff,
                          verdict="bitwise" if bitwise else "differs")
             print(f"{model_type:28} world 1: {entry['verdict']:8} (weights {diff:.2e})", flush=True)
+            if args.generate:
+                entry["generate"] = compare_generation(model_type, args.placement, folder + "-generate")
+                if entry["generate"]["verdict"] in ("differs", "error"):
+                    entry["verdict"] = "differs" if entry["generate"]["verdict"] == "differs" else "error"
+                print(f"{model_type:28} generate: {entry['generate']['verdict']}", flush=True)
         if args.world == 2:
             trained = [t for t in types if report[t].get("verdict") in ("bitwise", "differs")]
             by_type = run_world(trained, 2, args.placement, root, args.init, args.timeout_s)
@@ -410,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, int] = {}
     for entry in report.values():
         counts[entry["verdict"]] = counts.get(entry["verdict"], 0) + 1
+        if "generate" in entry:
+            key = f"generate {entry['generate']['verdict']}"
+            counts[key] = counts.get(key, 0) + 1
     summary = {
         "placement": args.placement, "world": args.world, "init": args.init, "dtype": args.dtype,
         "checkpointing": args.checkpointing, "stage": args.stage, "counts": counts,
