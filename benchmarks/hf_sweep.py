@@ -40,6 +40,11 @@ around each layer, which at stage 3 gathers the layer's parameters again inside 
 With `--generate`, world 1 also compares `generate()` (greedy, 6 new tokens from 2 prompts, the KV
 cache on) of a freshly built plain model and its sharded copy: the tokens must be equal. This is the
 inference path (use_cache=True, each unit gathered once per token), which training does not walk.
+At world 2 each rank generates from its own prompt for its own number of tokens (4 + 6 and 6 + 9),
+so Hugging Face's `synced_gpus` (on for a sharded model) keeps the rank that finished stepping with
+the other; the reference is the plain model generating the same with `synced_gpus=True` in the same
+group ("plain-cannot" where that fails: Hugging Face's own limit for the type). A type whose ranks
+fail ends the group (they may be out of step); the types after it run in a new one.
 
 Prints one line per model type as it goes and writes a JSON report: per type its verdict ("bitwise"
 at world 1, "bitwise+within" with world 2, "differs", "error" with zeroinf's traceback tail,
@@ -82,7 +87,7 @@ SHRINK = dict(  # applied to every attribute the default config has, under any o
     decoder_ffn_dim=64,
 )
 LATENT_ATTENTION = dict(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)
-SETTINGS: dict[str, Any] = {"checkpointing": "none", "stage": 3}  # set by main and in each spawned rank
+SETTINGS: dict[str, Any] = {"checkpointing": "none", "stage": 3, "generate": False}  # by main and each rank
 RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter")  # config attributes set to 0: ranks draw other numbers
 
 
@@ -262,6 +267,36 @@ def compare_generation(model_type: str, placement: str, folder: str) -> dict[str
     return {"verdict": "equal" if equal else "differs", "plain": expected.tolist(), "ours": got.tolist()}
 
 
+def generation_prompt(rank: int, world: int) -> tuple[torch.Tensor, int]:
+    """The prompt and the number of new tokens of `rank` (world 2: other lengths on each rank)."""
+    if world == 1:
+        return batch(0)[:2, :6], 6
+    return batch(0)[rank : rank + 1, : 4 + 2 * rank], 6 + 3 * rank
+
+
+def generate_in_group(model_type: str, placement: str, folder: str, rank: int, world: int) -> dict[str, Any]:
+    """In a group: the plain model's tokens with `synced_gpus=True`, then the sharded copy's."""
+    import zeroinf
+
+    prompt, new = generation_prompt(rank, world)
+    kwargs = dict(max_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt), synced_gpus=True)
+    model = build(model_type).eval()
+    twin = copy.deepcopy(model)
+    try:
+        with torch.no_grad():
+            expected = model.generate(prompt, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - Hugging Face's synced generation fails for this type as is
+        return {"verdict": "plain-cannot", "error": f"{type(exc).__name__}: {exc}"[:200]}
+    sharded = zeroinf.shard(twin, sharding(placement, folder)).eval()
+    try:
+        with torch.no_grad():
+            got = sharded.generate(prompt, **kwargs)
+    finally:
+        zeroinf.engine_of(sharded).close()
+    equal = torch.equal(got, expected)
+    return {"verdict": "equal" if equal else "differs", "plain": expected.tolist(), "ours": got.tolist()}
+
+
 def weight_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     missing = sorted(set(ref) - set(ours))
     if missing:
@@ -299,9 +334,15 @@ def _rank_main(
             model = model_type if under_init else build(model_type)
             losses, built, weights = train_sharded(model, placement, folder, slice(rank * per, (rank + 1) * per))
             mine = {"built": built, "weights": weights} if rank == 0 else {}
-            results.put((rank, model_type, _packed({"losses": losses, **mine})))
-        except Exception:  # noqa: BLE001 - reported by the parent
+            generated = {}
+            if SETTINGS["generate"]:
+                generated["generate"] = generate_in_group(model_type, placement, folder + "-generate", rank, world)
+            results.put((rank, model_type, _packed({"losses": losses, **mine, **generated})))
+            if generated.get("generate", {}).get("verdict") == "plain-cannot":
+                break  # the ranks may be out of step: the parent goes on in a new group
+        except Exception:  # noqa: BLE001 - reported by the parent, which goes on in a new group
             results.put((rank, model_type, {"error": traceback.format_exc()[-1500:]}))
+            break
     dist.destroy_process_group()
 
 
@@ -321,7 +362,7 @@ def run_world(
     ]
     for p in procs:
         p.start()
-    got: dict[str, list[Any]] = {t: [None] * world for t in types}
+    got: dict[str, list[Any]] = {t: [None] * world for t in types}  # None: not reported
     deadline, expected = time.monotonic() + timeout_s, len(types) * world
     received = 0
     try:
@@ -329,8 +370,9 @@ def run_world(
             try:
                 rank, model_type, payload = results.get(timeout=1.0)
             except queue.Empty:
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    break  # what has not come is reported as an error below
+                if (time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs)
+                        or all(p.exitcode is not None for p in procs)):  # the ranks stopped after a failure
+                    break  # what has not come stays None
                 continue
             got[model_type][rank] = torch.load(io.BytesIO(payload)) if isinstance(payload, bytes) else payload
             received += 1
@@ -339,11 +381,30 @@ def run_world(
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    for per_rank in got.values():
-        for r, payload in enumerate(per_rank):
-            if payload is None:
-                per_rank[r] = {"error": f"rank {r} gave no result (exit codes {[p.exitcode for p in procs]})"}
     return got
+
+
+def run_worlds(
+    types: list[str], world: int, placement: str, root: str, under_init: bool, timeout_s: float
+) -> dict[str, list[dict]]:
+    """`run_world` until every type has its results: a type some rank failed (or never reported)
+    ends its group, and the types after it go on in a new one."""
+    out: dict[str, list[dict]] = {}
+    pending = list(types)
+    while pending:
+        got = run_world(pending, world, placement, root, under_init, timeout_s)
+        for i, model_type in enumerate(pending):
+            per_rank = got[model_type]
+            ended = any(p is None or "error" in p or p.get("generate", {}).get("verdict") == "plain-cannot"
+                        for p in per_rank)
+            out[model_type] = [p if p is not None else {"error": f"rank {r} gave no result"}
+                               for r, p in enumerate(per_rank)]
+            if ended:
+                pending = pending[i + 1 :]
+                break
+        else:
+            pending = []
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="bf16 (with --init, world 1): init with exact masters against zeroinf's eager path")
     parser.add_argument("--generate", action="store_true",
-                        help="also compare greedy generate() of the plain model and its sharded copy (world 1)")
+                        help="also compare greedy generate() of the plain model and its sharded copy")
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3,
                         help="ZeRO stage (below 3 the parameters stay on the device, the optimizer on --placement)")
     parser.add_argument("--checkpointing", choices=("none", "hf", "zeroinf", "zeroinf-offload"), default="none",
@@ -371,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--init builds each rank's stage-3 shards: give --stage 3")
     import transformers
 
-    SETTINGS.update(checkpointing=args.checkpointing, stage=args.stage)
+    SETTINGS.update(checkpointing=args.checkpointing, stage=args.stage, generate=args.generate)
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(1)
     known = model_types()
@@ -425,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{model_type:28} generate: {entry['generate']['verdict']}", flush=True)
         if args.world == 2:
             trained = [t for t in types if report[t].get("verdict") in ("bitwise", "differs")]
-            by_type = run_world(trained, 2, args.placement, root, args.init, args.timeout_s)
+            by_type = run_worlds(trained, 2, args.placement, root, args.init, args.timeout_s)
             for model_type, per_rank in by_type.items():
                 entry = report[model_type]
                 errors = [p["error"] for p in per_rank if "error" in p]
@@ -440,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
                 close = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, ref_losses, strict=True))
                 close = close and diff <= 5e-5 and built_diff == 0.0
                 entry.update(world2_losses=mean, world2_built_diff=built_diff, world2_weight_diff=diff)
+                if "generate" in per_rank[0]:
+                    verdicts = {p["generate"]["verdict"] for p in per_rank}
+                    verdict = next(v for v in ("differs", "plain-cannot", "equal") if v in verdicts)
+                    entry["generate_world2"] = {"verdict": verdict, "per_rank": [p["generate"] for p in per_rank]}
+                    close = close and verdict != "differs"
+                    print(f"{model_type:28} generate, world 2: {verdict}", flush=True)
                 if not close:
                     entry["verdict"] = "differs"
                 elif entry["verdict"] == "bitwise":
@@ -448,9 +515,10 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, int] = {}
     for entry in report.values():
         counts[entry["verdict"]] = counts.get(entry["verdict"], 0) + 1
-        if "generate" in entry:
-            key = f"generate {entry['generate']['verdict']}"
-            counts[key] = counts.get(key, 0) + 1
+        for name in ("generate", "generate_world2"):
+            if name in entry:
+                key = f"{name} {entry[name]['verdict']}"
+                counts[key] = counts.get(key, 0) + 1
     summary = {
         "placement": args.placement, "world": args.world, "init": args.init, "dtype": args.dtype,
         "checkpointing": args.checkpointing, "stage": args.stage, "counts": counts,
