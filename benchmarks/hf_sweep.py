@@ -240,33 +240,6 @@ def first_loss_cast_by_hand(model: torch.nn.Module, dtype: torch.dtype) -> float
     return train(cast, lambda loss: None)[0]
 
 
-def compare_generation(model_type: str, placement: str, folder: str) -> dict[str, Any]:
-    """Greedy tokens of the plain model and of its sharded copy (world 1): {"verdict": "equal" |
-    "differs" | "plain-cannot" | "error", ...}."""
-    import zeroinf
-
-    prompt = batch(0)[:2, :6]
-    kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
-    model = build(model_type).eval()
-    twin = copy.deepcopy(model)
-    try:
-        with torch.no_grad():
-            expected = model.generate(prompt, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - this shrunk config cannot generate as plain PyTorch
-        return {"verdict": "plain-cannot", "error": f"{type(exc).__name__}: {exc}"[:200]}
-    try:
-        sharded = zeroinf.shard(twin, sharding(placement, folder)).eval()
-        try:
-            with torch.no_grad():
-                got = sharded.generate(prompt, **kwargs)
-        finally:
-            zeroinf.engine_of(sharded).close()
-    except Exception:  # noqa: BLE001 - zeroinf's failure: reported with its traceback
-        return {"verdict": "error", "error": traceback.format_exc()[-1500:]}
-    equal = torch.equal(got, expected)
-    return {"verdict": "equal" if equal else "differs", "plain": expected.tolist(), "ours": got.tolist()}
-
-
 def generation_prompt(rank: int, world: int) -> tuple[torch.Tensor, int]:
     """The prompt and the number of new tokens of `rank` (world 2: other lengths on each rank)."""
     if world == 1:
@@ -274,18 +247,22 @@ def generation_prompt(rank: int, world: int) -> tuple[torch.Tensor, int]:
     return batch(0)[rank : rank + 1, : 4 + 2 * rank], 6 + 3 * rank
 
 
-def generate_in_group(model_type: str, placement: str, folder: str, rank: int, world: int) -> dict[str, Any]:
-    """In a group: the plain model's tokens with `synced_gpus=True`, then the sharded copy's."""
+def compare_generation(model_type: str, placement: str, folder: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """Greedy tokens of the plain model, then of its sharded copy (in a group: both with
+    `synced_gpus=True`): {"verdict": "equal" | "differs" | "plain-cannot", ...}. The sharded copy's
+    errors are raised."""
     import zeroinf
 
     prompt, new = generation_prompt(rank, world)
-    kwargs = dict(max_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt), synced_gpus=True)
+    kwargs = dict(max_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
+    if world > 1:
+        kwargs["synced_gpus"] = True
     model = build(model_type).eval()
     twin = copy.deepcopy(model)
     try:
         with torch.no_grad():
             expected = model.generate(prompt, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - Hugging Face's synced generation fails for this type as is
+    except Exception as exc:  # noqa: BLE001 - Hugging Face's generation fails for this type as is
         return {"verdict": "plain-cannot", "error": f"{type(exc).__name__}: {exc}"[:200]}
     sharded = zeroinf.shard(twin, sharding(placement, folder)).eval()
     try:
@@ -336,7 +313,7 @@ def _rank_main(
             mine = {"built": built, "weights": weights} if rank == 0 else {}
             generated = {}
             if SETTINGS["generate"]:
-                generated["generate"] = generate_in_group(model_type, placement, folder + "-generate", rank, world)
+                generated["generate"] = compare_generation(model_type, placement, folder + "-generate", rank, world)
             results.put((rank, model_type, _packed({"losses": losses, **mine, **generated})))
             if generated.get("generate", {}).get("verdict") == "plain-cannot":
                 break  # the ranks may be out of step: the parent goes on in a new group
@@ -480,7 +457,10 @@ def main(argv: list[str] | None = None) -> int:
                          verdict="bitwise" if bitwise else "differs")
             print(f"{model_type:28} world 1: {entry['verdict']:8} (weights {diff:.2e})", flush=True)
             if args.generate:
-                entry["generate"] = compare_generation(model_type, args.placement, folder + "-generate")
+                try:
+                    entry["generate"] = compare_generation(model_type, args.placement, folder + "-generate")
+                except Exception:  # noqa: BLE001 - zeroinf's failure: reported with its traceback
+                    entry["generate"] = {"verdict": "error", "error": traceback.format_exc()[-1500:]}
                 if entry["generate"]["verdict"] in ("differs", "error"):
                     entry["verdict"] = "differs" if entry["generate"]["verdict"] == "differs" else "error"
                 print(f"{model_type:28} generate: {entry['generate']['verdict']}", flush=True)
