@@ -74,6 +74,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _bench import machine  # noqa: E402
 
+from zeroinf.config import DTYPES  # noqa: E402
+
 STEPS, ROWS, SEQ, VOCAB, LR = 2, 4, 12, 128, 1e-3
 MAX_PARAMS = 3_000_000  # types whose shrunk config stays larger are skipped (encoder-decoders with fixed sizes)
 SHRINK = dict(  # applied to every attribute the default config has, under any of these names
@@ -224,9 +226,6 @@ def train_sharded(
     return losses, built, weights
 
 
-DTYPES = {"bf16": torch.bfloat16}
-
-
 def first_loss_cast_by_hand(model: torch.nn.Module, dtype: torch.dtype) -> float:
     """The first training loss of a copy of `model` cast with `.to(dtype)`, rotary tables kept as built."""
     from zeroinf.precision import keeps_its_precision
@@ -292,6 +291,11 @@ def _packed(result: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+def _plain_cannot(result: dict[str, Any]) -> bool:
+    """The plain model's synced generation failed on this rank: its group may be out of step."""
+    return result.get("generate", {}).get("verdict") == "plain-cannot"
+
+
 def _rank_main(
     rank: int, world: int, store: str, types: list[str], placement: str, root: str, under_init: bool,
     settings: dict[str, Any], results: Any,
@@ -315,7 +319,7 @@ def _rank_main(
             if SETTINGS["generate"]:
                 generated["generate"] = compare_generation(model_type, placement, folder + "-generate", rank, world)
             results.put((rank, model_type, _packed({"losses": losses, **mine, **generated})))
-            if generated.get("generate", {}).get("verdict") == "plain-cannot":
+            if _plain_cannot(generated):
                 break  # the ranks may be out of step: the parent goes on in a new group
         except Exception:  # noqa: BLE001 - reported by the parent, which goes on in a new group
             results.put((rank, model_type, {"error": traceback.format_exc()[-1500:]}))
@@ -372,8 +376,7 @@ def run_worlds(
         got = run_world(pending, world, placement, root, under_init, timeout_s)
         for i, model_type in enumerate(pending):
             per_rank = got[model_type]
-            ended = any(p is None or "error" in p or p.get("generate", {}).get("verdict") == "plain-cannot"
-                        for p in per_rank)
+            ended = any(p is None or "error" in p or _plain_cannot(p) for p in per_rank)
             out[model_type] = [p if p is not None else {"error": f"rank {r} gave no result"}
                                for r, p in enumerate(per_rank)]
             if ended:
@@ -418,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"not causal-LM model types of transformers {transformers.__version__}: {', '.join(unknown)}")
     report: dict[str, dict[str, Any]] = {}
-    plain: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+    # per type: the reference's losses, its weights after training, and as built
+    plain: dict[str, tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
     with tempfile.TemporaryDirectory(prefix="zeroinf-hf-sweep-") as root:
         for model_type in types:
             entry = report[model_type] = {"class": known[model_type]}
@@ -462,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception:  # noqa: BLE001 - zeroinf's failure: reported with its traceback
                     entry["generate"] = {"verdict": "error", "error": traceback.format_exc()[-1500:]}
                 if entry["generate"]["verdict"] in ("differs", "error"):
-                    entry["verdict"] = "differs" if entry["generate"]["verdict"] == "differs" else "error"
+                    entry["verdict"] = entry["generate"]["verdict"]
                 print(f"{model_type:28} generate: {entry['generate']['verdict']}", flush=True)
         if args.world == 2:
             trained = [t for t in types if report[t].get("verdict") in ("bitwise", "differs")]
