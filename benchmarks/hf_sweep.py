@@ -1,14 +1,16 @@
-"""Every causal-LM architecture of the installed transformers, tiny, sharded against plain PyTorch.
+"""Every architecture of the installed transformers, by head, tiny, sharded against plain PyTorch.
 
     python benchmarks/hf_sweep.py --placement nvme --out sweep.json      # ~5 min on 2 cores
     python benchmarks/hf_sweep.py --only llama,jamba,gpt_oss --world 2
+    python benchmarks/hf_sweep.py --head seq-cls                          # BERT-style fine-tuning heads
 
 tests/test_hf_architectures.py checks twenty-three hand-written configurations in the suite; this sweep
-asks the installed transformers for every model type its `AutoModelForCausalLM` knows, builds each
-from its default config shrunk to a few thousand parameters (hidden 32, 2 layers, 4 heads, vocab 128,
-every dropout and router jitter at 0: the shrinking is generic, so some types do not build or do not
-run this way, and are reported as such, not as zeroinf's failures), and trains it 2 steps of AdamW
-on random tokens three ways:
+asks the installed transformers for every model type its Auto class of `--head` knows (causal LM by
+default; encoder-decoder LM, masked LM, sequence and token classification: labels drawn from the
+tokens), builds each from its default config shrunk to a few thousand parameters (hidden 32, 2
+layers, 4 heads, vocab 128, every dropout and router jitter at 0: the shrinking is generic, so some
+types do not build or do not run this way, and are reported as such, not as zeroinf's failures),
+and trains it 2 steps of AdamW on random tokens three ways:
 
 - plain PyTorch (`torch.optim.AdamW(fused=True)`), the reference;
 - world 1: a copy sharded by `zeroinf.shard` at stage 3 (`--stage`) with every unit sharded
@@ -16,8 +18,15 @@ on random tokens three ways:
   process: losses and weights must be **bitwise** the reference's (zeroinf's CPU step is the same
   fused kernel);
 - world 2 (`--world 2`): the same in one spawned gloo group, each rank on half of each batch:
-  losses (the mean of the ranks') and weights within the parity suite's fp32 tolerance (rtol 1e-5
-  on losses, 5e-5 absolute on weights), since the gradients are summed in another order.
+  losses (the mean of the ranks') within rtol 1e-5 and weights within 5e-5 of the reference (the
+  parity suite's fp32 tolerance), since the gradients are summed in another order, or no further
+  from it than twice plain data parallelism is: each rank also trains a plain copy on its half,
+  averaging the gradients with `all_reduce` as DDP does. Adam turns a gradient that is rounding noise
+  (a key bias the softmax cancels, a near-cancelling sum) into a step of +-lr whatever its size, and
+  module buffers that track the data (I-BERT's activation ranges; BatchNorm's running statistics)
+  are each rank's own, as under FSDP: plain data parallelism moves as far, so neither is zeroinf's.
+  Two addends sum to the same float in either order, so zeroinf can also be, and is reported when
+  it is, bitwise those data-parallel copies ("ddp-bitwise").
 
 With `--init`, the sharded copies are built under `zeroinf.init(cfg)` (one unit at a time, each
 rank keeping its shard) instead of copied from an eagerly built model: the gathered `state_dict`
@@ -47,7 +56,8 @@ group ("plain-cannot" where that fails: Hugging Face's own limit for the type). 
 fail ends the group (they may be out of step); the types after it run in a new one.
 
 Prints one line per model type as it goes and writes a JSON report: per type its verdict ("bitwise"
-at world 1, "bitwise+within" with world 2, "differs", "error" with zeroinf's traceback tail,
+at world 1, "bitwise+ddp-bitwise" with world 2 bitwise the plain data-parallel copies, "bitwise+within"
+with world 2 within tolerance, "differs", "error" with zeroinf's traceback tail,
 "not-built" with the plain model's error, "too-large"), the losses and the largest weight
 difference; and a summary with the counts, the machine and the transformers version.
 """
@@ -89,14 +99,24 @@ SHRINK = dict(  # applied to every attribute the default config has, under any o
     decoder_ffn_dim=64,
 )
 LATENT_ATTENTION = dict(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)
-SETTINGS: dict[str, Any] = {"checkpointing": "none", "stage": 3, "generate": False}  # by main and each rank
+SETTINGS: dict[str, Any] = {"checkpointing": "none", "stage": 3, "generate": False, "head": "causal-lm"}  # main, ranks
+NUM_LABELS = 3  # of the classification heads
+# per head: transformers' mapping of model types to classes, and whether it generates (and takes use_cache)
+HEADS = {
+    "causal-lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", True),
+    "seq2seq": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", True),
+    "masked-lm": ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", False),
+    "seq-cls": ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", False),
+    "token-cls": ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", False),
+}
 RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter")  # config attributes set to 0: ranks draw other numbers
 
 
 def model_types() -> dict[str, str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """{model type: class name} of the head in SETTINGS."""
+    from transformers.models.auto import modeling_auto
 
-    names = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
+    names = sorted(getattr(modeling_auto, HEADS[SETTINGS["head"]][0]).items())
     return {t: (c[0] if isinstance(c, (list, tuple)) else c) for t, c in names}
 
 
@@ -106,6 +126,8 @@ def tiny_config(model_type: str) -> Any:
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     kwargs = {k: v for k, v in SHRINK.items() if hasattr(default, k)}
+    if SETTINGS["head"].endswith("-cls"):  # the head's own dropout defaults to 0.1 where the config has none
+        kwargs.update(num_labels=NUM_LABELS, classifier_dropout=0.0)
     if hasattr(default, "qk_rope_head_dim"):  # latent attention derives its head sizes from these
         kwargs.update(LATENT_ATTENTION)
         kwargs.pop("head_dim", None)
@@ -160,14 +182,23 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(100 + step))
 
 
+def inputs(ids: torch.Tensor) -> dict[str, Any]:
+    """The forward's arguments for the head in SETTINGS: labels drawn from the tokens."""
+    head = SETTINGS["head"]
+    labels = {"seq-cls": ids[:, 0] % NUM_LABELS, "token-cls": ids % NUM_LABELS, "seq2seq": ids.flip(1)}
+    kwargs = {"input_ids": ids, "labels": labels.get(head, ids)}
+    if HEADS[head][1]:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
 def train(model: torch.nn.Module, step: Any, rows: slice = slice(None)) -> list[float]:
     """STEPS steps; `step(loss)` runs backward and the optimizer step."""
     model.train()
     torch.manual_seed(1234)
     losses = []
     for s in range(STEPS):
-        ids = batch(s)[rows]
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = model(**inputs(batch(s)[rows])).loss
         step(loss)
         losses.append(loss.item())
     return losses
@@ -182,6 +213,30 @@ def train_plain(model: torch.nn.Module) -> list[float]:
         opt.zero_grad()
 
     return train(model, step)
+
+
+def train_data_parallel(model: torch.nn.Module, rows: slice) -> list[float]:
+    """Plain PyTorch on this rank's rows, the gradients averaged over the group as DDP does."""
+    import torch.distributed as dist
+
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, fused=True)
+    world = dist.get_world_size()
+
+    def step(loss: torch.Tensor) -> None:
+        loss.backward()
+        used = torch.tensor([float(p.grad is not None) for p in params])
+        dist.all_reduce(used, op=dist.ReduceOp.MAX)  # a parameter some rank used: every rank reduces it
+        for p, u in zip(params, used.tolist(), strict=True):
+            if u:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+        opt.zero_grad()
+
+    return train(model, step, rows)
 
 
 def sharding(placement: str, folder: str, dtype: str = "fp32") -> Any:
@@ -314,11 +369,13 @@ def _rank_main(
             os.makedirs(folder, exist_ok=True)
             model = model_type if under_init else build(model_type)
             losses, built, weights = train_sharded(model, placement, folder, slice(rank * per, (rank + 1) * per))
-            mine = {"built": built, "weights": weights} if rank == 0 else {}
+            data_parallel = build(model_type)
+            ddp_losses = train_data_parallel(data_parallel, slice(rank * per, (rank + 1) * per))
+            mine = {"built": built, "weights": weights, "ddp_weights": data_parallel.state_dict()} if rank == 0 else {}
             generated = {}
             if SETTINGS["generate"]:
                 generated["generate"] = compare_generation(model_type, placement, folder + "-generate", rank, world)
-            results.put((rank, model_type, _packed({"losses": losses, **mine, **generated})))
+            results.put((rank, model_type, _packed({"losses": losses, "ddp_losses": ddp_losses, **mine, **generated})))
             if _plain_cannot(generated):
                 break  # the ranks may be out of step: the parent goes on in a new group
         except Exception:  # noqa: BLE001 - reported by the parent, which goes on in a new group
@@ -392,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placement", choices=("device", "host", "nvme"), default="nvme",
                         help="where parameters and optimizer states live (default nvme)")
     parser.add_argument("--world", type=int, choices=(1, 2), default=2, help="2: also a spawned world-2 group")
-    parser.add_argument("--only", default="", help="comma-separated model types (default: every causal-LM type)")
+    parser.add_argument("--head", choices=tuple(HEADS), default="causal-lm",
+                        help="which Auto class: causal LM (default), encoder-decoder LM, masked LM, sequence or "
+                        "token classification (labels drawn from the tokens)")
+    parser.add_argument("--only", default="", help="comma-separated model types (default: every type of --head)")
     parser.add_argument("--out", default=None, help="the JSON report (default: printed only)")
     parser.add_argument("--init", action="store_true",
                         help="build the sharded copies under zeroinf.init; their state must be the eager model's")
@@ -410,16 +470,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--dtype bf16 compares zeroinf.init with zeroinf's eager path: give --init and --world 1")
     if args.init and args.stage != 3:
         parser.error("--init builds each rank's stage-3 shards: give --stage 3")
+    if args.generate and not HEADS[args.head][1]:
+        parser.error(f"--generate: a {args.head} model does not generate; give --head causal-lm or seq2seq")
     import transformers
 
-    SETTINGS.update(checkpointing=args.checkpointing, stage=args.stage, generate=args.generate)
+    SETTINGS.update(checkpointing=args.checkpointing, stage=args.stage, generate=args.generate, head=args.head)
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(1)
     known = model_types()
     types = [t for t in args.only.split(",") if t] or list(known)
     unknown = sorted(set(types) - set(known))
     if unknown:
-        parser.error(f"not causal-LM model types of transformers {transformers.__version__}: {', '.join(unknown)}")
+        parser.error(f"not {args.head} model types of transformers {transformers.__version__}: {', '.join(unknown)}")
     report: dict[str, dict[str, Any]] = {}
     # per type: the reference's losses, its weights after training, and as built
     plain: dict[str, tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
@@ -483,8 +545,12 @@ def main(argv: list[str] | None = None) -> int:
                 diff = weight_diff(per_rank[0]["weights"], ref_weights)
                 built_diff = weight_diff(per_rank[0]["built"], ref_built)  # as built: bitwise at any world
                 close = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, ref_losses, strict=True))
-                close = close and diff <= 5e-5 and built_diff == 0.0
-                entry.update(world2_losses=mean, world2_built_diff=built_diff, world2_weight_diff=diff)
+                ddp_diff = weight_diff(per_rank[0]["ddp_weights"], ref_weights)  # plain data parallel's own
+                close = close and diff <= max(5e-5, 2 * ddp_diff) and built_diff == 0.0
+                vs_ddp = weight_diff(per_rank[0]["weights"], per_rank[0]["ddp_weights"])
+                as_ddp = vs_ddp == 0.0 and all(p["losses"] == p["ddp_losses"] for p in per_rank)
+                entry.update(world2_losses=mean, world2_built_diff=built_diff, world2_weight_diff=diff,
+                             world2_ddp_weight_diff=ddp_diff, world2_vs_ddp_diff=vs_ddp)
                 if "generate" in per_rank[0]:
                     verdicts = {p["generate"]["verdict"] for p in per_rank}
                     verdict = next(v for v in ("differs", "plain-cannot", "equal") if v in verdicts)
@@ -494,8 +560,10 @@ def main(argv: list[str] | None = None) -> int:
                 if not close:
                     entry["verdict"] = "differs"
                 elif entry["verdict"] == "bitwise":
-                    entry["verdict"] = "bitwise+within"
-                print(f"{model_type:28} world 2: {'within' if close else 'differs'} (weights {diff:.2e})", flush=True)
+                    entry["verdict"] = "bitwise+ddp-bitwise" if as_ddp else "bitwise+within"
+                world2 = ("ddp-bitwise" if as_ddp else "within") if close else "differs"
+                print(f"{model_type:28} world 2: {world2:11} (weights {diff:.2e}, plain data parallel {ddp_diff:.2e},"
+                      f" against it {vs_ddp:.2e})", flush=True)
     counts: dict[str, int] = {}
     for entry in report.values():
         counts[entry["verdict"]] = counts.get(entry["verdict"], 0) + 1
@@ -504,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{name} {entry[name]['verdict']}"
                 counts[key] = counts.get(key, 0) + 1
     summary = {
-        "placement": args.placement, "world": args.world, "init": args.init, "dtype": args.dtype,
+        "head": args.head, "placement": args.placement, "world": args.world, "init": args.init, "dtype": args.dtype,
         "checkpointing": args.checkpointing, "stage": args.stage, "counts": counts,
         "transformers": transformers.__version__,
         "torch": torch.__version__, "machine": machine(),

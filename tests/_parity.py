@@ -269,8 +269,49 @@ def _weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | Non
     return {n: t.detach().to("cpu", torch.float32, copy=True) for n, t in full.items() if n in names}
 
 
-def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
-    return {case.name: train_zeroinf(case, rank, world_size) for case in cases}
+def run_cases(rank: int, world_size: int, cases: list[Case], ddp: tuple[str, ...] = ()) -> dict[str, dict]:
+    """zeroinf on every case; for the cases named in `ddp`, torch's DistributedDataParallel too (`"ddp"`)."""
+    out = {case.name: train_zeroinf(case, rank, world_size) for case in cases}
+    for case in cases:
+        if case.name in ddp:
+            out[case.name]["ddp"] = train_torch_ddp(case, rank, world_size)
+    return out
+
+
+def train_torch_ddp(case: Case, rank: int, world_size: int) -> dict:
+    """The same data-parallel training through `torch.nn.parallel.DistributedDataParallel` and
+    `torch.optim.AdamW(fused=True)` (zeroinf's CPU step is that kernel), fp32, without clipping: the
+    losses (mean over ranks) and rank 0's weights. Accumulation skips the reduction of all but the
+    last micro-step (`no_sync`), as zeroinf does without `sync_every_micro_step`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if case.dtype != "fp32" or case.clip is not None or case.clip_value is not None or case.sync_every_micro_step:
+        raise ValueError(f"{case.name}: the DDP reference trains fp32 without clipping or per-micro-step sync")
+    torch.manual_seed(0)
+    model = build_model(case.model)
+    # the zoo's unused branch: DDP must be told, or it waits for its gradient
+    ddp = DistributedDataParallel(model, find_unused_parameters=case.model == "zoo") if world_size > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True)
+    per_rank = case.batch // world_size
+    micro = per_rank // case.accum
+    losses = []
+    for step in range(case.steps):
+        x, y = global_batch(step, batch=case.batch)
+        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        total = torch.zeros(())
+        for m in range(case.accum):
+            last = m == case.accum - 1
+            with contextlib.nullcontext() if last or world_size == 1 else ddp.no_sync():  # type: ignore[operator]
+                loss = ddp(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / case.accum
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        if world_size > 1:
+            torch.distributed.all_reduce(total)
+            total /= world_size
+        losses.append(total.item())
+    return {"losses": losses, "weights": _weights(model, rank)}
 
 
 def with_name(case: Case, suffix: str) -> Case:

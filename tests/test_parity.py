@@ -1,6 +1,8 @@
 """Parity with plain single-process PyTorch: stage {0,1,2} x world {1,2,4} x dtype, + accumulation,
 clipping and an fp16 overflow that must skip exactly one step. One spawned group per world size runs
-every case; the single-process reference is computed once per case in the test process.
+every case; the single-process reference is computed once per case in the test process. Inside each
+group the fp32 cases without clipping also train through torch's DistributedDataParallel, and there
+is no tolerance against it at one and two ranks: bitwise (`test_two_ranks_are_bitwise_torch_ddp`).
 
 Tolerances:
 - fp32: rtol 1e-5 on losses and weights ("close to bitwise"): only the order of floating-point sums
@@ -63,6 +65,12 @@ CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] +
     Case("s3-fp32-ckpt-offload", 3, overrides=S3 + CKPT_OFFLOAD),
     Case("zoo-s3-bf16-ckpt-offload", 3, "bf16", model="zoo", overrides=S3 + CKPT_OFFLOAD),
 ]
+# fp32 cases without clipping whose gradients zeroinf reduces once per step as DDP does (stage 3 reduces
+# every micro-step, so its accumulation sums in another order): train_torch_ddp runs them too
+DDP_CASES = tuple(
+    c.name for c in CASES
+    if c.dtype == "fp32" and c.clip is None and not c.sync_every_micro_step and (c.accum == 1 or c.stage < 3)
+)
 TOLERANCES = {  # (loss rtol, weight atol)
     "fp32": (1e-5, 5e-5),
     "bf16": (2e-2, 0.5 * LR * 10),
@@ -80,7 +88,7 @@ def reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor], list[fl
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")
 def world_results(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[dict]]]:
     world = request.param
-    per_rank = run_ranks(run_cases, world, CASES, timeout_s=300)
+    per_rank = run_ranks(run_cases, world, CASES, DDP_CASES, timeout_s=300)
     return world, {case.name: [r[case.name] for r in per_rank] for case in CASES}
 
 
@@ -110,6 +118,28 @@ def test_matches_plain_pytorch(world_results: tuple[int, dict], case: Case) -> N
     world, results = world_results
     ref_losses, ref_weights, _ = reference(case)
     assert_matches_reference(f"{case.name} world {world}", results[case.name], ref_losses, ref_weights, case.dtype)
+
+
+def test_two_ranks_are_bitwise_torch_ddp(world_results: tuple[int, dict]) -> None:
+    """Against torch's own data parallelism in the same group (DistributedDataParallel, fused AdamW):
+    at one and two ranks every stage gives bitwise DDP's losses and weights, activation checkpointing,
+    offloaded activations, no prefetch and the zoo included. Two addends sum to the same float in
+    either order and halving is exact, so any difference would be zeroinf's; at four ranks the
+    partial gradients are summed in other orders ((a + b) + (c + d) against a ring), so the fp32
+    parity tolerance applies there."""
+    world, results = world_results
+    assert len(DDP_CASES) == 11, DDP_CASES  # the guard against a filter that drops cases
+    loss_rtol, weight_atol = TOLERANCES["fp32"]
+    for name in DDP_CASES:
+        ours, ddp = results[name][0], results[name][0]["ddp"]
+        if world <= 2:
+            assert ours["losses"] == ddp["losses"], f"{name} world {world}: {ours['losses']} vs DDP {ddp['losses']}"
+            differing = [k for k, w in ddp["weights"].items() if not torch.equal(ours["weights"][k], w)]
+            assert not differing, f"{name} world {world}: weights differ from DDP's: {differing}"
+        else:
+            assert ours["losses"] == pytest.approx(ddp["losses"], rel=loss_rtol), name
+            for k, w in ddp["weights"].items():
+                torch.testing.assert_close(ours["weights"][k], w, rtol=loss_rtol, atol=weight_atol, msg=name)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.clip is not None or c.dtype != "fp16"], ids=lambda c: c.name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests._harness import run_ranks
 from tests._parity import Case, run_cases
@@ -35,6 +36,7 @@ for i, (p_tier, o_tier, d) in enumerate(
         {"params": p_tier, "optimizer": o_tier, "gradients": ("host", "nvme")[i % 2]},
     )
 NAMES = list(OFFLOADS)
+FP32 = tuple(n for n in NAMES if n.endswith("fp32"))  # also trained through torch's DDP in the group
 
 
 def make_cases(root: Path) -> list[Case]:
@@ -55,7 +57,7 @@ def world_results(
     world = request.param
     root = tmp_path_factory.mktemp(f"swap-world{world}")
     cases = make_cases(root)
-    per_rank = run_ranks(run_cases, world, cases, timeout_s=300)
+    per_rank = run_ranks(run_cases, world, cases, FP32, timeout_s=300)
     return world, {c.name: c for c in cases}, {c.name: [r[c.name] for r in per_rank] for c in cases}, root
 
 
@@ -65,6 +67,19 @@ def test_matches_plain_pytorch(world_results: tuple, name: str) -> None:
     case = cases[name]
     ref_losses, ref_weights, _ = reference(Case(f"s{case.stage}-{case.dtype}", case.stage, case.dtype))
     assert_matches_reference(f"{name} world {world}", results[name], ref_losses, ref_weights, case.dtype)
+
+
+def test_fp32_is_bitwise_torch_ddp(world_results: tuple) -> None:
+    """Every fp32 placement gives bitwise the losses and weights of torch's DistributedDataParallel
+    with fused AdamW in the same group (tests/test_parity.py `test_two_ranks_are_bitwise_torch_ddp`
+    says why two ranks can be bitwise): where the states live changes nothing."""
+    world, _, results, _ = world_results
+    assert len(FP32) == 10
+    for name in FP32:
+        ours, ddp = results[name][0], results[name][0]["ddp"]
+        assert ours["losses"] == ddp["losses"], f"{name} world {world}: {ours['losses']} vs DDP {ddp['losses']}"
+        differing = [k for k, w in ddp["weights"].items() if not torch.equal(ours["weights"][k], w)]
+        assert not differing, f"{name} world {world}: weights differ from DDP's: {differing}"
 
 
 def test_states_leave_the_device_and_swap_files_are_removed(world_results: tuple) -> None:
