@@ -60,6 +60,38 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, VOCAB), targets.reshape(-1))
 
 
+ODD = 37  # OddNet's width: no parameter a multiple of 8 elements
+
+
+class OddBlock(nn.Module):
+    """Norm before the matrix: the weight starts at an odd element of the unit, so a shard boundary
+    cuts it at an odd element of its own (partition/flat_buffer.py [Note: why every parameter starts
+    on 64 elements])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(ODD), nn.Linear(ODD, ODD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+class OddNet(nn.Module):
+    """A model of odd-sized parameters (widths of 37): where the optimizer's pieces end matters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, ODD)
+        self.blocks = nn.ModuleList([OddBlock() for _ in range(3)])
+        self.head = nn.Linear(ODD, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).float().view(-1, VOCAB), targets.reshape(-1))
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -72,7 +104,7 @@ class Case:
     overflow_step: int | None = None  # fp16: multiply that step's loss by inf
     initial_scale: float = 1024.0  # fp16 loss scale at step 0
     overrides: tuple[tuple[str, object], ...] = ()
-    model: str = "tiny_gpt"  # or "zoo" (tests/_zoo.py)  # further Config fields, e.g. (("max_live_bytes", 1),)
+    model: str = "tiny_gpt"  # or "zoo" (tests/_zoo.py), or "odd" (OddNet)
     steps: int = 10
     weight_decay: float = 0.1
     compile_backend: str | None = None  # train through torch.compile(model, backend=...)
@@ -153,6 +185,8 @@ def build_model(name: str = "tiny_gpt", seed: int = 0) -> nn.Module:
         from tests._zoo import Zoo
 
         return Zoo()
+    if name == "odd":
+        return OddNet()
     return TinyGPT()
 
 

@@ -48,7 +48,10 @@ def test_step_io_is_counted_per_kind_and_engines_use_offload_aio(tmp_path: Path,
     assert 0 < in_params < owned
     per_step = 12 * owned - 4 * in_params
     assert kinds["optimizer"] == {"read": per_step, "written": per_step}
-    assert kinds["params"]["read"] > 0 and kinds["params"]["written"] > 0
+    # A write counts when it completes: the parameters' writes behind the last step may land after
+    # its window closed (seen on a loaded machine: 0 in the last window), so their bytes are checked
+    # over the run.
+    assert kinds["params"]["read"] > 0 and io["by_kind"]["params"]["written"] > 0
     if step_in_backward:  # each reduced gradient is stepped where it is: none goes to disk and back
         assert kinds["grads"] == {"read": 0, "written": 0} and opt.units_stepped_in_backward > 0
     else:

@@ -64,6 +64,9 @@ CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] +
     Case("s3-fp32-ckpt", 3, overrides=S3 + CKPT),
     Case("s3-fp32-ckpt-offload", 3, overrides=S3 + CKPT_OFFLOAD),
     Case("zoo-s3-bf16-ckpt-offload", 3, "bf16", model="zoo", overrides=S3 + CKPT_OFFLOAD),
+    # odd-sized parameters, cut by the shard boundaries at odd elements of their own
+    Case("odd-s1-fp32", 1, model="odd"),
+    Case("odd-s3-fp32", 3, model="odd", overrides=S3),
 ]
 # fp32 cases without clipping whose gradients zeroinf reduces once per step as DDP does (stage 3 reduces
 # every micro-step, so its accumulation sums in another order): train_torch_ddp runs them too
@@ -123,12 +126,13 @@ def test_matches_plain_pytorch(world_results: tuple[int, dict], case: Case) -> N
 def test_two_ranks_are_bitwise_torch_ddp(world_results: tuple[int, dict]) -> None:
     """Against torch's own data parallelism in the same group (DistributedDataParallel, fused AdamW):
     at one and two ranks every stage gives bitwise DDP's losses and weights, activation checkpointing,
-    offloaded activations, no prefetch and the zoo included. Two addends sum to the same float in
+    offloaded activations, no prefetch, the zoo and odd-sized parameters cut by shard boundaries
+    included. Two addends sum to the same float in
     either order and halving is exact, so any difference would be zeroinf's; at four ranks the
     partial gradients are summed in other orders ((a + b) + (c + d) against a ring), so the fp32
     parity tolerance applies there."""
     world, results = world_results
-    assert len(DDP_CASES) == 11, DDP_CASES  # the guard against a filter that drops cases
+    assert len(DDP_CASES) == 13, DDP_CASES  # the guard against a filter that drops cases
     loss_rtol, weight_atol = TOLERANCES["fp32"]
     for name in DDP_CASES:
         ours, ddp = results[name][0], results[name][0]["ddp"]

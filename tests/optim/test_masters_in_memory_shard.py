@@ -78,7 +78,7 @@ def _train(cfg: zeroinf.Config, steps: int, folder: Path | None = None) -> dict:
         "losses": losses, "weights": {k: v.clone() for k, v in model.state_dict().items()},
         "masters": [m.clone() for m in state["master"]], "shared": shared,
         "rollbacks": opt.rollbacks, "device": dict(engine.ledger.snapshot()["device"]["by_tag"]),
-        "numel": sum(u.layout.numel for u in engine.units), "model": model, "opt": opt,
+        "owned": sum(u.layout.padded_numel for u in engine.units), "model": model, "opt": opt,
     }
     return out
 
@@ -111,7 +111,7 @@ def test_one_tensor_bitwise_equal_to_keeping_two(tmp_path: Path, dtype: str) -> 
         assert not torch.equal(fc_master[1:], fc_master[1:].bfloat16().float())
     # The ledger counts each master once: 8 bytes of moments per element, the fp32 shard 4.
     device = got["device"]
-    owned = got["numel"]  # world 1: every element is owned
+    owned = got["owned"]  # world 1: every element is owned, the gaps between parameters too
     root_numel = zeroinf.engine_of(got["model"]).units[-1].layout.padded_numel
     shared_numel = owned - (root_numel if dtype == "bf16" else 0)
     assert device["optimizer_state"] == 12 * owned - 4 * shared_numel

@@ -34,7 +34,7 @@ def _close_optimizers() -> Any:
 
 
 # -- planning ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("max_numel", [None, 1, 1000, 4096, 5000, 10**9])
+@pytest.mark.parametrize("max_numel", [None, 1, 100, 1000, 4096, 5000, 10**9])
 def test_sub_groups_cover_each_unit_in_bounded_contiguous_pieces(max_numel: int | None) -> None:
     numels = [12_608, 0, 2_624, 4_096, 1]
     groups = plan_sub_groups(numels, max_numel)
@@ -48,6 +48,8 @@ def test_sub_groups_cover_each_unit_in_bounded_contiguous_pieces(max_numel: int 
         assert all(g.whole_unit == (len(mine) == 1) for g in mine)
         if max_numel and max_numel >= 1024:
             assert all(g.start % 1024 == 0 for g in mine)  # split points on 4 KiB of fp32
+        elif max_numel and max_numel >= 64:  # else on the parameters' alignment (flat_buffer.py)
+            assert all(g.start % 64 == 0 for g in mine)
     assert len({g.key for g in groups}) == len(groups)
 
 
@@ -126,13 +128,19 @@ def _train(model: nn.Module, opt: zeroinf.AdamW, steps: range) -> None:
         opt.zero_grad()
 
 
-# Here every split point (a multiple of 1024) is also a multiple of the vector width from its parameter's
-# start, so the fused kernel's vector loop and scalar tail cover the same elements as for an unsplit
-# unit and every tier is bitwise identical. (A split off that grid may differ by 1 ulp in a moment.)
-TIERS = [("device", {}), ("host", {}), ("nvme", {"sub_group_numel": 1024}), ("nvme", {"buffer_count": 2})]
+# Every split point (a multiple of 1024, or of 64 for sub-groups under 1024 elements) is a multiple of
+# 64 from its parameter's start (partition/flat_buffer.py [Note: why every parameter starts on 64
+# elements]), so the fused kernel's vector loop and scalar tail cover the same elements as for an
+# unsplit unit and every tier is bitwise identical (a split off that grid differed by 1 ulp).
+TIERS = [
+    ("device", {}), ("host", {}), ("nvme", {"sub_group_numel": 1024}), ("nvme", {"sub_group_numel": 100}),
+    ("nvme", {"buffer_count": 2}),
+]
 
 
-@pytest.mark.parametrize(("tier", "offload"), TIERS, ids=["device", "host", "nvme-split", "nvme-2buf"])
+@pytest.mark.parametrize(
+    ("tier", "offload"), TIERS, ids=["device", "host", "nvme-split", "nvme-split-small", "nvme-2buf"]
+)
 def test_every_tier_computes_the_same_update(tmp_path: Path, tier: str, offload: dict) -> None:
     ref_model, ref_opt = _build(None, "device")
     model, opt = _build(tmp_path / "swap", tier, **offload)

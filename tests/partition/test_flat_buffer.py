@@ -1,4 +1,5 @@
-"""FlatLayout is a pure function of shapes and world size: contiguous, aligned, tiled exactly."""
+"""FlatLayout is a pure function of shapes and world size: parameters in order on multiples of 64
+elements, shards aligned, tiled exactly."""
 
 from __future__ import annotations
 
@@ -19,19 +20,31 @@ def _random_shapes(rng: random.Random) -> list[tuple[str, torch.Size]]:
 
 
 def check_layout(layout: FlatLayout, named_shapes: list[tuple[str, torch.Size]], world_size: int) -> None:
-    # Slots: registration order, contiguous from 0, numel matching the shape.
+    # Slots: registration order from 0, each on the first multiple of ALIGN_NUMEL after the one
+    # before, numel matching the shape.
     assert [s.name for s in layout.slots] == [n for n, _ in named_shapes]
     offset = 0
     for slot, (_, shape) in zip(layout.slots, named_shapes, strict=True):
         assert slot.shape == shape and slot.numel == shape.numel()
-        assert slot.offset == offset and slot.end == offset + slot.numel
-        offset = slot.end
-    assert layout.numel == offset
+        assert slot.offset == offset and slot.end == offset + slot.numel and slot.offset % ALIGN_NUMEL == 0
+        offset = -(-slot.end // ALIGN_NUMEL) * ALIGN_NUMEL
+    assert layout.numel == sum(s.numel for s in layout.slots)
 
     # Padding: the smallest multiple of world_size * ALIGN_NUMEL that holds everything (at least one quantum).
     quantum = world_size * ALIGN_NUMEL
     assert layout.padded_numel % quantum == 0
-    assert layout.numel <= layout.padded_numel < max(layout.numel, 1) + quantum
+    assert offset <= layout.padded_numel < max(offset, 1) + quantum
+
+    # The gaps: exactly the elements no slot covers, in order, each range maximal.
+    in_gap = torch.ones(layout.padded_numel, dtype=torch.bool)
+    for slot in layout.slots:
+        in_gap[slot.offset : slot.end] = False
+    from_gaps = torch.zeros(layout.padded_numel, dtype=torch.bool)
+    for start, end in layout.gaps:
+        assert start < end and not from_gaps[start:end].any()
+        from_gaps[start:end] = True
+    assert torch.equal(from_gaps, in_gap)
+    assert all(a[1] < b[0] for a, b in zip(layout.gaps, layout.gaps[1:], strict=False))
     assert layout.shard_numel * world_size == layout.padded_numel
     assert layout.shard_numel % ALIGN_NUMEL == 0
 
@@ -56,8 +69,10 @@ def check_layout(layout: FlatLayout, named_shapes: list[tuple[str, torch.Size]],
             last_end = piece.end
             covered[piece.start : piece.end] += 1
             per_param[piece.slot_index][piece.param_offset : piece.param_offset + piece.numel] += 1
-    assert torch.all(covered[: layout.numel] == 1)
-    assert torch.all(covered[layout.numel :] == 0)
+    slotted = torch.zeros(layout.padded_numel, dtype=torch.int64)
+    for slot in layout.slots:
+        slotted[slot.offset : slot.end] = 1
+    assert torch.equal(covered, slotted)  # every parameter element once, no gap element
     assert all(torch.all(c == 1) for c in per_param)
 
 
@@ -78,17 +93,20 @@ def test_pieces_of_arbitrary_ranges() -> None:
         for piece in layout.pieces(a, b):
             got[piece.start : piece.end] += 1
         expected = torch.zeros(layout.padded_numel, dtype=torch.int64)
-        expected[a : min(b, layout.numel)] = 1
+        for slot in layout.slots:
+            expected[max(a, slot.offset) : min(b, slot.end)] = 1
         assert torch.equal(got, expected), (a, b, layout)
 
 
 def test_pieces_cut_a_parameter_at_a_shard_boundary() -> None:
-    layout = FlatLayout.build([("w", torch.Size([100])), ("b", torch.Size([50]))], world_size=2)
+    layout = FlatLayout.build([("w", torch.Size([150])), ("b", torch.Size([50]))], world_size=2)
+    assert [s.offset for s in layout.slots] == [0, 192]  # b on the next multiple of 64
     assert layout.padded_numel == 256 and layout.shard_numel == 128
+    assert layout.gaps == ((150, 192), (242, 256))
     p0 = layout.pieces(*layout.shard_range(0))
     p1 = layout.pieces(*layout.shard_range(1))
-    assert [(p.slot_index, p.start, p.end, p.param_offset) for p in p0] == [(0, 0, 100, 0), (1, 100, 128, 0)]
-    assert [(p.slot_index, p.start, p.end, p.param_offset) for p in p1] == [(1, 128, 150, 28)]
+    assert [(p.slot_index, p.start, p.end, p.param_offset) for p in p0] == [(0, 0, 128, 0)]
+    assert [(p.slot_index, p.start, p.end, p.param_offset) for p in p1] == [(0, 128, 150, 128), (1, 192, 242, 0)]
 
 
 def test_single_scalar_param() -> None:
@@ -104,16 +122,17 @@ def test_world_larger_than_numel() -> None:
     named_shapes = [("a", torch.Size([3])), ("b", torch.Size([2]))]
     layout = FlatLayout.build(named_shapes, world_size=8)
     check_layout(layout, named_shapes, 8)
-    assert layout.shard_numel == ALIGN_NUMEL
-    assert len(layout.pieces(*layout.shard_range(0))) == 2
-    assert all(layout.pieces(*layout.shard_range(r)) == [] for r in range(1, 8))
+    assert layout.shard_numel == ALIGN_NUMEL  # one parameter per shard: each starts on ALIGN_NUMEL
+    assert [p.slot_index for p in layout.pieces(*layout.shard_range(0))] == [0]
+    assert [p.slot_index for p in layout.pieces(*layout.shard_range(1))] == [1]
+    assert all(layout.pieces(*layout.shard_range(r)) == [] for r in range(2, 8))
 
 
 def test_zero_numel_param_gets_no_piece() -> None:
     named_shapes = [("a", torch.Size([4])), ("empty", torch.Size([0, 3])), ("b", torch.Size([2]))]
     layout = FlatLayout.build(named_shapes, world_size=2)
     check_layout(layout, named_shapes, 2)
-    assert layout.slots[1].offset == layout.slots[1].end == 4
+    assert layout.slots[1].offset == layout.slots[1].end == layout.slots[2].offset == ALIGN_NUMEL
     assert [p.slot_index for p in layout.pieces(0, layout.padded_numel)] == [0, 2]
 
 

@@ -48,6 +48,7 @@ import torch
 from torch.optim.adamw import adamw as functional_adamw
 
 from zeroinf.memory import Ledger, Tier
+from zeroinf.partition.flat_buffer import ALIGN_NUMEL
 
 PERIOD = 1 << 22  # entries of the noise table (16 MiB of int32; see the note on its size)
 WINDOW_NUMEL = 1 << 20  # most moment elements widened to fp32 at once
@@ -191,7 +192,9 @@ class Bf16MomentStep:
 
 
 def _windows(pieces: Sequence[Piece], size: int) -> list[list[Piece]]:
-    """The pieces in groups of at most `size` elements, a larger piece cut into several."""
+    """The pieces in groups of at most `size` elements, a larger piece cut into several, each cut on a
+    multiple of 64 of the parameter's elements where the window allows (partition/flat_buffer.py
+    [Note: why every parameter starts on 64 elements])."""
     out: list[list[Piece]] = [[]]
     room = size
     for p in pieces:
@@ -202,6 +205,14 @@ def _windows(pieces: Sequence[Piece], size: int) -> list[list[Piece]]:
                 out.append([])
                 room = size
             take = min(room, numel - done)
+            if take < numel - done:
+                aligned = (p.start + done + take) // ALIGN_NUMEL * ALIGN_NUMEL - p.start - done
+                if aligned > 0:
+                    take = aligned
+                elif room < size:  # no aligned cut fits what is left of this window: the next one
+                    room = 0
+                    continue
+                # (a window under 64 elements cuts where it must)
             part = slice(done, done + take)
             out[-1].append(Piece(
                 p.master[part], p.grad[part], p.exp_avg[part], p.exp_avg_sq[part], p.key, p.start + done, p.step,

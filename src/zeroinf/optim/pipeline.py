@@ -33,6 +33,7 @@ import torch
 
 from zeroinf.aio.buffers import PoolBuffer, round_up
 from zeroinf.aio.engine import AioHandle
+from zeroinf.partition.flat_buffer import ALIGN_NUMEL
 from zeroinf.telemetry import phase_scope
 
 _ALIGN_NUMEL = 1024  # split points of a unit fall on 4 KiB of fp32
@@ -75,10 +76,11 @@ def plan_sub_groups(owned_numels: Sequence[int], max_numel: int | None) -> list[
     """Cut each unit's owned range into near-equal pieces of at most `max_numel` (None: whole units).
 
     Pure. Units with nothing owned get no sub-group. Split points are multiples of 1024 elements
-    (4 KiB of fp32) when `max_numel` allows.
+    (4 KiB of fp32) when `max_numel` allows, else of 64 (partition/flat_buffer.py [Note: why every
+    parameter starts on 64 elements]: a cut elsewhere changes the rounding of the elements before it).
     """
     groups: list[SubGroup] = []
-    align = _ALIGN_NUMEL if max_numel is not None and max_numel >= _ALIGN_NUMEL else 1
+    align = next((a for a in (_ALIGN_NUMEL, ALIGN_NUMEL) if max_numel is not None and max_numel >= a), 1)
     cap = None if max_numel is None else max_numel // align * align
     for ui, numel in enumerate(owned_numels):
         pieces = 1 if cap is None else math.ceil(numel / cap)

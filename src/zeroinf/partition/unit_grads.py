@@ -113,9 +113,11 @@ class UnitGradients:
     def _ensure_grad_flat(self) -> torch.Tensor:
         if self.grad_flat is None:
             # Uninitialized: each slot's first gradient is copied in, not added to zeros (zero-filling
-            # the buffer cost ~5% of a bf16 backward here); padding and unwritten slots are zeroed later.
+            # the buffer cost ~5% of a bf16 backward here); the gaps between parameters and the padding are
+            # zeroed here, slots no gradient reached before the reduction.
             self.grad_flat = self.grad_pool.take(self.layout.padded_numel, self.grad_buffer_dtype)
-            self.grad_flat[self.layout.numel :].zero_()
+            for start, end in self.layout.gaps:
+                self.grad_flat[start:end].zero_()
             self._slot_written = [False] * len(self.params)
             self.ledger.reserve(Tier.DEVICE, _nbytes(self.grad_flat), "grad_unsharded")
         return self.grad_flat
