@@ -213,3 +213,48 @@ def test_model_zero_grad_discards_what_the_engine_holds_as_in_pytorch(stage: int
     assert all(torch.equal(a, b) for a, b in zip(_dcgan(True, stage, False), plain, strict=True))
     with pytest.raises(RuntimeError, match=r"model\.zero_grad\(\) after a backward that already stepped"):
         _dcgan(True, stage, "auto")
+
+
+class _Stateful(torch.nn.Module):
+    """Buffers of every kind and a frozen layer beside two trained blocks, all drawn from the seed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.register_buffer("projection", torch.randn(8, 8))
+        self.register_buffer("table", torch.randn(8), persistent=False)
+        self.register_buffer("mask", torch.rand(8) > 0.5)
+        self.register_buffer("counts", torch.randint(0, 100, (3,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return ((x + self.frozen(x)) @ self.projection + self.table * self.mask).sum()
+
+
+def _built_from_each_ranks_seed(rank: int, world: int) -> dict[int, dict[str, torch.Tensor]]:
+    out = {}
+    for stage in (0, 1, 3):
+        torch.manual_seed(rank)  # a script that seeds by rank, or forgot to seed
+        model = zeroinf.shard(_Stateful(), zeroinf.Config(stage=stage, persist_threshold_bytes=0))
+        out[stage] = {**{k: v.clone() for k, v in model.state_dict().items()}, "table": model.table.clone()}
+        zeroinf.engine_of(model).close()
+    return out
+
+
+def test_every_rank_starts_from_the_first_ranks_buffers_and_frozen_parameters() -> None:
+    """As DDP's constructor and FSDP's sync_module_states: ranks that built the model from other
+    seeds hold rank 0's values after `shard`, the buffers (persistent or not, float, bool, int) and
+    the frozen parameters outside units (stages 0-1) too. Before, only the units' parameters were
+    broadcast: each rank trained rank 0's weights with its own buffers."""
+    from tests._harness import run_ranks
+
+    torch.manual_seed(0)
+    expected = _Stateful()
+    first = {**expected.state_dict(), "table": expected.table}
+    for per_rank in run_ranks(_built_from_each_ranks_seed, 2, timeout_s=120):
+        for stage, state in per_rank.items():
+            assert state.keys() == first.keys()
+            differing = [k for k, v in first.items() if not torch.equal(state[k], v)]
+            assert not differing, f"stage {stage}: {differing} are not rank 0's"

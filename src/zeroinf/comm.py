@@ -30,7 +30,7 @@ import contextlib
 import datetime
 import itertools
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -329,6 +329,33 @@ def reduce_scatter_into(
     if not async_op:
         handle.wait()
     return handle
+
+
+def broadcast_from_first(tensors: Iterable[torch.Tensor], topo: Topology, what: str = "") -> None:
+    """Every tensor of `tensors` takes, in place, the values of the group's first rank: one message per
+    dtype (the tensors in the same order on every rank). Empty and meta tensors are left as they are,
+    and so are expanded ones, which no in-place write can fill (BERT's `position_ids`, an `arange`
+    expanded to a batch of one: the same on every rank)."""
+    if not topo.is_distributed:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        expanded = any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
+        if t.numel() and not t.is_meta and not expanded:
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        group = by_dtype[dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        wire = flat.view(torch.uint8) if dtype == torch.bool else flat  # gloo carries bytes, not bools
+        check_same_collective("broadcast", wire.numel(), what, topo)
+        with naming_failures("broadcast", wire.numel(), topo):
+            _wait(dist.broadcast(wire, src=dist.get_global_rank(topo.group, 0) if topo.group else 0,
+                                 group=topo.group, async_op=True), topo)
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def all_reduce(

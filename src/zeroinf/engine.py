@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from zeroinf.activations import ActivationOffloader, apply_activation_checkpointing, no_cache_in_training
-from zeroinf.comm import all_reduce
+from zeroinf.comm import all_reduce, broadcast_from_first
 from zeroinf.config import DTYPES, Config
 from zeroinf.memory import Ledger, Tier
 from zeroinf.memory_text import MemoryReport
@@ -168,6 +168,14 @@ class Engine:
         self._unit_of_param = {id(p): ui for ui, u in enumerate(self.all_units) for p in u.params}
         # Parameters of this model in no unit (frozen ones at stages 0-2): whole on every rank.
         self._outside_params = {id(p) for p in module.parameters() if id(p) not in self._unit_of_param}
+        # Every rank starts from the first rank's module state, as DDP's constructor and FSDP's
+        # sync_module_states make it: the units' parameters were broadcast as they were laid out
+        # (partition/unit.py), here the buffers and the parameters in no unit. A model built from
+        # another seed on each rank would otherwise train one set of weights with other buffers.
+        broadcast_from_first(
+            [*(p for p in module.parameters() if id(p) in self._outside_params), *module.buffers()], topo,
+            "the buffers and the parameters outside units at shard",
+        )
         self.trained_params = [p for u in self.units for p in u.params]  # those of the trainable units
         self.micro_step = 0  # backward passes since the last optimizer step
         # fp16: set by whoever applies the loss scale (AdamW.backward, the Trainer integration) and
