@@ -308,8 +308,46 @@ def run_cases(rank: int, world_size: int, cases: list[Case], ddp: tuple[str, ...
     out = {case.name: train_zeroinf(case, rank, world_size) for case in cases}
     for case in cases:
         if case.name in ddp:
-            out[case.name]["ddp"] = train_torch_ddp(case, rank, world_size)
+            reference = train_torch_ddp if case.dtype == "fp32" else train_data_parallel_with_masters
+            out[case.name]["ddp"] = reference(case, rank, world_size)
     return out
+
+
+def train_data_parallel_with_masters(case: Case, rank: int, world_size: int) -> dict:
+    """Mixed-precision data parallelism by hand, as zeroinf promises it (and FSDP2's
+    MixedPrecisionPolicy(param_dtype, reduce_dtype=float32) does): fp32 master weights, a copy in the
+    compute dtype for forward and backward, its gradients widened to fp32, all-reduced and averaged,
+    fused AdamW on the masters; no accumulation, clipping or loss scaling. The losses (mean over
+    ranks) and rank 0's weights as the model holds them (the masters rounded to the compute dtype)."""
+    if case.dtype != "bf16" or case.accum != 1 or case.clip is not None or case.clip_value is not None:
+        raise ValueError(f"{case.name}: the masters reference trains bf16 without accumulation or clipping")
+    torch.manual_seed(0)
+    master = build_model(case.model)
+    compute = copy.deepcopy(master).to(torch.bfloat16)
+    opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True)
+    per_rank = case.batch // world_size
+    losses = []
+    for step in range(case.steps):
+        x, y = global_batch(step, batch=case.batch)
+        with torch.no_grad():
+            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+                c.copy_(m)
+        loss = compute(x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
+        loss.backward()
+        for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+            m.grad, c.grad = (None if c.grad is None else c.grad.float()), None  # unused, frozen: no gradient
+            if m.grad is not None and world_size > 1:
+                torch.distributed.all_reduce(m.grad)
+                m.grad /= world_size
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().float()
+        if world_size > 1:
+            torch.distributed.all_reduce(total)
+            total /= world_size
+        losses.append(total.item())
+    rounded = copy.deepcopy(master).to(torch.bfloat16)
+    return {"losses": losses, "weights": _weights(rounded, rank)}
 
 
 def train_torch_ddp(case: Case, rank: int, world_size: int) -> dict:

@@ -1,8 +1,9 @@
 """Parity with plain single-process PyTorch: stage {0,1,2} x world {1,2,4} x dtype, + accumulation,
 clipping and an fp16 overflow that must skip exactly one step. One spawned group per world size runs
 every case; the single-process reference is computed once per case in the test process. Inside each
-group the fp32 cases without clipping also train through torch's DistributedDataParallel, and there
-is no tolerance against it at one and two ranks: bitwise (`test_two_ranks_are_bitwise_torch_ddp`).
+group the cases without clipping also train by plain data parallelism (fp32: torch's
+DistributedDataParallel; bf16: the same by hand with fp32 masters), and there is no tolerance against
+it at one and two ranks: bitwise (`test_two_ranks_are_bitwise_plain_data_parallelism`).
 
 Tolerances:
 - fp32: rtol 1e-5 on losses and weights ("close to bitwise"): only the order of floating-point sums
@@ -68,11 +69,14 @@ CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] +
     Case("odd-s1-fp32", 1, model="odd"),
     Case("odd-s3-fp32", 3, model="odd", overrides=S3),
 ]
-# fp32 cases without clipping whose gradients zeroinf reduces once per step as DDP does (stage 3 reduces
-# every micro-step, so its accumulation sums in another order): train_torch_ddp runs them too
+# Cases without clipping trained by plain data parallelism in the same group too: fp32 through torch's
+# DDP (train_torch_ddp) where zeroinf reduces once per step as DDP does (stage 3 reduces every
+# micro-step, so its accumulation sums in another order), bf16 without accumulation by hand with fp32
+# masters (train_data_parallel_with_masters)
 DDP_CASES = tuple(
     c.name for c in CASES
-    if c.dtype == "fp32" and c.clip is None and not c.sync_every_micro_step and (c.accum == 1 or c.stage < 3)
+    if c.clip is None and not c.sync_every_micro_step
+    and ((c.dtype == "fp32" and (c.accum == 1 or c.stage < 3)) or (c.dtype == "bf16" and c.accum == 1))
 )
 TOLERANCES = {  # (loss rtol, weight atol)
     "fp32": (1e-5, 5e-5),
@@ -123,19 +127,20 @@ def test_matches_plain_pytorch(world_results: tuple[int, dict], case: Case) -> N
     assert_matches_reference(f"{case.name} world {world}", results[case.name], ref_losses, ref_weights, case.dtype)
 
 
-def test_two_ranks_are_bitwise_torch_ddp(world_results: tuple[int, dict]) -> None:
-    """Against torch's own data parallelism in the same group (DistributedDataParallel, fused AdamW):
-    at one and two ranks every stage gives bitwise DDP's losses and weights, activation checkpointing,
-    offloaded activations, no prefetch, the zoo and odd-sized parameters cut by shard boundaries
-    included. Two addends sum to the same float in
-    either order and halving is exact, so any difference would be zeroinf's; at four ranks the
-    partial gradients are summed in other orders ((a + b) + (c + d) against a ring), so the fp32
-    parity tolerance applies there."""
+def test_two_ranks_are_bitwise_plain_data_parallelism(world_results: tuple[int, dict]) -> None:
+    """Against plain data parallelism in the same group: in fp32 torch's DistributedDataParallel with
+    fused AdamW, in bf16 the same by hand with fp32 masters. At one and two ranks every stage gives
+    bitwise its losses and weights, activation checkpointing, offloaded activations, no prefetch, the
+    zoo and odd-sized parameters cut by shard boundaries included. Two addends sum to the same float
+    in either order and halving is exact, so any difference would be zeroinf's; at four ranks the
+    partial gradients are summed in other orders ((a + b) + (c + d) against a ring), so the parity
+    tolerance of the dtype applies there."""
     world, results = world_results
-    assert len(DDP_CASES) == 13, DDP_CASES  # the guard against a filter that drops cases
-    loss_rtol, weight_atol = TOLERANCES["fp32"]
+    assert len(DDP_CASES) == 20, DDP_CASES  # the guard against a filter that drops cases
     for name in DDP_CASES:
         ours, ddp = results[name][0], results[name][0]["ddp"]
+        dtype = next(c.dtype for c in CASES if c.name == name)
+        loss_rtol, weight_atol = TOLERANCES[dtype]
         if world <= 2:
             assert ours["losses"] == ddp["losses"], f"{name} world {world}: {ours['losses']} vs DDP {ddp['losses']}"
             differing = [k for k, w in ddp["weights"].items() if not torch.equal(ours["weights"][k], w)]
@@ -143,7 +148,8 @@ def test_two_ranks_are_bitwise_torch_ddp(world_results: tuple[int, dict]) -> Non
         else:
             assert ours["losses"] == pytest.approx(ddp["losses"], rel=loss_rtol), name
             for k, w in ddp["weights"].items():
-                torch.testing.assert_close(ours["weights"][k], w, rtol=loss_rtol, atol=weight_atol, msg=name)
+                torch.testing.assert_close(ours["weights"][k], w, rtol=loss_rtol if dtype == "fp32" else 0,
+                                           atol=weight_atol, msg=name)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.clip is not None or c.dtype != "fp16"], ids=lambda c: c.name)

@@ -36,7 +36,6 @@ for i, (p_tier, o_tier, d) in enumerate(
         {"params": p_tier, "optimizer": o_tier, "gradients": ("host", "nvme")[i % 2]},
     )
 NAMES = list(OFFLOADS)
-FP32 = tuple(n for n in NAMES if n.endswith("fp32"))  # also trained through torch's DDP in the group
 
 
 def make_cases(root: Path) -> list[Case]:
@@ -57,7 +56,7 @@ def world_results(
     world = request.param
     root = tmp_path_factory.mktemp(f"swap-world{world}")
     cases = make_cases(root)
-    per_rank = run_ranks(run_cases, world, cases, FP32, timeout_s=300)
+    per_rank = run_ranks(run_cases, world, cases, tuple(NAMES), timeout_s=300)  # and plain data parallel
     return world, {c.name: c for c in cases}, {c.name: [r[c.name] for r in per_rank] for c in cases}, root
 
 
@@ -69,13 +68,14 @@ def test_matches_plain_pytorch(world_results: tuple, name: str) -> None:
     assert_matches_reference(f"{name} world {world}", results[name], ref_losses, ref_weights, case.dtype)
 
 
-def test_fp32_is_bitwise_torch_ddp(world_results: tuple) -> None:
-    """Every fp32 placement gives bitwise the losses and weights of torch's DistributedDataParallel
-    with fused AdamW in the same group (tests/test_parity.py `test_two_ranks_are_bitwise_torch_ddp`
-    says why two ranks can be bitwise): where the states live changes nothing."""
+def test_every_placement_is_bitwise_plain_data_parallelism(world_results: tuple) -> None:
+    """Every placement gives bitwise the losses and weights of plain data parallelism in the same
+    group: in fp32 torch's DistributedDataParallel with fused AdamW, in bf16 the same by hand with
+    fp32 masters (tests/test_parity.py `test_two_ranks_are_bitwise_plain_data_parallelism` says why
+    two ranks can be bitwise): where the states live changes nothing."""
     world, _, results, _ = world_results
-    assert len(FP32) == 10
-    for name in FP32:
+    assert len(NAMES) == 20
+    for name in NAMES:
         ours, ddp = results[name][0], results[name][0]["ddp"]
         assert ours["losses"] == ddp["losses"], f"{name} world {world}: {ours['losses']} vs DDP {ddp['losses']}"
         differing = [k for k, w in ddp["weights"].items() if not torch.equal(ours["weights"][k], w)]

@@ -13,7 +13,7 @@ whole parameter: ConvBERT at world 2 ended one bias element 5.8e-11 away from DD
 other weight of every type was bitwise DDP's (benchmarks/hf_sweep.py). With parameters and shards
 both on multiples of 64, every cut inside a parameter falls on a multiple of 64 of its own elements,
 each element takes the path it takes in plain PyTorch, and two ranks are bitwise DDP
-(tests/test_parity.py `test_two_ranks_are_bitwise_torch_ddp`). The views are also aligned as the
+(tests/test_parity.py `test_two_ranks_are_bitwise_plain_data_parallelism`). The views are also aligned as the
 caching allocator aligns a tensor of their own (128 bytes in bf16), as vectorized kernels like, and
 as FSDP1 pads its flat parameters for. The cost: under 64 elements per parameter (72 KB for the
 291 tensors of a 7B Llama in fp32).
