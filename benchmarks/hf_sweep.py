@@ -35,6 +35,14 @@ rank keeping its shard) instead of copied from an eagerly built model: the gathe
 after `zeroinf.shard`, buffers included, must then be bitwise the eager model's before training
 starts (the init issue's "same seed, same model" across architectures), and training as above.
 
+With `--dtype bf16`, zeroinf computes in bf16 with fp32 masters, and so does the reference by hand:
+fused AdamW on the fp32 parameters, forward and backward in a copy cast with `.to(torch.bfloat16)`
+(rotary `inv_freq` tables kept fp32, as zeroinf keeps them: precision.py [Note: which buffers take
+the compute dtype]), its gradients widened to fp32 (and at world 2 averaged over the group), the
+masters copied into it after each step: bitwise at world 1, and at world 2 bitwise its data-parallel
+copies ("ddp-bitwise"; the single-process run is ~1e-3 away there, each rank rounding its own half's
+gradients to bf16).
+
 With `--init --dtype bf16`, the reference is zeroinf's own eager path instead of plain PyTorch: the
 eagerly built model sharded with bf16 compute (fp32 masters from the fp32 values it was built with),
 against the model built under `zeroinf.init(cfg, exact_masters=True)`, world 1: state after `shard`,
@@ -101,7 +109,9 @@ SHRINK = dict(  # applied to every attribute the default config has, under any o
     decoder_ffn_dim=64,
 )
 LATENT_ATTENTION = dict(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)
-SETTINGS: dict[str, Any] = {"checkpointing": "none", "stage": 3, "generate": False, "head": "causal-lm"}  # main, ranks
+SETTINGS: dict[str, Any] = {  # set by main, passed to each rank
+    "checkpointing": "none", "stage": 3, "generate": False, "head": "causal-lm", "dtype": "fp32",
+}
 NUM_LABELS = 3  # of the classification heads
 # per head: transformers' mapping of model types to classes, and whether it generates (and takes use_cache)
 HEADS = {
@@ -214,46 +224,52 @@ def train(model: torch.nn.Module, step: Any, rows: slice = slice(None)) -> list[
     model.train()
     torch.manual_seed(1234)
     losses = []
+    dtype = next(model.parameters()).dtype  # images in the model's dtype, as a loop casts them (zeroinf does too)
     for s in range(STEPS):
-        loss = model(**inputs(batch(s)[rows])).loss
+        given = inputs(batch(s)[rows])
+        loss = model(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in given.items()}).loss
         step(loss)
         losses.append(loss.item())
     return losses
 
 
-def train_plain(model: torch.nn.Module) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-
-    def step(loss: torch.Tensor) -> None:
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return train(model, step)
-
-
-def train_data_parallel(model: torch.nn.Module, rows: slice) -> list[float]:
-    """Plain PyTorch on this rank's rows, the gradients averaged over the group as DDP does."""
+def train_reference(
+    model: torch.nn.Module, dtype: str = "fp32", rows: slice = slice(None), data_parallel: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch: fused AdamW on the model's own fp32 parameters, the masters. Below fp32, forward
+    and backward run in a copy cast by hand (`cast_by_hand`), whose gradients are widened to fp32 and
+    whose parameters take the masters' values after each step. With `data_parallel`, on this rank's
+    rows, the gradients averaged over the group as DDP does. The losses, and the state of the model
+    that ran (the cast copy's: masters rounded, its buffers)."""
     import torch.distributed as dist
 
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=LR, fused=True)
-    world = dist.get_world_size()
+    compute = model if dtype == "fp32" else cast_by_hand(model, DTYPES[dtype])
+    masters, params = list(model.parameters()), list(compute.parameters())
+    opt = torch.optim.AdamW(masters, lr=LR, fused=True)
 
     def step(loss: torch.Tensor) -> None:
         loss.backward()
-        used = torch.tensor([float(p.grad is not None) for p in params])
-        dist.all_reduce(used, op=dist.ReduceOp.MAX)  # a parameter some rank used: every rank reduces it
-        for p, u in zip(params, used.tolist(), strict=True):
-            if u:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad /= world
+        if compute is not model:
+            for c, m in zip(params, masters, strict=True):
+                m.grad, c.grad = (None if c.grad is None else c.grad.float()), None
+        if data_parallel:
+            used = torch.tensor([float(p.grad is not None) for p in masters])
+            dist.all_reduce(used, op=dist.ReduceOp.MAX)  # a parameter some rank used: every rank reduces it
+            for p, u in zip(masters, used.tolist(), strict=True):
+                if u:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
         opt.step()
         opt.zero_grad()
+        if compute is not model:
+            with torch.no_grad():
+                for c, m in zip(params, masters, strict=True):
+                    c.copy_(m)
 
-    return train(model, step, rows)
+    losses = train(compute, step, rows)
+    return losses, {k: v.clone() for k, v in compute.state_dict().items()}
 
 
 def sharding(placement: str, folder: str, dtype: str = "fp32") -> Any:
@@ -298,8 +314,9 @@ def train_sharded(
     return losses, built, weights
 
 
-def first_loss_cast_by_hand(model: torch.nn.Module, dtype: torch.dtype) -> float:
-    """The first training loss of a copy of `model` cast with `.to(dtype)`, rotary tables kept as built."""
+def cast_by_hand(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of `model` cast with `.to(dtype)`, rotary tables kept as built (precision.py [Note:
+    which buffers take the compute dtype])."""
     from zeroinf.precision import keeps_its_precision
 
     cast = copy.deepcopy(model)
@@ -308,7 +325,12 @@ def first_loss_cast_by_hand(model: torch.nn.Module, dtype: torch.dtype) -> float
     cast = cast.to(dtype)
     for (n, b), t in kept.items():
         cast.get_submodule(n)._buffers[b] = t
-    return train(cast, lambda loss: None)[0]
+    return cast
+
+
+def first_loss_cast_by_hand(model: torch.nn.Module, dtype: torch.dtype) -> float:
+    """The first training loss of `cast_by_hand(model, dtype)`."""
+    return train(cast_by_hand(model, dtype), lambda loss: None)[0]
 
 
 def generation_prompt(rank: int, world: int) -> tuple[torch.Tensor, int]:
@@ -385,10 +407,10 @@ def _rank_main(
             folder = os.path.join(root, f"{model_type}-w{world}")
             os.makedirs(folder, exist_ok=True)
             model = model_type if under_init else build(model_type)
-            losses, built, weights = train_sharded(model, placement, folder, slice(rank * per, (rank + 1) * per))
-            data_parallel = build(model_type)
-            ddp_losses = train_data_parallel(data_parallel, slice(rank * per, (rank + 1) * per))
-            mine = {"built": built, "weights": weights, "ddp_weights": data_parallel.state_dict()} if rank == 0 else {}
+            rows = slice(rank * per, (rank + 1) * per)
+            losses, built, weights = train_sharded(model, placement, folder, rows, dtype=SETTINGS["dtype"])
+            ddp_losses, ddp_weights = train_reference(build(model_type), SETTINGS["dtype"], rows, data_parallel=True)
+            mine = {"built": built, "weights": weights, "ddp_weights": ddp_weights} if rank == 0 else {}
             generated = {}
             if SETTINGS["generate"]:
                 generated["generate"] = compare_generation(model_type, placement, folder + "-generate", rank, world)
@@ -474,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init", action="store_true",
                         help="build the sharded copies under zeroinf.init; their state must be the eager model's")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16 (with --init, world 1): init with exact masters against zeroinf's eager path")
+                        help="bf16: compute in bf16 with fp32 masters, against plain PyTorch doing the same by hand "
+                        "(with --init, world 1: zeroinf.init with exact masters against zeroinf's eager path)")
     parser.add_argument("--generate", action="store_true",
                         help="also compare greedy generate() of the plain model and its sharded copy")
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3,
@@ -483,15 +506,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="recompute activations in backward: Hugging Face's own, or zeroinf's (and offloaded)")
     parser.add_argument("--timeout-s", type=float, default=1800, help="limit of the world-2 group")
     args = parser.parse_args(argv)
-    if args.dtype != "fp32" and (not args.init or args.world != 1):
-        parser.error("--dtype bf16 compares zeroinf.init with zeroinf's eager path: give --init and --world 1")
+    if args.dtype != "fp32" and args.init and args.world != 1:
+        parser.error("--dtype bf16 --init compares zeroinf.init with zeroinf's eager path at world 1: give --world 1")
     if args.init and args.stage != 3:
         parser.error("--init builds each rank's stage-3 shards: give --stage 3")
     if args.generate and not HEADS[args.head][1]:
         parser.error(f"--generate: a {args.head} model does not generate; give --head causal-lm or seq2seq")
     import transformers
 
-    SETTINGS.update(checkpointing=args.checkpointing, stage=args.stage, generate=args.generate, head=args.head)
+    SETTINGS.update(checkpointing=args.checkpointing, stage=args.stage, generate=args.generate, head=args.head,
+                    dtype=args.dtype)
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(1)
     known = model_types()
@@ -509,19 +533,21 @@ def main(argv: list[str] | None = None) -> int:
                 model = build(model_type)
                 entry["params"] = sum(p.numel() for p in model.parameters())
                 twin = copy.deepcopy(model)
-                as_built = {k: v.clone() for k, v in model.state_dict().items()}
-                losses = train_plain(model)
+                reference_dtype = "fp32" if args.init else args.dtype  # bf16 with --init: zeroinf's eager path
+                held = model if reference_dtype == "fp32" else cast_by_hand(model, DTYPES[reference_dtype])
+                as_built = {k: v.clone() for k, v in held.state_dict().items()}
+                losses, trained = train_reference(model, reference_dtype)
             except TooLarge as exc:
                 entry.update(verdict="too-large", error=str(exc))
                 continue
             except Exception as exc:  # noqa: BLE001 - the shrunk config does not build or run as plain PyTorch
                 entry.update(verdict="not-built", error=f"{type(exc).__name__}: {exc}"[:300])
                 continue
-            plain[model_type] = (losses, model.state_dict(), as_built)
+            plain[model_type] = (losses, trained, as_built)
             entry["plain_losses"] = losses
             try:
                 folder = os.path.join(root, f"{model_type}-w1")
-                if args.dtype != "fp32":  # the reference: zeroinf's eager path in that dtype
+                if args.dtype != "fp32" and args.init:  # the reference: zeroinf's eager path in that dtype
                     entry["cast_by_hand_loss"] = first_loss_cast_by_hand(twin, DTYPES[args.dtype])
                     losses, as_built, eager_weights = train_sharded(twin, args.placement, folder, dtype=args.dtype)
                     plain[model_type] = (losses, eager_weights, as_built)
