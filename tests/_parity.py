@@ -268,10 +268,8 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
             opt.backward(loss * math.inf if step == case.overflow_step else loss)
         opt.step()
         opt.zero_grad()
-        if world_size > 1:
-            torch.distributed.all_reduce(total)
-            total /= world_size
-        losses.append(float("nan") if step == case.overflow_step else total.item())
+        mean = rank_mean(total, world_size)
+        losses.append(float("nan") if step == case.overflow_step else mean)
         skipped.append(opt.last_step_skipped)
         grad_norms.append(opt.last_grad_norm)
         stepped_in_backward.append(opt.units_stepped_in_backward)
@@ -293,6 +291,14 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
         "transfers": report["transfers"],
         "frames_compiled": frames_compiled,
     }
+
+
+def rank_mean(value: torch.Tensor, world: int) -> float:
+    """The mean over the group of every rank's `value` (a loss), in place; every rank calls it."""
+    if world > 1:
+        torch.distributed.all_reduce(value)
+        value /= world
+    return value.item()
 
 
 def _weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
@@ -341,11 +347,7 @@ def train_data_parallel_with_masters(case: Case, rank: int, world_size: int) -> 
                 m.grad /= world_size
         opt.step()
         opt.zero_grad()
-        total = loss.detach().float()
-        if world_size > 1:
-            torch.distributed.all_reduce(total)
-            total /= world_size
-        losses.append(total.item())
+        losses.append(rank_mean(loss.detach().float(), world_size))
     rounded = copy.deepcopy(master).to(torch.bfloat16)
     return {"losses": losses, "weights": _weights(rounded, rank)}
 
@@ -379,10 +381,7 @@ def train_torch_ddp(case: Case, rank: int, world_size: int) -> dict:
             total += loss.detach()
         opt.step()
         opt.zero_grad()
-        if world_size > 1:
-            torch.distributed.all_reduce(total)
-            total /= world_size
-        losses.append(total.item())
+        losses.append(rank_mean(total, world_size))
     return {"losses": losses, "weights": _weights(model, rank)}
 
 
@@ -405,11 +404,7 @@ def train_rank_slices(
         opt.backward(loss)  # type: ignore[attr-defined]
         opt.step()  # type: ignore[attr-defined]
         opt.zero_grad()  # type: ignore[attr-defined]
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-            total /= world
-        losses.append(total.item())
+        losses.append(rank_mean(loss.detach().clone(), world))
     return losses
 
 
@@ -452,10 +447,7 @@ def step_over_micro_batches(
         total += loss.detach()
     opt.step()
     opt.zero_grad()
-    if world > 1:
-        torch.distributed.all_reduce(total)
-        total /= world
-    return total.item()
+    return rank_mean(total, world)
 
 
 def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
