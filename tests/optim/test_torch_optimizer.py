@@ -7,11 +7,13 @@ Adagrad, RMSprop, Rprop, Adamax, RAdam, Adadelta and torch's AdamW; at stages 0-
 the device, the host (the step inside backward) and NVMe (stage 3: parameters there too), split
 between host and NVMe, and with clipping (the speculative step inside backward, undone when it
 clips). Param groups whose settings keep different states (momentum in one, none in the other) with
-an LR scheduler; the built-optimizer form equals the class form. World 2 in one spawned group to the
-parity suite's fp32 tolerances. A third-party optimizer written as lion-pytorch is (an `int` step,
-`p.data` replaced) trains bitwise too. A checkpoint saved mid-run resumes bitwise (stage 3 on NVMe into
-stage 1 in memory), `optimizer_state` reads torch's `momentum_buffer`, and loading an SGD checkpoint
-into AdamW is refused. In memory only the states kept take room (ledger: 4 bytes per owned element
+an LR scheduler; the built-optimizer form equals the class form. World 2 in one spawned group: every
+optimizer bitwise the same optimizer over torch's DistributedDataParallel (odd-sized parameters cut
+by the shards included), and within the parity suite's fp32 tolerances of the single process. A
+third-party optimizer written as lion-pytorch is (an `int` step, `p.data` replaced) trains bitwise
+too. A checkpoint saved mid-run resumes bitwise (stage 3 on NVMe into stage 1 in memory),
+`optimizer_state` reads torch's `momentum_buffer`, and loading an SGD checkpoint into AdamW is
+refused. In memory only the states kept take room (ledger: 4 bytes per owned element
 and state, on the device, the host and a split's host part), and a successor keeping more grows the
 store and trains as torch. What cannot be computed over shards is refused with the reason: updates that
 are not elementwise (Adafactor) or depend on the shape, per-parameter scalars (NAdam, ASGD), more
@@ -29,7 +31,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
-from tests._parity import build_model, global_batch, train_rank_slices
+from tests._parity import GLOBAL_BATCH, build_model, global_batch, rank_mean, train_rank_slices
 from tests.optim.test_split_states import SMALL_IO, _budget
 from tests.test_parity import TOLERANCES
 from zeroinf.optim.torch_optimizer import UnsupportedOptimizer
@@ -82,10 +84,11 @@ def _plain(cls: type[torch.optim.Optimizer], settings: dict[str, Any], clip: flo
 
 
 def _sharded(cls: type[torch.optim.Optimizer], settings: dict[str, Any], stage: int, offload: dict[str, Any],
-             world: int = 1, rank: int = 0, **cfg: Any) -> tuple[list[float], dict[str, torch.Tensor], int]:
+             world: int = 1, rank: int = 0, model_name: str = "tiny_gpt",
+             **cfg: Any) -> tuple[list[float], dict[str, torch.Tensor], int]:
     """Losses, weights, and the speculative steps undone (clipping)."""
     config = zeroinf.Config(stage=stage, persist_threshold_bytes=0, offload=offload, **cfg)
-    model = zeroinf.shard(build_model(), config)
+    model = zeroinf.shard(build_model(model_name), config)
     opt = zeroinf.ShardedOptimizer(cls, model.parameters(), **settings)
     losses = train_rank_slices(model, opt, rank, world, 0, STEPS)
     weights = model.state_dict()
@@ -162,24 +165,52 @@ def test_param_groups_keeping_different_states_and_a_schedule(tmp_path: Path) ->
     opt.close()
 
 
+def _ddp(cls: type[torch.optim.Optimizer], settings: dict[str, Any], model_name: str, rank: int,
+         world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The torch optimizer over torch's DistributedDataParallel, each rank on its slice."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_model(model_name)
+    ddp, opt = DistributedDataParallel(model), cls(model.parameters(), **settings)
+    per, losses = GLOBAL_BATCH // world, []
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        loss = ddp(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(rank_mean(loss.detach().clone(), world))
+    return losses, model.state_dict()
+
+
 def _world2(rank: int, world: int, folder: str) -> dict[str, Any]:
     out = {}
-    for name, (stage, offload) in {
-        "stage1-device": (1, {}),
-        "stage3-nvme": (3, {"params": "nvme", "optimizer": "nvme", "nvme_dir": f"{folder}/r{rank}", **SMALL_IO}),
+    for name, (stage, offload, model_name) in {
+        "stage1-device": (1, {}, "tiny_gpt"),
+        "stage3-nvme": (3, {"params": "nvme", "optimizer": "nvme", "nvme_dir": f"{folder}/r{rank}", **SMALL_IO},
+                        "tiny_gpt"),
+        "stage2-host-odd": (2, {"optimizer": "host"}, "odd"),  # odd-sized parameters cut by the shards
     }.items():
-        for optimizer in ("sgd-momentum", "adagrad"):
-            cls, settings = OPTIMIZERS[optimizer]
-            out[f"{optimizer} {name}"] = _sharded(cls, settings, stage, offload, world, rank)
+        for optimizer, (cls, settings) in OPTIMIZERS.items():
+            out[f"{optimizer} {name}"] = (
+                _sharded(cls, settings, stage, offload, world, rank, model_name=model_name)[:2],
+                _ddp(cls, settings, model_name, rank, world),
+            )
     return out
 
 
 def test_world_2(tmp_path: Path) -> None:
+    """Every optimizer at two ranks gives bitwise the losses and weights of the same torch optimizer
+    over DistributedDataParallel in the same group (tests/test_parity.py says why two ranks can be
+    bitwise), and stays within the parity tolerance of the single process."""
     got = run_ranks(_world2, 2, str(tmp_path))
-    for case, result in got[0].items():
-        assert result[0] == got[1][case][0], case
-        cls, settings = OPTIMIZERS[case.split()[0]]
-        _assert_equal(result, _plain(cls, settings), f"world 2, {case}", exact=False)
+    assert len(got[0]) == 3 * len(OPTIMIZERS)
+    for case, (result, ddp) in got[0].items():
+        assert result[0] == got[1][case][0][0], case
+        _assert_equal(result, ddp, f"world 2 against DDP, {case}")
+        if "odd" not in case:
+            cls, settings = OPTIMIZERS[case.split()[0]]
+            _assert_equal(result, _plain(cls, settings), f"world 2, {case}", exact=False)
 
 
 def test_checkpoint_resumes_bitwise_and_refuses_another_optimizer(tmp_path: Path) -> None:
