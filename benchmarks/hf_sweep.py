@@ -227,7 +227,8 @@ def train(model: torch.nn.Module, step: Any, rows: slice = slice(None)) -> list[
     dtype = next(model.parameters()).dtype  # images in the model's dtype, as a loop casts them (zeroinf does too)
     for s in range(STEPS):
         given = inputs(batch(s)[rows])
-        loss = model(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in given.items()}).loss
+        cast = {k: v.to(dtype) for k, v in given.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        loss = model(**{**given, **cast}).loss
         step(loss)
         losses.append(loss.item())
     return losses

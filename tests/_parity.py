@@ -310,7 +310,8 @@ def _weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | Non
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case], ddp: tuple[str, ...] = ()) -> dict[str, dict]:
-    """zeroinf on every case; for the cases named in `ddp`, torch's DistributedDataParallel too (`"ddp"`)."""
+    """zeroinf on every case; for the cases named in `ddp`, plain data parallelism too (`"ddp"`: in
+    fp32 torch's DistributedDataParallel, in bf16 the same by hand with fp32 masters)."""
     out = {case.name: train_zeroinf(case, rank, world_size) for case in cases}
     for case in cases:
         if case.name in ddp:

@@ -7,16 +7,16 @@ whose starts are multiples of it too. Rank r owns the range [r * shard_numel, (r
 [Note: why every parameter starts on 64 elements]
 A shard boundary (and a sub-group's, optim/pipeline.py) cuts a parameter in two, and the optimizer
 steps each piece as a tensor of its own. PyTorch's fused CPU AdamW runs a tensor's elements in
-vectors of 8 (16 with AVX-512) and its last `numel % 8` in a scalar loop whose rounding differs in
-the last bit now and then, so an element landing in a piece's tail rounded otherwise than in the
-whole parameter: ConvBERT at world 2 ended one bias element 5.8e-11 away from DDP's, where every
-other weight of every type was bitwise DDP's (benchmarks/hf_sweep.py). With parameters and shards
-both on multiples of 64, every cut inside a parameter falls on a multiple of 64 of its own elements,
-each element takes the path it takes in plain PyTorch, and two ranks are bitwise DDP
-(tests/test_parity.py `test_two_ranks_are_bitwise_plain_data_parallelism`). The views are also aligned as the
-caching allocator aligns a tensor of their own (128 bytes in bf16), as vectorized kernels like, and
-as FSDP1 pads its flat parameters for. The cost: under 64 elements per parameter (72 KB for the
-291 tensors of a 7B Llama in fp32).
+vectors (of 8 on the AVX-512 EPYC where it was found) and its last `numel % 8` in a scalar loop
+whose rounding differs in the last bit now and then, so an element landing in a piece's tail
+rounded otherwise than in the whole parameter: ConvBERT at world 2 ended one bias element 5.8e-11
+away from DDP's, where every other weight of every type was bitwise DDP's (benchmarks/hf_sweep.py).
+With parameters and shards both on multiples of 64, every cut inside a parameter falls on a
+multiple of 64 of its own elements, each element takes the path it takes in plain PyTorch, and two
+ranks are bitwise DDP (tests/test_parity.py `test_two_ranks_are_bitwise_plain_data_parallelism`).
+The views are also aligned as the caching allocator aligns a tensor of their own (128 bytes in
+bf16), as vectorized kernels like, and as FSDP1 pads its flat parameters for. The cost: under 64
+elements per parameter, and none where every size is a multiple of 64 (all 291 tensors of a 7B Llama).
 """
 
 from __future__ import annotations
