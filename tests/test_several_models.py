@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import os
 import tempfile
+import threading
 from typing import Any
 
 import pytest
@@ -343,6 +344,24 @@ def test_model_indices_are_claimed_lowest_first_per_folder_rank_and_role(tmp_pat
     assert ModelIndex(str(tmp_path), 0, "tier").index == 2
     for claimed in (second, third, other_rank, park):
         claimed.release()
+
+
+def test_a_release_from_inside_a_claim_does_not_wait_for_itself(tmp_path: Any) -> None:
+    """A dead engine's finalizer gives its index back from whatever the thread is doing when the garbage
+    collector runs, also from inside another model's claim, which holds the lock: that must not hang."""
+    from zeroinf.tiers import nvme
+
+    dead = ModelIndex(str(tmp_path), 0, "tier")
+
+    def finalizer_inside_a_claim() -> None:
+        with nvme._model_indices_lock:  # as ModelIndex.__init__ holds it
+            dead.release()
+
+    thread = threading.Thread(target=finalizer_inside_a_claim, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "release waited for the lock its own thread holds"
+    assert ModelIndex(str(tmp_path), 0, "tier").index == 0  # given back
 
 
 @pytest.mark.parametrize("params", ["host", "nvme"])

@@ -55,7 +55,10 @@ def swap_file_name(rank: int, kind: str, model: int = 0) -> str:
     return f"zeroinf-rank{rank}-{f'model{model}-' if model else ''}{kind}.swap"
 
 
-_model_indices_lock = threading.Lock()
+# Reentrant: the garbage collector may run a dead engine's finalizer (NvmeTier.close -> release) on
+# this thread at any allocation, also inside a claim below; a plain lock then waited for itself, and
+# the process hung for good (seen once in the suite: a split-states test building its next model).
+_model_indices_lock = threading.RLock()
 _model_indices_taken: dict[tuple[str, int, str], set[int]] = {}  # (folder, rank, role) -> live indices
 
 
