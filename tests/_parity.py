@@ -353,11 +353,15 @@ def train_data_parallel_with_masters(case: Case, rank: int, world_size: int) -> 
     return {"losses": losses, "weights": _weights(rounded, rank)}
 
 
-def train_torch_ddp(case: Case, rank: int, world_size: int) -> dict:
+def train_torch_ddp(
+    case: Case, rank: int, world_size: int,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+) -> dict:
     """The same data-parallel training through `torch.nn.parallel.DistributedDataParallel` and
-    `torch.optim.AdamW(fused=True)` (zeroinf's CPU step is that kernel), fp32, without clipping: the
-    losses (mean over ranks) and rank 0's weights. Accumulation skips the reduction of all but the
-    last micro-step (`no_sync`), as zeroinf does without `sync_every_micro_step`."""
+    `torch.optim.AdamW(fused=True)` (zeroinf's CPU step is that kernel; `optimizer(params)` makes
+    another), fp32, without clipping: the losses (mean over ranks) and rank 0's weights. Accumulation
+    skips the reduction of all but the last micro-step (`no_sync`), as zeroinf does without
+    `sync_every_micro_step`."""
     from torch.nn.parallel import DistributedDataParallel
 
     if case.dtype != "fp32" or case.clip is not None or case.clip_value is not None or case.sync_every_micro_step:
@@ -366,7 +370,8 @@ def train_torch_ddp(case: Case, rank: int, world_size: int) -> dict:
     model = build_model(case.model)
     # the zoo's unused branch: DDP must be told, or it waits for its gradient
     ddp = DistributedDataParallel(model, find_unused_parameters=case.model == "zoo") if world_size > 1 else model
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True)
+    opt = (optimizer(model.parameters()) if optimizer is not None else
+           torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True))
     per_rank = case.batch // world_size
     micro = per_rank // case.accum
     losses = []

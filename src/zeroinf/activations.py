@@ -119,14 +119,12 @@ def _checkpointed(forward: Callable[..., Any], offloader: ActivationOffloader | 
 
         def run(*a: Any, **k: Any) -> Any:
             nonlocal calls
-            calls += 1
-            if calls == 1:
-                return forward(*a, **k)
-            try:  # the recompute in backward
+            calls += 1  # 1: the forward, 2: the recompute in backward
+            try:
                 return forward(*a, **k)
             except Exception as exc:
-                if type(exc).__module__ == checkpoint.__module__:
-                    raise  # torch's own: a mismatch it names (CheckpointError), or its early stop of the recompute
+                if calls == 1 or type(exc).__module__ == checkpoint.__module__:
+                    raise  # the forward's own, or torch's: a mismatch it names, its early stop of the recompute
                 raise RuntimeError(
                     f"activation checkpointing: recomputing {what} in backward failed where its forward ran "
                     f"({type(exc).__name__}: {exc}). The module gives another result the second time it is "

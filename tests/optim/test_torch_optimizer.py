@@ -31,7 +31,7 @@ import torch
 
 import zeroinf
 from tests._harness import run_ranks
-from tests._parity import GLOBAL_BATCH, build_model, global_batch, rank_mean, train_rank_slices
+from tests._parity import Case, build_model, global_batch, train_rank_slices, train_torch_ddp
 from tests.optim.test_split_states import SMALL_IO, _budget
 from tests.test_parity import TOLERANCES
 from zeroinf.optim.torch_optimizer import UnsupportedOptimizer
@@ -166,21 +166,11 @@ def test_param_groups_keeping_different_states_and_a_schedule(tmp_path: Path) ->
 
 
 def _ddp(cls: type[torch.optim.Optimizer], settings: dict[str, Any], model_name: str, rank: int,
-         world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The torch optimizer over torch's DistributedDataParallel, each rank on its slice."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = build_model(model_name)
-    ddp, opt = DistributedDataParallel(model), cls(model.parameters(), **settings)
-    per, losses = GLOBAL_BATCH // world, []
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        loss = ddp(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(rank_mean(loss.detach().clone(), world))
-    return losses, model.state_dict()
+         world: int) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+    """The torch optimizer over torch's DistributedDataParallel, each rank on its slice (rank 0's weights)."""
+    case = Case("ddp", 0, steps=STEPS, model=model_name)
+    out = train_torch_ddp(case, rank, world, optimizer=lambda params: cls(params, **settings))
+    return out["losses"], out["weights"]
 
 
 def _world2(rank: int, world: int, folder: str) -> dict[str, Any]:
