@@ -349,8 +349,7 @@ def broadcast_from_first(tensors: Iterable[torch.Tensor], topo: Topology, what: 
         wire = flat.view(torch.uint8) if dtype == torch.bool else flat  # gloo carries bytes, not bools
         check_same_collective("broadcast", wire.numel(), what, topo)
         with naming_failures("broadcast", wire.numel(), topo):
-            _wait(dist.broadcast(wire, src=dist.get_global_rank(topo.group, 0) if topo.group else 0,
-                                 group=topo.group, async_op=True), topo)
+            _wait(dist.broadcast(wire, group_src=0, group=topo.group, async_op=True), topo)
         offset = 0
         with torch.no_grad():
             for t in group:

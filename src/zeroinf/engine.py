@@ -123,7 +123,7 @@ class Engine:
             map_large_buffers()
         self._resident_names = {spec.key for spec in self.all_specs if self._is_resident(spec)}
         # Every NVMe engine and swap file of this rank (shards, optimizer states, checkpoints) comes from here.
-        self.nvme_tier = NvmeTier(cfg.offload, topo.rank, self.ledger)
+        self.nvme_tier = NvmeTier(cfg.offload, topo.process_rank, self.ledger)
         weakref.finalize(self, self.nvme_tier.close)
         self.param_files: NvmeParamFiles | None = None
         self._home_factory = self._make_home_factory(self.all_specs) if self.policy.shard_params else None

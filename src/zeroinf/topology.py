@@ -141,6 +141,13 @@ class Topology:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def process_rank(self) -> int:
+        """This process's rank in the default process group (this topology's rank when there is none):
+        what names its swap files. A model sharded over a group has group ranks that other groups'
+        processes also have (two groups of two ranks each have a rank 0), and may share their folder."""
+        return dist.get_rank() if dist.is_initialized() else self.rank
+
     @classmethod
     def single(cls, device: torch.device | None = None) -> Topology:
         return cls(rank=0, world_size=1, device=device or default_device())
@@ -150,6 +157,11 @@ class Topology:
         """The topology of `group` (default: the world), or a single process when none is initialized."""
         if not dist.is_initialized():
             return cls.single(device)
+        if group is not None and dist.get_rank(group) < 0:
+            raise ValueError(
+                f"Topology.current: global rank {dist.get_rank()} is not a member of the process group it was "
+                "given; each process shards its model over a group it belongs to"
+            )
         return cls(
             rank=dist.get_rank(group),
             world_size=dist.get_world_size(group),

@@ -11,8 +11,9 @@ as writes to leaf parameters must). On leaving, units that were sharded are shar
 with `modify=True` the values are first committed: this rank's shard goes to its tier and the fp32
 master weights take the new value of every element that changed (elements left alone keep their
 unrounded fp32 masters, so a bf16 model loses nothing by being gathered). With `modifier_rank=r`,
-rank r's values are broadcast first, for edits only one rank computes. Writes are committed only
-when the block exits normally. Parameters built under `zeroinf.init()` and not sharded yet work
+rank r's values are broadcast first, for edits only one rank computes (r is a rank of the model's
+process group, `Topology.rank`: the global rank unless the model was sharded over a group). Writes
+are committed only when the block exits normally. Parameters built under `zeroinf.init()` and not sharded yet work
 too: they are unparked for the block and parked again after it. Parameters a sharded model holds
 outside its units (frozen ones at stages 0-2) are whole on every rank: they pass through as they
 are (with `modifier_rank`, that rank's values are broadcast), so one call serves every stage (a
@@ -95,7 +96,7 @@ class UnitGather:
             if commit and self.modify:
                 assert self.owned_before is not None
                 if modifier_rank is not None and topo.is_distributed:
-                    dist.broadcast(unit.param_flat, src=modifier_rank, group=topo.group)
+                    dist.broadcast(unit.param_flat, group_src=modifier_rank, group=topo.group)
                 unit.commit_user_writes(self.owned_before, self.engine.optimizer_states, self.index, exact)
         finally:
             if (commit and self.modify) or self.was_sharded:  # its writes committed, or gone with the copy
@@ -174,7 +175,7 @@ def _broadcast_whole(params: list[tuple[torch.Tensor, Engine]], src: int) -> Non
     for p, engine in params:
         if engine.topo.is_distributed:
             with torch.no_grad():
-                dist.broadcast(p.data, src=src, group=engine.topo.group)
+                dist.broadcast(p.data, group_src=src, group=engine.topo.group)
 
 
 def _repark(params: list[nn.Parameter], broadcast_from: int | None) -> None:
@@ -184,5 +185,5 @@ def _repark(params: list[nn.Parameter], broadcast_from: int | None) -> None:
         park = next(pk for pk in _active if pk.owns_slot(p))
         if broadcast_from is not None and park.topo.is_distributed:
             with torch.no_grad():
-                dist.broadcast(p.data, src=broadcast_from, group=park.topo.group)
+                dist.broadcast(p.data, group_src=broadcast_from, group=park.topo.group)
         park.park(p)

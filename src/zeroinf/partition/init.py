@@ -179,7 +179,7 @@ def _park_store(cfg: Config | None, topo: Topology) -> ParkStore:
         from zeroinf.tiers.park_file import NvmeParkStore
 
         assert cfg is not None and cfg.offload.nvme_dir is not None  # OffloadConfig requires it
-        return NvmeParkStore(cfg.offload.nvme_dir, topo.rank, cfg.offload.io_timeout_s)
+        return NvmeParkStore(cfg.offload.nvme_dir, topo.process_rank, cfg.offload.io_timeout_s)
     return MemoryParkStore(torch.device("cpu") if tier is Tier.HOST else topo.device)
 
 

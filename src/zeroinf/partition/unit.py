@@ -227,7 +227,7 @@ class ShardedUnit(UnitGradients):
                 # a unit then needs its flat buffer plus one parameter, not twice the unit.
                 p.data = p.data.new_empty((0,) * max(1, p.dim()))
         if self.topo.is_distributed:  # every rank starts from rank 0's weights (as DDP does)
-            torch.distributed.broadcast(full, src=0, group=self.topo.group)
+            torch.distributed.broadcast(full, group_src=0, group=self.topo.group)
         # fp32 masters start from the unrounded weights, not from their compute-dtype copy, unless
         # building under zeroinf.init, where holding fp32 copies would defeat bounded construction.
         self.initial_master: torch.Tensor | None = (

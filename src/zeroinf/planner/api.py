@@ -243,7 +243,7 @@ def resolve_for_ranks(
             error = str(exc)
     if topo.is_distributed:
         box: list[Any] = [(chosen, error)]
-        dist.broadcast_object_list(box, src=0, group=topo.group)
+        dist.broadcast_object_list(box, group_src=0, group=topo.group)
         chosen, error = box[0]
     if error is not None:
         raise ValueError(error)
