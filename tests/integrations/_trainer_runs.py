@@ -118,6 +118,28 @@ def train_rank(rank: int, world: int, arch: str, stage: int, root: str) -> dict[
     return summary(trainer, rank)
 
 
+NO_CLIP = 1e9  # max_grad_norm that never clips: the norm is logged, the gradients are scaled by exactly 1
+
+
+def ddp_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """One rank of world-2 runs without clipping, the plain Trainer's (accelerate wraps the model in
+    DistributedDataParallel) beside zeroinf's, with accumulation 2 ("plain", stages 0-3, stage 2 with
+    the optimizer on the host) and without (per-rank batch 4: "plain-1", "3-1"); summaries on rank 0."""
+    import zeroinf
+
+    accumulating = dict(per_device_train_batch_size=4 // world, max_grad_norm=NO_CLIP)
+    whole = dict(per_device_train_batch_size=8 // world, gradient_accumulation_steps=1, max_grad_norm=NO_CLIP)
+    out = {"plain": summary(run_plain("llama", os.path.join(root, "plain"), **accumulating), rank),
+           "plain-1": summary(run_plain("llama", os.path.join(root, "plain-1"), **whole), rank)}
+    for stage in (0, 1, 2, 3):
+        out[str(stage)] = summary(run_zeroinf("llama", os.path.join(root, str(stage)), stage, **accumulating), rank)
+    out["2-host"] = summary(run_zeroinf(
+        "llama", os.path.join(root, "2-host"), 2, offload=zeroinf.OffloadConfig(optimizer="host"), **accumulating
+    ), rank)
+    out["3-1"] = summary(run_zeroinf("llama", os.path.join(root, "3-1"), 3, **whole), rank)
+    return out
+
+
 def each_node_rank(rank: int, world: int, root: str, resume: bool) -> dict[str, Any]:
     """One rank of a world-2 run where each rank is a machine of its own (torchrun's GROUP_RANK)
     with its own disk (`root/machine<rank>`), saving with `save_on_each_node` every 2 steps; or, with
