@@ -106,8 +106,33 @@ SHRINK = dict(  # applied to every attribute the default config has, under any o
     shared_expert_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
     bos_token_id=1, eos_token_id=2, pad_token_id=0, decoder_start_token_id=0, rotary_dim=4, sliding_window=16,
     encoder_attention_heads=4, decoder_attention_heads=4, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
-    decoder_ffn_dim=64,
+    decoder_ffn_dim=64, n_group=1, topk_group=1,
+    # state-space layers (Mamba-2 in the hybrids): 4 heads of 16 = expand 2 x hidden 32
+    mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8, n_mamba_heads=4, mamba_headdim=16,
 )
+# Per type: what the names above do not reach (sizes under other names, ties between sizes)
+TYPE_SHRINK: dict[str, dict[str, Any]] = {
+    "mamba2": dict(head_dim=16, n_groups=1, state_size=8, chunk_size=8),
+    "zamba2": dict(attention_head_dim=16, kv_channels=8, num_query_groups=4, chunk_size=8, attention_hidden_size=64,
+                   adapter_rank=8, layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "dots1": dict(n_shared_experts=1),
+    **{t5: dict(decoder_start_token_id=0) for t5 in ("t5", "mt5", "umt5", "longt5", "switch_transformers")},
+    "falcon_h1": dict(mamba_d_ssm=64),
+    "gemma4_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
+    "zamba": dict(attention_hidden_size=64, attention_head_dim=16, mamba_dt_rank=4),
+    "blt": dict(encoder_hash_byte_group_vocab=VOCAB),
+    "inkling2_text": dict(unpadded_vocab_size=VOCAB, eos_token_id=2),
+    "roc_bert": dict(shape_vocab_size=VOCAB, pronunciation_vocab_size=VOCAB, shape_embed_dim=16,
+                     pronunciation_embed_dim=16),
+    "reformer": dict(axial_pos_shape=[3, 4], axial_pos_embds_dim=[16, 16],  # 3 x 4 = SEQ
+                     attn_layers=["local", "lsh"]),
+    "gemma3n_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                         layer_types=["sliding_attention", "full_attention"], laurel_rank=8, altup_num_inputs=2,
+                         activation_sparsity_pattern=[0.0, 0.0]),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "longcat_flash": dict(head_dim=4, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=32),
+}
 LATENT_ATTENTION = dict(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)
 SETTINGS: dict[str, Any] = {  # set by main, passed to each rank
     "checkpointing": "none", "stage": 3, "generate": False, "head": "causal-lm", "dtype": "fp32",
@@ -140,25 +165,49 @@ def tiny_config(model_type: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    default = cls()
-    kwargs = {k: v for k, v in SHRINK.items() if hasattr(default, k)}
-    if SETTINGS["head"].endswith("-cls"):  # the head's own dropout defaults to 0.1 where the config has none
+    cfg = _shrunk(cls, cls(), model_type, top=True)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _has(config: Any, name: str) -> bool:
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001 - a per-layer attribute read globally (heterogeneous configs) refuses
+        return False
+
+
+def _shrunk(cls: Any, default: Any, model_type: str, top: bool) -> Any:
+    """`default` shrunk: the names above it has, its sub-configs (a composite model's text, vision or
+    attention parts) likewise, and with `top` the head's settings."""
+    from transformers import PretrainedConfig
+
+    kwargs = {k: v for k, v in SHRINK.items() if _has(default, k)}
+    if top and SETTINGS["head"].endswith("-cls"):  # the head's own dropout defaults to 0.1 where the config has none
         kwargs.update(num_labels=NUM_LABELS, classifier_dropout=0.0)
     if SETTINGS["head"] == "image-cls":  # convolutional stages: each stage's list shrunk, widths doubling
-        kwargs.update({k: v for k, v in SHRINK_VISION.items() if hasattr(default, k)})
+        kwargs.update({k: v for k, v in SHRINK_VISION.items() if _has(default, k)})
         for name, small in PER_STAGE.items():
-            value = getattr(default, name, None)
+            value = getattr(default, name, None) if _has(default, name) else None
             if isinstance(value, (list, tuple)) and value:
                 kwargs[name] = [small * 2**i if name in ("hidden_sizes", "embed_dims") else small
                                 for i in range(len(value))]
-    if hasattr(default, "qk_rope_head_dim"):  # latent attention derives its head sizes from these
+    if _has(default, "qk_rope_head_dim"):  # latent attention derives its head sizes from these
         kwargs.update(LATENT_ATTENTION)
         kwargs.pop("head_dim", None)
+    kwargs.update(TYPE_SHRINK.get(model_type, {}))
+    if model_type == "reformer":  # its LM head attends causally, its masked-LM head both ways
+        kwargs["is_decoder"] = SETTINGS["head"] == "causal-lm"
+    if top and not HEADS[SETTINGS["head"]][1] and _has(default, "use_cache"):  # a classifier builds no cache
+        kwargs["use_cache"] = False
     for name, value in default.to_dict().items():
         if isinstance(value, float) and any(word in name for word in RANDOM_IN_TRAINING):
             kwargs[name] = 0.0
+    for name, value in vars(default).items():
+        if isinstance(value, PretrainedConfig) and name not in kwargs:
+            kwargs[name] = _shrunk(type(value), value, getattr(value, "model_type", ""), top=False)
     try:
-        cfg = cls(**kwargs)  # through the constructor: derived sizes follow
+        return cls(**kwargs)  # through the constructor: derived sizes follow
     except Exception:  # noqa: BLE001 - a config that refuses these: set what it has on the default
         cfg = default
         for k, v in kwargs.items():
@@ -166,8 +215,7 @@ def tiny_config(model_type: str) -> Any:
                 setattr(cfg, k, v)
             except Exception:  # noqa: BLE001, S112 - an attribute it computes: keep its own
                 continue
-    cfg._attn_implementation = "eager"
-    return cfg
+        return cfg
 
 
 class TooLarge(Exception):
@@ -183,16 +231,27 @@ def build(model_type: str, under: Any = None, exact_masters: bool = False) -> to
 
     cfg = tiny_config(model_type)
     cls = getattr(transformers, model_types()[model_type])
+    wanted = getattr(cls, "config_class", None)
+    if wanted is not None and not isinstance(cfg, wanted):  # a composite type: its text model, as the Auto
+        cfg = cfg.get_text_config(decoder=SETTINGS["head"] == "causal-lm")  # class's from_config builds it
+        cfg._attn_implementation = "eager"
     with torch.device("meta"):  # a size left unshrunk (a hash-embedding table) would not fit in memory
         numel = sum(p.numel() for p in cls(cfg).parameters())
     if numel > MAX_PARAMS:
         raise TooLarge(f"{numel} parameters")
     torch.manual_seed(0)
     if under is None:
-        return _with_hf_checkpointing(cls(cfg))
+        return _prepared(cls(cfg))
     with zeroinf.init(under, exact_masters=exact_masters):
-        model = _with_hf_checkpointing(cls(cfg))
+        model = _prepared(cls(cfg))
     return zeroinf.shard(model, under)
+
+
+def _prepared(model: torch.nn.Module) -> torch.nn.Module:
+    """Hugging Face's gradient checkpointing where asked; X-MOD's language adapters told which to use."""
+    if hasattr(model, "set_default_language"):
+        model.set_default_language("en_XX")
+    return _with_hf_checkpointing(model)
 
 
 def _with_hf_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
@@ -213,6 +272,9 @@ def inputs(ids: torch.Tensor) -> dict[str, Any]:
         pixels = torch.stack([torch.randn(3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(s)) for s in seeds])
         return {"pixel_values": pixels, "labels": ids[:, 0] % NUM_LABELS}
     labels = {"seq-cls": ids[:, 0] % NUM_LABELS, "token-cls": ids % NUM_LABELS, "seq2seq": ids.flip(1)}
+    if head == "seq-cls":  # one end-of-sequence token per row, last (BART's family pools the hidden state there)
+        ids = torch.where(ids == SHRINK["eos_token_id"], 3, ids)
+        ids[:, -1] = SHRINK["eos_token_id"]
     kwargs = {"input_ids": ids, "labels": labels.get(head, ids)}
     if HEADS[head][1]:
         kwargs["use_cache"] = False
