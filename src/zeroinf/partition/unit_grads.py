@@ -32,6 +32,21 @@ above (`land_handed_off`). Such a shard is never reduced into the persistent hos
 dropped one frees its memory at once, so a step inside backward holds no gradient buffer of the
 model's size on any tier, only those of the units being reduced or stepped: with the optimizer on
 the host, the host holds the states' 12 bytes per parameter and buffers of a few units.
+
+[Note: a parameter the model converts in its own forward]
+Switch Transformers' and NLLB-MoE's routers run `self.classifier = self.classifier.to(float32)` in
+every forward ("selective precision"): under a bf16 `param_dtype` the classifier's weight gets a
+tensor of its own, upcast from the engine's bf16 view, and its gradient arrives in fp32. That
+gradient used to be copied into the unit's bf16 buffer (rounded), and at stages 0-2 the weight,
+still the fp32 tensor at the next forward, was refused as reassigned by the user (`p.data = t`),
+which nobody had done. Now a gradient wider than the buffer widens it to `reduce_dtype` first
+(exact, as for a second gradient), the weight is made a view of the buffer again, and the run says
+once which parameters it saw so. What stays different from plain PyTorch: the router computes with
+its master rounded to bf16 and upcast, where plain bf16 training keeps the converted fp32 tensor
+(and fp32 masters by hand keep their unrounded values): in `benchmarks/hf_sweep.py --head seq2seq
+--dtype bf16`, Switch Transformers' weights end 7.8e-3 from that reference after two steps; every
+other type there is bitwise. Computing such a parameter from its fp32 master needs a unit of its own
+in fp32; not built.
 """
 
 from __future__ import annotations
@@ -48,12 +63,15 @@ from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.grad_pool import GradBufferPool
 from zeroinf.partition.shard_home import NvmeGradFiles
 from zeroinf.runtime.streams import Landing, Transfers, typed_view
-from zeroinf.telemetry import CollectiveCounter, phase
+from zeroinf.telemetry import CollectiveCounter, get_logger, phase
 from zeroinf.tiers.host import host_zeros
 from zeroinf.topology import Topology
 
 if TYPE_CHECKING:  # unit.py imports this module
     from zeroinf.partition.unit import ShardingPolicy
+
+
+_CONVERTED_SEEN: set[str] = set()  # parameters whose conversion in forward was reported, by name
 
 
 class GradState(Enum):
@@ -95,6 +113,8 @@ class UnitGradients:
     hand_off: bool
     reduce_at_end: bool
     param_had_grad: list[bool]
+    param_flat: torch.Tensor
+    param_names: list[str]
     _rs_out: torch.Tensor | None
     _handed: torch.Tensor | None
     _arrived: list[bool]
@@ -134,11 +154,15 @@ class UnitGradients:
         param = self.params[index]
         if param.grad is None:  # hook fired without a gradient (should not happen for dense params)
             return all(self._arrived)
+        if param.grad.dtype != self.param_flat.dtype or param.dtype != self.param_flat.dtype:
+            self._retake_converted(index)  # [Note: a parameter the model converts in its own forward]
         # After a reduction (sync_every_micro_step), stages 0-1 keep adding onto the reduced buffer: its
         # content is identical on every rank, so the next mean adds exactly the new local gradients.
         slot = self.layout.slots[index]
-        if self.grad_flat is not None and self.grad_flat.dtype != self.reduce_dtype and self._slot_written[index]:
-            self._widen_grad_flat()  # a second gradient: add it in reduce_dtype, never in the compute dtype
+        flat = self._ensure_grad_flat()
+        wider = param.grad.dtype != flat.dtype and param.grad.dtype == self.reduce_dtype
+        if flat.dtype != self.reduce_dtype and (self._slot_written[index] or wider):
+            self._widen_grad_flat()  # a second or a wider gradient: kept in reduce_dtype, never rounded
         target = self._ensure_grad_flat()[slot.offset : slot.end].view(slot.shape)
         if self._slot_written[index]:
             target.add_(param.grad)
@@ -150,6 +174,23 @@ class UnitGradients:
         self._arrived[index] = True
         self.param_had_grad[index] = True
         return all(self._arrived)
+
+    def _retake_converted(self, index: int) -> None:
+        """Param `index` was converted to another dtype by the model's own forward: a view of the
+        unit's buffer again, said once per parameter ([Note: a parameter the model converts in its
+        own forward])."""
+        param, slot, name = self.params[index], self.layout.slots[index], self.param_names[index]
+        if name not in _CONVERTED_SEEN:
+            _CONVERTED_SEEN.add(name)
+            get_logger().warning(
+                "%s: the model's forward converted this parameter to %s (a router's `.to(float32)`); it computes "
+                "from the engine's %s copy of its master, upcast, while its gradient is kept in %s "
+                "(partition/unit_grads.py [Note: a parameter the model converts in its own forward])",
+                name, param.grad.dtype if param.grad is not None else param.dtype, self.param_flat.dtype,
+                self.reduce_dtype,
+            )
+        if param.dtype != self.param_flat.dtype:
+            param.data = self.param_flat[slot.offset : slot.end].view(slot.shape)
 
     def _widen_grad_flat(self) -> None:
         """Turn a compute-dtype gradient buffer into a `reduce_dtype` one (an exact cast)."""
