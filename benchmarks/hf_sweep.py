@@ -117,6 +117,9 @@ TYPE_SHRINK: dict[str, dict[str, Any]] = {
                    adapter_rank=8, layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "dots1": dict(n_shared_experts=1),
+    "bit": dict(num_groups=8),
+    **{name: dict(patch_size=4, num_hidden_layers=4) for name in ("convnext", "convnextv2")},  # its 4 stages: 8 to 1
+    **{name: dict(patch_size=4, depths=[1, 1, 1], num_heads=[2, 2, 2]) for name in ("swin", "swinv2", "donut-swin")},
     **{t5: dict(decoder_start_token_id=0) for t5 in ("t5", "mt5", "umt5", "longt5", "switch_transformers")},
     "falcon_h1": dict(mamba_d_ssm=64),
     "gemma4_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
@@ -149,7 +152,8 @@ HEADS = {
 }
 IMAGE = 32  # pixels a side of the image-cls head's random images (3 channels)
 SHRINK_VISION = dict(image_size=IMAGE, patch_size=8, num_channels=3, embed_dim=16, embedding_size=16, window_size=2)
-PER_STAGE = {"hidden_sizes": 16, "embed_dims": 16, "depths": 1, "num_heads": 2}  # list attributes: per stage
+# list attributes of the vision configs: a value per stage
+PER_STAGE = {"hidden_sizes": 16, "embed_dims": 16, "depths": 1, "num_heads": 2, "num_attention_heads": 2}
 RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter", "drop_path")  # set to 0: ranks would draw other numbers
 
 
