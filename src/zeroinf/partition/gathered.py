@@ -13,8 +13,8 @@ master weights take the new value of every element that changed (elements left a
 unrounded fp32 masters, so a bf16 model loses nothing by being gathered). With `modifier_rank=r`,
 rank r's values are broadcast first, for edits only one rank computes (r is a rank of the model's
 process group, `Topology.rank`: the global rank unless the model was sharded over a group). Writes
-are committed only when the block exits normally. Parameters built under `zeroinf.init()` and not sharded yet work
-too: they are unparked for the block and parked again after it. Parameters a sharded model holds
+are committed only when the block exits normally. Parameters built under `zeroinf.init()` and not
+sharded yet work too: they are unparked for the block and parked again after it. Parameters a sharded model holds
 outside its units (frozen ones at stages 0-2) are whole on every rank: they pass through as they
 are (with `modifier_rank`, that rank's values are broadcast), so one call serves every stage (a
 LoRA layer's merge reads its adapters and writes its frozen base weight).
