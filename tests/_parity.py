@@ -323,32 +323,41 @@ def run_cases(rank: int, world_size: int, cases: list[Case], ddp: tuple[str, ...
 def train_data_parallel_with_masters(case: Case, rank: int, world_size: int) -> dict:
     """Mixed-precision data parallelism by hand, as zeroinf promises it (and FSDP2's
     MixedPrecisionPolicy(param_dtype, reduce_dtype=float32) does): fp32 master weights, a copy in the
-    compute dtype for forward and backward, its gradients widened to fp32, all-reduced and averaged,
-    fused AdamW on the masters; no accumulation, clipping or loss scaling. The losses (mean over
-    ranks) and rank 0's weights as the model holds them (the masters rounded to the compute dtype)."""
-    if case.dtype != "bf16" or case.accum != 1 or case.clip is not None or case.clip_value is not None:
-        raise ValueError(f"{case.name}: the masters reference trains bf16 without accumulation or clipping")
+    compute dtype for forward and backward, its gradients widened to fp32 and added over the
+    micro-steps (DDP's `no_sync`: reduced once, at the last), all-reduced and averaged, fused AdamW on
+    the masters; no clipping or loss scaling. The losses (mean over ranks) and rank 0's weights as the
+    model holds them (the masters rounded to the compute dtype)."""
+    if case.dtype != "bf16" or case.sync_every_micro_step or case.clip is not None or case.clip_value is not None:
+        raise ValueError(f"{case.name}: the masters reference trains bf16 without per-micro-step sync or clipping")
     torch.manual_seed(0)
     master = build_model(case.model)
     compute = copy.deepcopy(master).to(torch.bfloat16)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True)
     per_rank = case.batch // world_size
+    micro = per_rank // case.accum
     losses = []
     for step in range(case.steps):
         x, y = global_batch(step, batch=case.batch)
+        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         with torch.no_grad():
             for c, m in zip(compute.parameters(), master.parameters(), strict=True):
                 c.copy_(m)
-        loss = compute(x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
-        loss.backward()
-        for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-            m.grad, c.grad = (None if c.grad is None else c.grad.float()), None  # unused, frozen: no gradient
+        total = torch.zeros(())
+        for k in range(case.accum):
+            loss = compute(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro]) / case.accum
+            loss.backward()
+            total += loss.detach().float()
+            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+                if c.grad is not None:  # unused, frozen: no gradient
+                    m.grad = c.grad.float() if m.grad is None else m.grad.add_(c.grad)
+                    c.grad = None
+        for m in master.parameters():
             if m.grad is not None and world_size > 1:
                 torch.distributed.all_reduce(m.grad)
                 m.grad /= world_size
         opt.step()
         opt.zero_grad()
-        losses.append(rank_mean(loss.detach().float(), world_size))
+        losses.append(rank_mean(total, world_size))
     rounded = copy.deepcopy(master).to(torch.bfloat16)
     return {"losses": losses, "weights": _weights(rounded, rank)}
 

@@ -41,6 +41,7 @@ CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] +
     Case("s2-fp32-accum2", 2, accum=2),
     Case("s2-fp32-accum2-sync", 2, accum=2, sync_every_micro_step=True),
     Case("s1-bf16-accum2-sync", 1, "bf16", accum=2, sync_every_micro_step=True),
+    Case("s2-bf16-accum2", 2, "bf16", accum=2),
     Case("s1-fp32-clip", 1, clip=0.05),
     Case("s2-bf16-clip", 2, "bf16", clip=0.05),
     Case("s0-fp16-overflow", 0, "fp16", overflow_step=4),
@@ -71,12 +72,12 @@ CASES = [Case(f"s{s}-{d}", s, d) for s in (0, 1, 2) for d in ("fp32", "bf16")] +
 ]
 # Cases without clipping trained by plain data parallelism in the same group too: fp32 through torch's
 # DDP (train_torch_ddp) where zeroinf reduces once per step as DDP does (stage 3 reduces every
-# micro-step, so its accumulation sums in another order), bf16 without accumulation by hand with fp32
-# masters (train_data_parallel_with_masters)
+# micro-step, so its accumulation sums in another order), bf16 likewise by hand with fp32 masters
+# (train_data_parallel_with_masters)
 DDP_CASES = tuple(
     c.name for c in CASES
     if c.clip is None and not c.sync_every_micro_step
-    and ((c.dtype == "fp32" and (c.accum == 1 or c.stage < 3)) or (c.dtype == "bf16" and c.accum == 1))
+    and c.dtype in ("fp32", "bf16") and (c.accum == 1 or c.stage < 3)
 )
 TOLERANCES = {  # (loss rtol, weight atol)
     "fp32": (1e-5, 5e-5),
@@ -136,7 +137,7 @@ def test_two_ranks_are_bitwise_plain_data_parallelism(world_results: tuple[int, 
     partial gradients are summed in other orders ((a + b) + (c + d) against a ring), so the parity
     tolerance of the dtype applies there."""
     world, results = world_results
-    assert len(DDP_CASES) == 20, DDP_CASES  # the guard against a filter that drops cases
+    assert len(DDP_CASES) == 21, DDP_CASES  # the guard against a filter that drops cases
     for name in DDP_CASES:
         ours, ddp = results[name][0], results[name][0]["ddp"]
         dtype = next(c.dtype for c in CASES if c.name == name)
