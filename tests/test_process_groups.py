@@ -2,7 +2,8 @@
 split into two groups of two, each group training its own copy side by side. Every rank-addressed
 collective must name the group's ranks, not the world's: the group {2, 3} has no global rank 0 to
 broadcast from, and its first rank's swap files must not collide with those of the group {0, 1} in
-a shared NVMe folder."""
+a shared NVMe folder. Each group also saves a checkpoint of its own and loads it into a model built
+afresh."""
 
 from __future__ import annotations
 
@@ -68,6 +69,16 @@ def _train_in_two_groups(rank: int, world: int, folder: str) -> dict:
         losses.append(_mean(loss.detach(), group))
     trained = {n: t.clone() for n, t in model.state_dict().items()}
 
+    # A checkpoint per group, written and read by the group's ranks only, into a model built afresh.
+    ckpt = str(Path(folder) / f"ckpt-group{rank // 2}")
+    zeroinf.save(ckpt, model, opt, step=STEPS)
+    fresh = zeroinf.shard(_build(seed=100 + rank), cfg, topo)
+    fresh_opt = zeroinf.AdamW(fresh, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    zeroinf.load(ckpt, fresh, fresh_opt)
+    loaded = {n: t.clone() for n, t in fresh.state_dict().items()}
+    fresh_opt.close()
+    zeroinf.engine_of(fresh).close()
+
     # `modifier_rank` is a rank of the model's group: the group's second rank's values win.
     bias = model.gpt.ln_f.bias
     with zeroinf.gathered(bias, modify=True, modifier_rank=1):
@@ -93,7 +104,7 @@ def _train_in_two_groups(rank: int, world: int, folder: str) -> dict:
         plain_losses.append(_mean(loss.detach(), group))
     swap_files = sorted(p.name for p in Path(folder).iterdir())
     return {
-        "losses": losses, "plain_losses": plain_losses, "trained": trained,
+        "losses": losses, "plain_losses": plain_losses, "trained": trained, "loaded": loaded,
         "plain": {n: t.detach().clone() for n, t in reference.state_dict().items()},
         "written": written, "swap_files_while_training": swap_files,
     }
@@ -106,6 +117,7 @@ def test_two_groups_of_two_ranks_each_train_like_plain_data_parallelism(tmp_path
         assert result["trained"].keys() == result["plain"].keys()
         for name, tensor in result["trained"].items():
             assert torch.equal(tensor, result["plain"][name]), (rank, name)
+            assert torch.equal(result["loaded"][name], tensor), (rank, name)  # its group's checkpoint
         # the group's second rank (global rank 1 or 3) wrote the values every rank of its group reads
         assert torch.all(result["written"] == float(2 * (rank // 2) + 1)), rank
     assert out[0]["losses"] == out[2]["losses"]  # the two groups trained the same model on the same data
