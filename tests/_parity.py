@@ -117,6 +117,17 @@ def global_batch(step: int, seed: int = 1234, batch: int = GLOBAL_BATCH) -> tupl
     return data[:, :-1], data[:, 1:]
 
 
+def micro_batches(case: Case, rank: int, world_size: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's slice of `step`'s global batch, cut into `case.accum` micro-batches of (x, y)."""
+    if case.batch % (world_size * case.accum):
+        raise ValueError(f"{case.name}: {case.batch} samples do not split over {world_size} ranks x {case.accum}")
+    micro = case.batch // world_size // case.accum
+    x, y = global_batch(step, batch=case.batch)
+    first = rank * case.accum
+    return [(x[(first + m) * micro : (first + m + 1) * micro], y[(first + m) * micro : (first + m + 1) * micro])
+            for m in range(case.accum)]
+
+
 def train_step(model: nn.Module, opt: object, step: int) -> float:
     """One optimizer step of a sharded TinyGPT on `global_batch(step)`; returns the loss."""
     x, y = global_batch(step)
@@ -253,17 +264,11 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
         counters.clear()
         forward = torch.compile(model, backend=case.compile_backend)
     frames_compiled = []  # frames torch.compile has compiled so far, after each step
-    if case.batch % (world_size * case.accum):
-        raise ValueError(f"{case.name}: {case.batch} samples do not split over {world_size} ranks x {case.accum}")
-    per_rank = case.batch // world_size
-    micro = per_rank // case.accum
     losses, skipped, stepped_in_backward, grad_norms = [], [], [], []
     for step in range(case.steps):
-        x, y = global_batch(step, batch=case.batch)
-        x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device) for t in (x, y))
         total = torch.zeros((), device=device)
-        for m in range(case.accum):
-            loss = forward(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / case.accum
+        for x, y in micro_batches(case, rank, world_size, step):
+            loss = forward(x.to(device), y.to(device)) / case.accum
             total += loss.detach().float()
             opt.backward(loss * math.inf if step == case.overflow_step else loss)
         opt.step()
@@ -333,18 +338,14 @@ def train_data_parallel_with_masters(case: Case, rank: int, world_size: int) -> 
     master = build_model(case.model)
     compute = copy.deepcopy(master).to(torch.bfloat16)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True)
-    per_rank = case.batch // world_size
-    micro = per_rank // case.accum
     losses = []
     for step in range(case.steps):
-        x, y = global_batch(step, batch=case.batch)
-        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         with torch.no_grad():
             for c, m in zip(compute.parameters(), master.parameters(), strict=True):
                 c.copy_(m)
         total = torch.zeros(())
-        for k in range(case.accum):
-            loss = compute(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro]) / case.accum
+        for x, y in micro_batches(case, rank, world_size, step):
+            loss = compute(x, y) / case.accum
             loss.backward()
             total += loss.detach().float()
             for c, m in zip(compute.parameters(), master.parameters(), strict=True):
@@ -381,17 +382,13 @@ def train_torch_ddp(
     ddp = DistributedDataParallel(model, find_unused_parameters=case.model == "zoo") if world_size > 1 else model
     opt = (optimizer(model.parameters()) if optimizer is not None else
            torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True))
-    per_rank = case.batch // world_size
-    micro = per_rank // case.accum
     losses = []
     for step in range(case.steps):
-        x, y = global_batch(step, batch=case.batch)
-        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         total = torch.zeros(())
-        for m in range(case.accum):
+        for m, (x, y) in enumerate(micro_batches(case, rank, world_size, step)):
             last = m == case.accum - 1
             with contextlib.nullcontext() if last or world_size == 1 else ddp.no_sync():  # type: ignore[operator]
-                loss = ddp(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) / case.accum
+                loss = ddp(x, y) / case.accum
                 loss.backward()
             total += loss.detach()
         opt.step()
