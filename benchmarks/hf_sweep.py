@@ -38,10 +38,11 @@ starts (the init issue's "same seed, same model" across architectures), and trai
 With `--dtype bf16`, zeroinf computes in bf16 with fp32 masters, and so does the reference by hand:
 fused AdamW on the fp32 parameters, forward and backward in a copy cast with `.to(torch.bfloat16)`
 (rotary `inv_freq` tables kept fp32, as zeroinf keeps them: precision.py [Note: which buffers take
-the compute dtype]), its gradients widened to fp32 (and at world 2 averaged over the group), the
-masters copied into it after each step: bitwise at world 1, and at world 2 bitwise its data-parallel
-copies ("ddp-bitwise"; the single-process run is ~1e-3 away there, each rank rounding its own half's
-gradients to bf16).
+the compute dtype]; what the model declares fp32 kept fp32, as a bf16 `from_pretrained` keeps it:
+precision.py [Note: parameters the model keeps in fp32]), its gradients widened to fp32 (and at
+world 2 averaged over the group), the masters copied into it after each step: bitwise at world 1,
+and at world 2 bitwise its data-parallel copies ("ddp-bitwise"; the single-process run is ~1e-3 away
+there, each rank rounding its own half's gradients to bf16).
 
 With `--init --dtype bf16`, the reference is zeroinf's own eager path instead of plain PyTorch: the
 eagerly built model sharded with bf16 compute (fp32 masters from the fp32 values it was built with),
@@ -383,15 +384,26 @@ def train_sharded(
 
 def cast_by_hand(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of `model` cast with `.to(dtype)`, rotary tables kept as built (precision.py [Note:
-    which buffers take the compute dtype])."""
-    from zeroinf.precision import keeps_its_precision
+    which buffers take the compute dtype]), and the parameters and buffers the model declares fp32
+    kept in fp32, as `from_pretrained(dtype=...)` keeps them (precision.py [Note: parameters the model
+    keeps in fp32])."""
+    import zeroinf
+    from zeroinf.config import DTYPES
+    from zeroinf.precision import fp32_names, keeps_its_precision
 
+    keep = fp32_names(model, zeroinf.Config(param_dtype={v: k for k, v in DTYPES.items()}[dtype]))
     cast = copy.deepcopy(model)
     kept = {(n, b): t for n, m in cast.named_modules() for b, t in m._buffers.items()
-            if t is not None and keeps_its_precision(m, b)}
+            if t is not None and (keeps_its_precision(m, b) or (keep is not None and t.is_floating_point()
+                                                                and keep(f"{n}.{b}" if n else b)))}
     cast = cast.to(dtype)
     for (n, b), t in kept.items():
-        cast.get_submodule(n)._buffers[b] = t
+        cast.get_submodule(n)._buffers[b] = t.float() if keep is not None and keep(f"{n}.{b}" if n else b) else t
+    if keep is not None:
+        with torch.no_grad():
+            for (name, c), m in zip(cast.named_parameters(), model.parameters(), strict=True):
+                if keep(name):
+                    c.data = m.detach().float().clone()
     return cast
 
 

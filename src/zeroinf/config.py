@@ -290,6 +290,14 @@ class Config:
     FSDP2's `MixedPrecisionPolicy` does by default (an fp32 input met bf16 weights with a dtype error
     before); integer tensors (token ids, labels) are untouched. false passes inputs as given (fp32
     targets of a loss the model computes itself)."""
+    keep_fp32: tuple[str, ...] | str = AUTO
+    """With `param_dtype` bf16 or fp16: parameters and floating buffers that stay fp32 (computed from
+    their fp32 values, trained as fp32), named by patterns in Hugging Face's syntax (each searched in
+    the full name, `*` any characters: "gate.weight", "router"). "auto": what the model declares, as
+    transformers' `from_pretrained(dtype=...)` keeps them: `_keep_in_fp32_modules_strict` (MoE routers
+    and biases of DeepSeek-V3, GLM-4-MoE, Ernie-4.5-MoE, ...) under bf16 and fp16,
+    `_keep_in_fp32_modules` (T5's `wo`, ...) under fp16 only; none for other models. () keeps none
+    (what `module.to(param_dtype)` does). precision.py [Note: parameters the model keeps in fp32]."""
     grad_accum_steps: int = 1
     """Backward passes (micro-steps) per optimizer step."""
     sync_every_micro_step: bool = False
@@ -366,6 +374,16 @@ class Config:
         object.__setattr__(self, "reduce_dtype", _normalize_dtype("reduce_dtype", self.reduce_dtype))
         if self.reduce_dtype == "fp16":
             raise ConfigError("reduce_dtype", self.reduce_dtype, "fp16 reductions overflow; use fp32 or bf16")
+        keep: Any = self.keep_fp32
+        if keep != AUTO:
+            if isinstance(keep, str) or not isinstance(keep, (list, tuple)) or not all(
+                isinstance(k, str) and k for k in keep
+            ):
+                raise ConfigError(
+                    "keep_fp32", keep,
+                    'use "auto" (what the model declares) or a list of name patterns, e.g. ["gate.weight"]',
+                )
+            object.__setattr__(self, "keep_fp32", tuple(keep))
         _positive_int("grad_accum_steps", self.grad_accum_steps)
         _bool("cast_forward_inputs", self.cast_forward_inputs)
         _bool("sync_every_micro_step", self.sync_every_micro_step)
@@ -570,7 +588,7 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
         nested = _NESTED.get((cls, key))
         if nested is not None and isinstance(value, dict):
             value = _from_dict(nested, value, prefix=f"{prefix}{key}.")
-        if key == "unit_classes" and isinstance(value, list):
+        if key in ("unit_classes", "keep_fp32") and isinstance(value, list):
             value = tuple(value)
         kwargs[key] = value
     return cls(**kwargs)

@@ -47,7 +47,7 @@ from zeroinf.partition.state_entries import own_storages
 from zeroinf.partition.unit import GradState, HomeFactory, ShardedUnit, ShardingPolicy
 from zeroinf.partition.wrap import UnitSpec, discover_units
 from zeroinf.planner.unit_plan import UnitShape, plan_units
-from zeroinf.precision import buffer_in_compute_dtype, warn_if_upcast
+from zeroinf.precision import buffer_in_compute_dtype, fp32_names, warn_if_upcast
 from zeroinf.runtime import failed_backward, hooks, interrupts, module_methods, sync_switch
 from zeroinf.runtime.reach import PENALTY_AT_STAGE_3, InputGradientPass, ReachAgreement
 from zeroinf.runtime.schedule import UnshardScheduler
@@ -104,11 +104,19 @@ class Engine:
                 )
         warn_if_upcast(module, cfg.param_torch_dtype, topo.rank)
         split, any_size = cfg.split_min_numel, cfg.split_any_size
-        specs = discover_units(module, cfg.unit_classes, split_min_numel=split, split_any_size=any_size)
+        # what the model keeps in fp32 under a narrower compute dtype (precision.py [Note: parameters the
+        # model keeps in fp32]): fp32 twins of their units, fp32 buffers
+        self.keep_fp32 = keep = fp32_names(module, cfg)
+        specs = discover_units(
+            module, cfg.unit_classes, split_min_numel=split, split_any_size=any_size, keep_fp32=keep
+        )
         self.specs = specs  # the trainable units: gradients, optimizer, checkpoints
         # Stage 3 shards frozen parameters too (a LoRA fine-tune's base): units of their own,
         # gathered like the rest, with no gradient and no optimizer state.
-        frozen_specs = discover_units(module, cfg.unit_classes, False, True, split, any_size) if cfg.stage == 3 else []
+        frozen_specs = (
+            discover_units(module, cfg.unit_classes, False, True, split, any_size, keep_fp32=keep)
+            if cfg.stage == 3 else []
+        )
         self.all_specs = specs + frozen_specs
         self.weights = weights
         # What to build for each unit, computed before any memory is touched; `zeroinf.plan` reads the same.
@@ -158,12 +166,19 @@ class Engine:
         # Frozen parameters and floating-point buffers take the compute dtype in place (as
         # `module.to(param_dtype)` would), so mixed-dtype arithmetic does not upcast activations
         # (precision.py [Note: which buffers take the compute dtype]).
-        for p in module.parameters():
-            if p.dtype != cfg.param_torch_dtype and p.numel() > 0:
+        for pname, p in module.named_parameters():
+            if keep is not None and keep(pname):  # kept in fp32: a unit's fp32 twin, or frozen and whole
+                if p.dtype != torch.float32 and p.numel() > 0:
+                    p.data = p.data.float()
+            elif p.dtype != cfg.param_torch_dtype and p.numel() > 0:
                 p.data = p.data.to(cfg.param_torch_dtype)
-        for sub in module.modules():
+        for path, sub in module.named_modules():
             for name, b in sub._buffers.items():
-                if b is not None:
+                if b is None:
+                    continue
+                if keep is not None and b.is_floating_point() and keep(f"{path}.{name}" if path else name):
+                    sub._buffers[name] = b.float()
+                else:
                     sub._buffers[name] = buffer_in_compute_dtype(sub, name, b, cfg.param_torch_dtype)
         self._unit_of_param = {id(p): ui for ui, u in enumerate(self.all_units) for p in u.params}
         # Parameters of this model in no unit (frozen ones at stages 0-2): whole on every rank.
@@ -295,8 +310,11 @@ class Engine:
     ) -> ShardedUnit:
         params = [p for _, p in spec.params]
         stored = self.weights is not None and self.weights.covers(params)
+        # a unit of parameters the model keeps in fp32 is laid out, gathered and reduced in fp32
+        dtype = torch.float32 if spec.fp32 else self.cfg.param_torch_dtype
+        grad_buffer = self.cfg.reduce_torch_dtype if spec.fp32 else DTYPES[self.unit_plan.grad_buffer_dtype]
         return ShardedUnit(
-            spec.key, list(spec.params), self.topo, self.policy, self.cfg.param_torch_dtype,
+            spec.key, list(spec.params), self.topo, self.policy, dtype,
             self.cfg.reduce_torch_dtype, self.ledger, self.cfg.bucket_bytes, self.counter,
             keep_fp32_master=not self._built_from_meta and not spec.frozen,
             resident=spec.key in self._resident_names,
@@ -308,7 +326,7 @@ class Engine:
             transfers=self.transfers,
             realize=realize,
             grad_pool=self.grad_pool,
-            grad_buffer_dtype=DTYPES[self.unit_plan.grad_buffer_dtype],
+            grad_buffer_dtype=grad_buffer,
         )
 
     def _setup_activation_checkpointing(self) -> None:

@@ -12,15 +12,17 @@ skipped and the scale backs off; after `growth_interval` clean steps it grows ag
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 
-from zeroinf.config import LossScaleConfig
+from zeroinf.config import AUTO, Config, LossScaleConfig
 from zeroinf.telemetry import get_logger
 
 
@@ -47,6 +49,45 @@ def buffer_in_compute_dtype(module: nn.Module, name: str, buffer: torch.Tensor, 
 def keeps_its_precision(module: nn.Module, name: str) -> bool:
     """A rotary frequency table (Hugging Face's non-persistent `inv_freq` buffers)."""
     return name in module._non_persistent_buffers_set and name.endswith("inv_freq")
+
+
+# [Note: parameters the model keeps in fp32]
+# Some models keep parts of themselves in fp32 whatever the compute dtype, and transformers'
+# `from_pretrained(dtype=...)` honours them: MoE routers score tokens with fp32 gate weights and
+# biases (`_keep_in_fp32_modules_strict`, under bf16 and fp16: DeepSeek-V3's `gate.weight` and
+# `e_score_correction_bias`, GLM-4-MoE, Ernie-4.5-MoE, Mistral-Large-3, ...), T5 keeps its `wo`
+# projections fp32 under fp16 (`_keep_in_fp32_modules`, against overflow). `module.to(bf16)`
+# rounds them, as DeepSpeed's `module.bfloat16()` and FSDP2's `param_dtype` do: the router then
+# scores from bf16-rounded weights (its forward upcasts them, the rounding stays). zeroinf keeps
+# them (Config.keep_fp32, "auto" reading those declarations): a unit's parameters that match form a
+# unit of their own in fp32 beside it (partition/wrap.py, key `<unit>#fp32`), gathered, reduced and
+# stepped with it, their master the fp32 value itself; matching buffers stay fp32. The model's own
+# forward handles the mixed dtypes, as it must under `from_pretrained`. What it costs: one more
+# collective per block for a few kilobytes, and the kept parameters at 4 bytes each.
+def fp32_names(model: nn.Module, cfg: Config) -> Callable[[str], bool] | None:
+    """Whether a parameter or buffer of `model`, by its full name, stays fp32 under `cfg`'s compute
+    dtype ([Note: parameters the model keeps in fp32]); None when nothing does."""
+    if cfg.param_dtype == "fp32":
+        return None
+    patterns = declared_fp32(model, cfg.param_dtype) if cfg.keep_fp32 == AUTO else tuple(cfg.keep_fp32)
+    if not patterns:
+        return None
+    # transformers' syntax (core_model_loading.build_glob_alternation): `*` is any characters, the
+    # rest a regular expression searched anywhere in the name
+    found = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns))
+    return lambda name: found.search(name) is not None
+
+
+def declared_fp32(model: nn.Module, param_dtype: str) -> tuple[str, ...]:
+    """The patterns `model` (a transformers model, or one wrapping it: peft) keeps in fp32 under
+    `param_dtype`, as `PreTrainedModel._get_dtype_plan` reads them: strict ones under bf16 and fp16,
+    the others under fp16 only."""
+    names = ["_keep_in_fp32_modules_strict"] + (["_keep_in_fp32_modules"] if param_dtype == "fp16" else [])
+    found: set[str] = set()
+    for module in model.modules():
+        for name in names:
+            found.update(getattr(module, name, None) or ())
+    return tuple(sorted(found))
 
 
 # [Note: a bf16 model under the default fp32 compute dtype]

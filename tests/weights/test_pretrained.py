@@ -297,3 +297,47 @@ def test_resize_token_embeddings_in_prepare_equals_hugging_face(results: tuple[i
         assert len(r["resized"]) == 3, r["resized"]
         for folder, differing in r["resized"].items():
             assert differing == [], (world, rank, folder, differing)
+
+
+def test_a_bf16_load_keeps_what_the_model_keeps_in_fp32(tmp_path: Any) -> None:
+    """DeepSeek-V3 declares its router's gate weight and score bias fp32 (`_keep_in_fp32_modules_strict`):
+    Hugging Face's bf16 load keeps them, and so does zeroinf's (precision.py [Note: parameters the
+    model keeps in fp32]): the same state bit for bit, dtypes included, and the same logits. Rounded
+    to bf16 (`keep_fp32=()`, what `module.to(bf16)` does), the logits differ by 3e-2 here."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # a bias that bf16 does not hold exactly (it is built as zeros)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(0.1, 0.7, b.numel()) / 3)
+    model.save_pretrained(tmp_path / "ds")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ds", dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids).logits.float()
+    ref_state = reference.state_dict()
+    kept = sorted(k for k, v in ref_state.items() if v.dtype == torch.float32)
+    assert kept == ["model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"]
+    for keep in ("auto", ()):
+        offload = zeroinf.OffloadConfig(params="host")
+        cfg = zeroinf.Config(stage=3, param_dtype="bf16", persist_threshold_bytes=0, offload=offload, keep_fp32=keep)
+        ours = zeroinf.from_pretrained(tmp_path / "ds", cfg)
+        state = ours.state_dict()
+        with torch.no_grad():
+            diff = (ours(ids).logits.float() - expected).abs().max().item()
+        zeroinf.engine_of(ours).close()
+        differs = [
+            k for k, v in ref_state.items() if v.dtype != state[k].dtype or not torch.equal(v, state[k].to(v.dtype))
+        ]
+        if keep == "auto":
+            assert differs == [] and diff == 0.0, (differs, diff)
+        else:
+            assert sorted(differs) == kept and diff > 1e-3, (differs, diff)

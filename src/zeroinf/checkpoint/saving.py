@@ -398,10 +398,10 @@ def _manifest_head(model: nn.Module, engine: Engine, optimizer: Any, step: int, 
     aliases: dict[int, list[str]] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(pname)
-    dtype = DTYPE_NAMES[engine.cfg.param_torch_dtype]
     params: dict[str, Any] = {}
     order: list[str] = []
     for ui, unit in enumerate(engine.units):
+        dtype = DTYPE_NAMES[unit.param_flat.dtype]  # the compute dtype, or fp32 where the model keeps it
         for si, (slot, p) in enumerate(zip(unit.layout.slots, unit.params, strict=True)):
             order.append(slot.name)
             params[slot.name] = {

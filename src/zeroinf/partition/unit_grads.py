@@ -45,8 +45,11 @@ once which parameters it saw so. What stays different from plain PyTorch: the ro
 its master rounded to bf16 and upcast, where plain bf16 training keeps the converted fp32 tensor
 (and fp32 masters by hand keep their unrounded values): in `benchmarks/hf_sweep.py --head seq2seq
 --dtype bf16`, Switch Transformers' weights end 7.8e-3 from that reference after two steps; every
-other type there is bitwise. Computing such a parameter from its fp32 master needs a unit of its own
-in fp32; not built.
+other type there is bitwise. `Config.keep_fp32` naming the parameter ("router.classifier") puts it
+in a unit of its own in fp32 (precision.py [Note: parameters the model keeps in fp32]): it then
+computes from its fp32 master from the first forward on, where plain bf16 training's first forward
+still reads the rounded copy. transformers does not declare these routers fp32, so by default
+nothing changes and the warning names the field.
 """
 
 from __future__ import annotations
@@ -184,10 +187,11 @@ class UnitGradients:
             _CONVERTED_SEEN.add(name)
             get_logger().warning(
                 "%s: the model's forward converted this parameter to %s (a router's `.to(float32)`); it computes "
-                "from the engine's %s copy of its master, upcast, while its gradient is kept in %s "
+                "from the engine's %s copy of its master, upcast, while its gradient is kept in %s. "
+                "Config(keep_fp32=[%r]) keeps it in fp32 from the start "
                 "(partition/unit_grads.py [Note: a parameter the model converts in its own forward])",
                 name, param.grad.dtype if param.grad is not None else param.dtype, self.param_flat.dtype,
-                self.reduce_dtype,
+                self.reduce_dtype, name,
             )
         if param.dtype != self.param_flat.dtype:
             param.data = self.param_flat[slot.offset : slot.end].view(slot.shape)

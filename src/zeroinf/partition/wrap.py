@@ -37,6 +37,8 @@ interpolated positions) is caught by `runtime/external_reads.py`.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -52,11 +54,23 @@ class UnitSpec:
     frozen: bool = False  # a unit of the module's frozen parameters (stage 3), beside its trainable one
     split: bool = False  # a large layer outside the blocks (the Note above), not a block
     order: int = 0  # the module's position in `model.modules()`: the order units run in (the planner's)
+    fp32: bool = False  # parameters the model keeps in fp32 (precision.py), beside the unit's others
 
     @property
     def key(self) -> str:
-        """The unit's name among units (swap-file slots): a frozen unit is told from its trainable twin."""
-        return f"{self.name}#frozen" if self.frozen else self.name
+        """The unit's name among units (swap-file slots): a frozen or fp32 unit is told from its twin."""
+        return unit_key(self.name, self.frozen, self.fp32)
+
+
+def unit_key(name: str, frozen: bool, fp32: bool) -> str:
+    """A unit's name among units: its module path, marked when it holds a module's frozen parameters
+    or those it keeps in fp32 (twins of the unit of the same module)."""
+    return name + ("#frozen" if frozen else "") + ("#fp32" if fp32 else "")
+
+
+def module_path(key: str) -> str:
+    """The module path of the unit named `key` (`unit_key` without its marks)."""
+    return key.partition("#")[0]
 
 
 def _is_repeated_container(module: nn.Module) -> bool:
@@ -181,12 +195,15 @@ def discover_units(
     frozen: bool = False,
     split_min_numel: int | None = None,
     split_any_size: bool = False,
+    keep_fp32: Callable[[str], bool] | None = None,
 ) -> list[UnitSpec]:
     """Unit specs in module order, the root unit last; units without parameters are dropped.
 
     With `trainable_only`, frozen parameters (requires_grad=False) stay out of every unit; with
     `frozen`, the specs hold only the frozen ones (the same modules: a frozen twin of each unit).
     `split_min_numel`, `split_any_size`: see [Note: large layers outside the blocks are units of their own].
+    `keep_fp32`: parameters (by full name) kept in fp32 go to a twin of their unit, right after it
+    (precision.py [Note: parameters the model keeps in fp32]).
     """
     if unit_classes:
         present = {type(m).__name__ for m in model.modules()}
@@ -218,8 +235,19 @@ def discover_units(
     taken = {path: take(f"{path}.", module) for path, module, _ in sorted(found, key=lambda f: -f[2])}
     for path, module, _ in found:
         if taken[path]:
-            specs.append(UnitSpec(path, module, taken[path], frozen, path in split, position[id(module)]))
+            spec = UnitSpec(path, module, taken[path], frozen, path in split, position[id(module)])
+            specs += _by_dtype(spec, keep_fp32)
     root_params = take("", model)
     if root_params:
-        specs.append(UnitSpec("", model, root_params, frozen))
+        specs += _by_dtype(UnitSpec("", model, root_params, frozen), keep_fp32)
     return specs
+
+
+def _by_dtype(spec: UnitSpec, keep_fp32: Callable[[str], bool] | None) -> list[UnitSpec]:
+    """`spec`, and its fp32 twin holding the parameters `keep_fp32` names, each when not empty."""
+    kept = tuple((n, p) for n, p in spec.params if keep_fp32 is not None and keep_fp32(n))
+    if not kept:
+        return [spec]
+    rest = tuple((n, p) for n, p in spec.params if not any(p is q for _, q in kept))
+    twin = dataclasses.replace(spec, params=kept, fp32=True)
+    return [dataclasses.replace(spec, params=rest), twin] if rest else [twin]

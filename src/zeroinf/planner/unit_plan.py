@@ -31,6 +31,7 @@ from zeroinf.optim.pipeline import SubGroup, plan_sub_groups
 from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.shard_home import GRAD_KIND as GRAD_SWAP_KIND
 from zeroinf.partition.shard_home import PARAM_KIND as PARAM_SWAP_KIND
+from zeroinf.partition.wrap import unit_key
 
 SWAP_ALIGN_BYTES = 4096  # offsets of shards in the swap files, and staging buffer sizes
 # Staging buffers beyond read-ahead: a unit gathered on demand (its buffer returns once gathered, so the
@@ -99,11 +100,14 @@ class UnitShape:
     order: float = field(default=0, compare=False)  # an ordering hint, not part of the unit's identity
     """Where the unit's module comes in the model's module order (`UnitSpec.order`): the order units
     run in. Blocks a short model's facts add (`expand_blocks`) fall between their neighbours."""
+    fp32: bool = False
+    """Parameters the model keeps in fp32 under a narrower compute dtype (precision.py [Note: parameters
+    the model keeps in fp32]): laid out, gathered and reduced in fp32."""
 
     @property
     def key(self) -> str:
-        """The unit's name among units, as `UnitSpec.key`: a frozen unit is told from its trainable twin."""
-        return f"{self.name}#frozen" if self.frozen else self.name
+        """The unit's name among units, as `UnitSpec.key`: a frozen or fp32 unit is told from its twin."""
+        return unit_key(self.name, self.frozen, self.fp32)
 
     @property
     def numel(self) -> int:
@@ -114,7 +118,8 @@ class UnitShape:
         """From a `partition.wrap.UnitSpec` (its parameters may live on any device, meta included)."""
         params = tuple((n, tuple(p.shape)) for n, p in spec.params)  # type: ignore[attr-defined]
         frozen, split = bool(getattr(spec, "frozen", False)), bool(getattr(spec, "split", False))
-        return cls(spec.name, params, frozen, split, getattr(spec, "order", 0))  # type: ignore[attr-defined]
+        fp32 = bool(getattr(spec, "fp32", False))
+        return cls(spec.name, params, frozen, split, getattr(spec, "order", 0), fp32)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -137,11 +142,13 @@ class UnitPlan:
     """Bytes per element of the unsharded gradient buffer (`gradient_buffer_dtype`); 0: `reduce_itemsize`."""
     order: float = field(default=0, compare=False)  # an ordering hint, not part of the unit's identity
     """`UnitShape.order`: where the unit runs in module order."""
+    fp32: bool = False
+    """`UnitShape.fp32`: parameters kept in fp32 (`param_itemsize` 4)."""
 
     @property
     def key(self) -> str:
         """The unit's name among units (`UnitSpec.key`, `ShardedUnit.name`)."""
-        return f"{self.name}#frozen" if self.frozen else self.name
+        return unit_key(self.name, self.frozen, self.fp32)
 
     @property
     def swap_key(self) -> str:
@@ -684,7 +691,8 @@ def is_resident(unit: UnitShape, cfg: Config, world_size: int, layout: FlatLayou
     if cfg.resolved_stage < 3:
         return True
     layout = layout or FlatLayout.build(list(unit.params), world_size)
-    small = layout.padded_numel * DTYPES[cfg.param_dtype].itemsize < cfg.persist_threshold_bytes
+    itemsize = FP32_BYTES if unit.fp32 else DTYPES[cfg.param_dtype].itemsize
+    small = layout.padded_numel * itemsize < cfg.persist_threshold_bytes
     return unit.name == "" or small
 
 
@@ -710,9 +718,11 @@ def plan_units(
         resident = is_resident(unit, cfg, world_size, layout)
         tier = Tier(cfg.offload.params) if cfg.stage == 3 and not resident else Tier.DEVICE
         owned = 0 if unit.frozen else layout.shard_numel if cfg.resolved_stage >= 1 else layout.padded_numel
+        # a unit kept in fp32 holds and collects its gradients in reduce_dtype, never its own narrower one
+        itemsizes = (FP32_BYTES, reduce_itemsize) if unit.fp32 else (param_itemsize, grad_buffer_itemsize)
         planned.append(UnitPlan(
-            unit.name, layout, resident, tier, param_itemsize, reduce_itemsize, owned, unit.frozen,
-            grad_buffer_itemsize, unit.order,
+            unit.name, layout, resident, tier, itemsizes[0], reduce_itemsize, owned, unit.frozen,
+            itemsizes[1], unit.order, unit.fp32,
         ))
     plan = ModelPlan(tuple(planned), cfg, world_size, device_type, moments)
     return _split_params(plan)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from zeroinf.partition.unit import ParamState, ShardedUnit
+from zeroinf.partition.wrap import module_path
 from zeroinf.runtime.prefetch import PrefetchPlan, kept_for_backward, plan_prefetch
 from zeroinf.runtime.trace import PassTrace, TraceState
 
@@ -64,7 +65,7 @@ class UnshardScheduler:
         sizes = {i: u.unsharded_bytes for i, u in enumerate(self.units)}
         # a unit stays gathered while the units nested in it run (its hooks fire around theirs)
         nested = {
-            i: frozenset(j for j, v in enumerate(self.units) if v.name.startswith(f"{u.name}."))
+            i: frozenset(j for j, v in enumerate(self.units) if v.name.startswith(f"{module_path(u.name)}."))
             for i, u in enumerate(self.units)
         }
         return dict(
