@@ -298,6 +298,51 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
     }
 
 
+def rank_rows(step: int, rank: int, world: int, rows: int = 8, features: int = 8) -> torch.Tensor:
+    """This rank's share of step `step`'s random inputs (`rows` x `features`, seeded by the step)."""
+    x = torch.randn(rows, features, generator=torch.Generator().manual_seed(step))
+    per = rows // world
+    return x[rank * per : (rank + 1) * per]
+
+
+def sharded_on_rows(model: nn.Module, opt: Any, rank: int, world: int, steps: int) -> list[float]:
+    """Train a sharded `model` with its zeroinf optimizer on `rank_rows` (the model returns its loss):
+    the losses (mean over ranks)."""
+    losses = []
+    for step in range(steps):
+        loss = model(rank_rows(step, rank, world))
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(rank_mean(loss.detach().float(), world))
+    return losses
+
+
+def masters_by_hand(
+    master: nn.Module, compute_copy: Callable[[], nn.Module], rank: int, world: int, steps: int, lr: float
+) -> list[float]:
+    """bf16 training with fp32 masters by hand on `rank_rows`: each step a compute copy of `master`
+    (`compute_copy()`), its inputs in bf16 (as zeroinf casts floating inputs), its gradients widened
+    to fp32 and averaged over the ranks, fused AdamW without weight decay on the masters. The losses
+    (mean over ranks)."""
+    opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.0, fused=True)
+    losses = []
+    for step in range(steps):
+        compute = compute_copy()
+        loss = compute(rank_rows(step, rank, world).to(torch.bfloat16))
+        loss.backward()
+        for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+            assert c.grad is not None
+            m.grad = c.grad.float()
+            if world > 1:
+                torch.distributed.all_reduce(m.grad)
+                m.grad /= world
+        opt.step()
+        opt.zero_grad()
+        losses.append(rank_mean(loss.detach().float(), world))
+    return losses
+
+
 def rank_mean(value: torch.Tensor, world: int) -> float:
     """The mean over the group of every rank's `value` (a loss), in place; every rank calls it."""
     if world > 1:

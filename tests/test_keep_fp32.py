@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests._harness import run_ranks
+from tests._parity import masters_by_hand, sharded_on_rows
 
-STEPS, BATCH, LR = 3, 8, 1e-2
+STEPS, LR = 3, 1e-2
 KEPT = ("gate.weight", "score_bias")
 
 
@@ -59,19 +60,6 @@ class Net(nn.Module):
         return self.head(x).float().pow(2).mean()
 
 
-def _batch(step: int, rank: int, world: int) -> torch.Tensor:
-    x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(step))
-    per = BATCH // world
-    return x[rank * per : (rank + 1) * per]
-
-
-def _mean(value: torch.Tensor, world: int) -> float:
-    if world > 1:
-        torch.distributed.all_reduce(value)
-        value /= world
-    return value.item()
-
-
 def _kept(name: str) -> bool:
     return any(k in name for k in KEPT)
 
@@ -101,13 +89,7 @@ def _zeroinf(case: dict, rank: int, world: int, folder: str) -> tuple[Run, dict[
     model = zeroinf.shard(Net(), cfg)
     units = [u.name for u in zeroinf.engine_of(model).all_units]
     opt = zeroinf.AdamW(model, lr=LR, weight_decay=0.0)
-    losses = []
-    for step in range(STEPS):
-        loss = model(_batch(step, rank, world))
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean(loss.detach().float(), world))
+    losses = sharded_on_rows(model, opt, rank, world, STEPS)
     state = model.state_dict()
     dtypes = {k: v.dtype for k, v in state.items()}
     out = {k: v.float().clone() for k, v in state.items()}
@@ -139,7 +121,6 @@ def _zeroinf(case: dict, rank: int, world: int, folder: str) -> tuple[Run, dict[
 def _by_hand(rank: int, world: int, keep: bool) -> Run:
     torch.manual_seed(0)
     master = Net()
-    opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=0.0, fused=True)
 
     def compute_copy() -> nn.Module:
         compute = copy.deepcopy(master).to(torch.bfloat16)
@@ -152,20 +133,7 @@ def _by_hand(rank: int, world: int, keep: bool) -> Run:
                     c.data = m.clone()
         return compute
 
-    losses = []
-    for step in range(STEPS):
-        compute = compute_copy()
-        loss = compute(_batch(step, rank, world).to(torch.bfloat16))  # as zeroinf casts floating inputs
-        loss.backward()
-        for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-            assert c.grad is not None
-            m.grad = c.grad.float()
-            if world > 1:
-                torch.distributed.all_reduce(m.grad)
-                m.grad /= world
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean(loss.detach().float(), world))
+    losses = masters_by_hand(master, compute_copy, rank, world, STEPS, LR)
     return losses, {k: v.float().clone() for k, v in compute_copy().state_dict().items()}
 
 
@@ -252,13 +220,7 @@ def test_what_a_model_keeps_under_fp16_only_is_kept_under_fp16() -> None:
         model = zeroinf.shard(FP16Net(), zeroinf.Config(stage=3, param_dtype=dtype, persist_threshold_bytes=0))
         units = [u.name for u in zeroinf.engine_of(model).all_units]
         opt = zeroinf.AdamW(model, lr=LR, weight_decay=0.0)
-        losses = []
-        for step in range(STEPS):
-            loss = model(_batch(step, 0, 1))
-            opt.backward(loss)  # fp16: scaled, and unscaled before the step
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = sharded_on_rows(model, opt, 0, 1, STEPS)  # fp16: opt.backward scales, the step unscales
         dtypes = {k: v.dtype for k, v in model.state_dict().items()}
         opt.close()
         zeroinf.engine_of(model).close()

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from tests._harness import run_ranks
+from tests._parity import masters_by_hand, sharded_on_rows
 
-STEPS, BATCH, LR = 3, 8, 1e-2
+STEPS, LR = 3, 1e-2
 STAGES = (1, 2, 3)
 
 
@@ -54,32 +55,13 @@ class Net(nn.Module):
         return x.float().pow(2).mean()
 
 
-def _batch(step: int, rank: int, world: int) -> torch.Tensor:
-    x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(step))
-    per = BATCH // world
-    return x[rank * per : (rank + 1) * per]
-
-
-def _mean(value: torch.Tensor, world: int) -> float:
-    if world > 1:
-        torch.distributed.all_reduce(value)
-        value /= world
-    return value.item()
-
-
 def _zeroinf(stage: int, rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     import zeroinf
 
     torch.manual_seed(0)
     model = zeroinf.shard(Net(), zeroinf.Config(stage=stage, param_dtype="bf16", persist_threshold_bytes=0))
     opt = zeroinf.AdamW(model, lr=LR, weight_decay=0.0)
-    losses = []
-    for step in range(STEPS):
-        loss = model(_batch(step, rank, world))
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean(loss.detach().float(), world))
+    losses = sharded_on_rows(model, opt, rank, world, STEPS)
     state = {k: v.float().clone() for k, v in model.state_dict().items()}
     opt.close()
     zeroinf.engine_of(model).close()
@@ -89,21 +71,8 @@ def _zeroinf(stage: int, rank: int, world: int) -> tuple[list[float], dict[str, 
 def _by_hand(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     master = Net()
-    opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=0.0, fused=True)
-    losses = []
-    for step in range(STEPS):
-        compute = copy.deepcopy(master).to(torch.bfloat16)  # the router converts its copy in forward
-        loss = compute(_batch(step, rank, world).to(torch.bfloat16))  # as zeroinf casts floating inputs
-        loss.backward()
-        for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-            assert c.grad is not None
-            m.grad = c.grad.float()
-            if world > 1:
-                torch.distributed.all_reduce(m.grad)
-                m.grad /= world
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean(loss.detach().float(), world))
+    # each step a bf16 copy, whose router converts itself in forward
+    losses = masters_by_hand(master, lambda: copy.deepcopy(master).to(torch.bfloat16), rank, world, STEPS, LR)
     rounded = copy.deepcopy(master).to(torch.bfloat16)  # what the sharded model holds: masters in bf16
     return losses, {k: v.float().clone() for k, v in rounded.state_dict().items()}
 
