@@ -298,19 +298,23 @@ def train_zeroinf(case: Case, rank: int, world_size: int, device: torch.device |
     }
 
 
-def rank_rows(step: int, rank: int, world: int, rows: int = 8, features: int = 8) -> torch.Tensor:
+def rank_rows(
+    step: int, rank: int, world: int, rows: int = 8, features: int = 8, device: torch.device | None = None
+) -> torch.Tensor:
     """This rank's share of step `step`'s random inputs (`rows` x `features`, seeded by the step)."""
     x = torch.randn(rows, features, generator=torch.Generator().manual_seed(step))
     per = rows // world
-    return x[rank * per : (rank + 1) * per]
+    return x[rank * per : (rank + 1) * per].to(device)
 
 
-def sharded_on_rows(model: nn.Module, opt: Any, rank: int, world: int, steps: int) -> list[float]:
+def sharded_on_rows(
+    model: nn.Module, opt: Any, rank: int, world: int, steps: int, device: torch.device | None = None
+) -> list[float]:
     """Train a sharded `model` with its zeroinf optimizer on `rank_rows` (the model returns its loss):
     the losses (mean over ranks)."""
     losses = []
     for step in range(steps):
-        loss = model(rank_rows(step, rank, world))
+        loss = model(rank_rows(step, rank, world, device=device))
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -319,7 +323,8 @@ def sharded_on_rows(model: nn.Module, opt: Any, rank: int, world: int, steps: in
 
 
 def masters_by_hand(
-    master: nn.Module, compute_copy: Callable[[], nn.Module], rank: int, world: int, steps: int, lr: float
+    master: nn.Module, compute_copy: Callable[[], nn.Module], rank: int, world: int, steps: int, lr: float,
+    device: torch.device | None = None,
 ) -> list[float]:
     """bf16 training with fp32 masters by hand on `rank_rows`: each step a compute copy of `master`
     (`compute_copy()`), its inputs in bf16 (as zeroinf casts floating inputs), its gradients widened
@@ -329,7 +334,7 @@ def masters_by_hand(
     losses = []
     for step in range(steps):
         compute = compute_copy()
-        loss = compute(rank_rows(step, rank, world).to(torch.bfloat16))
+        loss = compute(rank_rows(step, rank, world, device=device).to(torch.bfloat16))
         loss.backward()
         for c, m in zip(compute.parameters(), master.parameters(), strict=True):
             assert c.grad is not None

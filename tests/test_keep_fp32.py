@@ -118,9 +118,9 @@ def _zeroinf(case: dict, rank: int, world: int, folder: str) -> tuple[Run, dict[
     return (losses, out), dtypes, units
 
 
-def _by_hand(rank: int, world: int, keep: bool) -> Run:
+def _by_hand(rank: int, world: int, keep: bool, device: torch.device | None = None) -> Run:
     torch.manual_seed(0)
-    master = Net()
+    master = Net().to(device)
 
     def compute_copy() -> nn.Module:
         compute = copy.deepcopy(master).to(torch.bfloat16)
@@ -133,7 +133,7 @@ def _by_hand(rank: int, world: int, keep: bool) -> Run:
                     c.data = m.clone()
         return compute
 
-    losses = masters_by_hand(master, compute_copy, rank, world, STEPS, LR)
+    losses = masters_by_hand(master, compute_copy, rank, world, STEPS, LR, device)
     return losses, {k: v.float().clone() for k, v in compute_copy().state_dict().items()}
 
 
