@@ -42,6 +42,7 @@ def full_config() -> dict[str, Any]:
             "stage3_max_live_parameters": 7_000_000,
             "stage3_param_persistence_threshold": 5_000,
             "reduce_bucket_size": 1e6,
+            "mics_shard_size": 8,
             "made_up_key": 1,
         },
         "aio": {"block_size": 2 * 2**20, "queue_depth": 16, "thread_count": 4, "single_submit": False},
@@ -61,6 +62,7 @@ EXPECTED = Config(
     prefetch_bytes=3_000_000 * 2,
     max_live_bytes=7_000_000 * 2,
     persist_threshold_bytes=5_000 * 2,
+    shard_group_size=8,
     loss_scale=LossScaleConfig(initial_scale=2.0**12, growth_interval=500, min_scale=0.25),
     offload=OffloadConfig(
         params="nvme", optimizer="nvme", gradients="host", nvme_dir=NVME, sub_group_numel=123_456, buffer_count=4,
@@ -85,6 +87,7 @@ MAPPED_KEYS = [
     "zero_optimization.stage3_max_live_parameters",
     "zero_optimization.stage3_param_persistence_threshold",
     "zero_optimization.reduce_bucket_size",
+    "zero_optimization.mics_shard_size",
     "aio.block_size",
     "aio.queue_depth",
     "aio.thread_count",

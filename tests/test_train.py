@@ -137,6 +137,8 @@ def test_cli_overrides_the_config_file(tmp_path: Path) -> None:
     ns = cli.build_parser().parse_args(["train", "--config", str(path), "--dtype", "bf16", "--clip", "0.5"])
     cfg = cli.engine_config(ns)
     assert (cfg.stage, cfg.param_dtype, cfg.grad_accum_steps, cfg.grad_clip_norm) == (1, "bf16", 4, 0.5)
+    ns = cli.build_parser().parse_args(["train", "--config", str(path), "--shard-group-size", "2"])
+    assert cli.engine_config(ns).shard_group_size == 2
 
 
 def test_cli_max_host_bytes_sets_the_cap_for_the_split(tmp_path: Path) -> None:

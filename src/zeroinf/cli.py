@@ -101,6 +101,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--grad-accum", type=int, metavar="N", help="micro-steps per optimizer step")
     engine.add_argument("--clip", type=float, metavar="NORM", help="clip the global gradient norm to NORM")
+    engine.add_argument(
+        "--shard-group-size", type=int, metavar="N",
+        help="hybrid sharding: shard within groups of N consecutive ranks (a machine's GPUs), replicate across them",
+    )
     tiers = ("device", "host", "nvme")
     engine.add_argument("--offload-params", choices=tiers, help="tier of the parameter shards (host/nvme: stage 3)")
     engine.add_argument("--offload-optimizer", choices=tiers, help="tier of the fp32 master weights and moments")
@@ -262,6 +266,7 @@ def engine_config(ns: argparse.Namespace, default: Config = DEFAULT_CONFIG) -> C
         "param_dtype": ns.dtype,
         "grad_accum_steps": ns.grad_accum,
         "grad_clip_norm": ns.clip,
+        "shard_group_size": getattr(ns, "shard_group_size", None),
     }
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     tiers = {"params": ns.offload_params, "optimizer": ns.offload_optimizer, "gradients": ns.offload_gradients}

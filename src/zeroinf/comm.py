@@ -338,6 +338,7 @@ def broadcast_from_first(tensors: Iterable[torch.Tensor], topo: Topology, what: 
     expanded to a batch of one: the same on every rank)."""
     if not topo.is_distributed:
         return
+    tensors = list(tensors)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         expanded = any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
@@ -355,6 +356,8 @@ def broadcast_from_first(tensors: Iterable[torch.Tensor], topo: Topology, what: 
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+    if topo.replicas is not None:  # hybrid sharding: then from the first group to the others
+        broadcast_from_first(tensors, topo.replicas, what)
 
 
 def all_reduce(
@@ -371,3 +374,30 @@ def all_reduce(
     if not async_op:
         handle.wait()
     return handle
+
+
+# [Note: hybrid sharding]
+# `Config.shard_group_size = S` splits a world of W ranks into W/S shard groups of S consecutive
+# ranks (a machine's GPUs) and S replica groups (the ranks at the same place in every shard group):
+# FSDP's HYBRID_SHARD, DeepSpeed's MiCS. The engine runs over its shard group as over a world of S
+# (`Topology.rank`, `world_size`, `group`; parameters gathered there, on the machine's own links),
+# and three things reach across (`Topology.replicas`, `Topology.everyone`):
+# - every reduced gradient (a unit's shard at stages 2-3, its whole buffer at 0-1) is averaged over
+#   the replicas right after its reduction in the group (`average_over_replicas`): the mean over
+#   every rank, one all-reduce of 1/S of the unit per rank across machines, where sharding over the
+#   world would all-gather and reduce-scatter every unit across them;
+# - what every rank must agree on runs over the world: which parameters a backward reaches
+#   (runtime/reach.py), so that a unit reduced at the end of backward in one group is in all;
+# - the first rank's values reach every rank at `shard` (the units' build, `broadcast_from_first`)
+#   and the plan an "auto" config chose.
+# Each group then holds the same shards, steps them alike and stays equal bit for bit (the replicas'
+# all-reduce of two values is exact whatever its order). Checkpoints: the first group writes, the
+# others return its folder (checkpoint/saving.py); every group reads it. Gradient averaging is in
+# two rounds (within, then across groups), so a world of four in two groups of two adds in another
+# order than DDP over four: bitwise DDP in each pair followed by an all-reduce across the pairs
+# (tests/test_hybrid_sharding.py), within float rounding of DDP over all four.
+def average_over_replicas(tensor: torch.Tensor, topo: Topology, what: str = "") -> None:
+    """Hybrid sharding: `tensor`, reduced within its shard group, becomes its mean over the replicas,
+    in place ([Note: hybrid sharding]); nothing without replicas."""
+    if topo.replicas is not None:
+        all_reduce(tensor, topo.replicas, average=True, async_op=False, what=f"{what} across the replicas")

@@ -313,6 +313,13 @@ class Config:
     unit_classes: tuple[str, ...] = ()
     """Module class names whose instances each form a unit (classes are accepted and kept by name);
     empty means automatic discovery."""
+    shard_group_size: int | None = None
+    """Hybrid sharding (FSDP's HYBRID_SHARD, DeepSpeed's MiCS): shard over groups of this many
+    consecutive ranks (a machine's GPUs: the all-gathers stay on its fast links) and replicate across
+    the groups; each reduced gradient shard is then averaged over the replicas (one all-reduce per
+    unit across machines), so training is data parallel over every rank. Must divide the world size
+    and be at least 2; None shards over the whole world. Checkpoints are written by the first group
+    and read by every group (comm.py [Note: hybrid sharding])."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for fp16."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -384,6 +391,14 @@ class Config:
                     'use "auto" (what the model declares) or a list of name patterns, e.g. ["gate.weight"]',
                 )
             object.__setattr__(self, "keep_fp32", tuple(keep))
+        if self.shard_group_size is not None:
+            _positive_int("shard_group_size", self.shard_group_size, "use None (shard over every rank) or an int >= 2")
+            if self.shard_group_size < 2:
+                raise ConfigError(
+                    "shard_group_size", self.shard_group_size,
+                    "use None or an int >= 2 (groups of one rank would hold every state whole: stage 0's data "
+                    "parallelism, which needs no groups)",
+                )
         _positive_int("grad_accum_steps", self.grad_accum_steps)
         _bool("cast_forward_inputs", self.cast_forward_inputs)
         _bool("sync_every_micro_step", self.sync_every_micro_step)

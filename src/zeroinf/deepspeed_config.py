@@ -23,6 +23,7 @@ pure function of the parsed JSON, and `config_from_deepspeed` adds reading the f
                                                                                   DeepSpeed compares each parameter,
                                                                                   zeroinf each unit
     zero_optimization.reduce_bucket_size           bucket_bytes                   elements x reduce item size
+    zero_optimization.mics_shard_size              shard_group_size               -1 (off) leaves it unset
     communication_data_type                        reduce_dtype                   fp16 refused (reductions overflow)
     bf16.enabled (or bfloat16), fp16.enabled       param_dtype                    both true is refused
     fp16.loss_scale                                -                              0 (dynamic) only: no static scale
@@ -342,6 +343,9 @@ def _zero(root: _Table, fields_: _Fields, compute_dtype: str, reduce_dtype: str)
             fields_.set("offload.nvme_dir", path, table.key("nvme_path"), path)
     sub_group = _count(zero, "sub_group_size")
     fields_.set("offload.sub_group_numel", sub_group, zero.key("sub_group_size"), sub_group)
+    mics = zero.setting("mics_shard_size")  # MiCS: shard within groups of this many ranks; -1 is off
+    if mics is not None and mics != -1:
+        fields_.set("shard_group_size", mics, zero.key("mics_shard_size"), mics)
     compute_bytes, reduce_bytes = DTYPES[compute_dtype].itemsize, DTYPES[reduce_dtype].itemsize
     for ds_name, name, itemsize in (
         ("stage3_prefetch_bucket_size", "prefetch_bytes", compute_bytes),

@@ -469,7 +469,7 @@ class Engine:
 
     # runtime/reach.py [Note: gradients that reach some ranks only]
     def _agree_on_reached_params(self) -> None:
-        self._agreement = ReachAgreement(self.units, self.topo, self.counter)
+        self._agreement = ReachAgreement(self.units, self.topo.everyone, self.counter)
 
     def _settle_agreement(self) -> None:
         if self._agreement is not None:
@@ -540,7 +540,7 @@ class Engine:
         agreed_at_start = self._agreement is not None and self._agreement.every_parameter_reached
         if self.topo.is_distributed and not agreed_at_start:
             flags = torch.tensor(agreed, dtype=torch.int32, device=self.topo.device)
-            all_reduce(flags, self.topo, async_op=False, what="which parameters got gradients")
+            all_reduce(flags, self.topo.everyone, async_op=False, what="which parameters got gradients")
             self.counter.add("all_reduce")
             agreed = (flags > 0).tolist()
         offset = 0

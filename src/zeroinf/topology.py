@@ -119,14 +119,53 @@ class Topology:
     # Check before each of the engine's collectives that every rank calls the same one
     # (Config.check_collectives; comm.py [Note: checking that the ranks call the same collectives]).
     check_collectives: bool = False
+    # Hybrid sharding (Config.shard_group_size): this process among the ranks that hold the same shards
+    # as it, one per group; rank, world_size and group above are then those of its shard group.
+    replicas: Topology | None = None
 
     def with_config(self, cfg: Config) -> Topology:
-        """This topology with what a config asks of it (`check_collectives`, or the environment's
-        ZEROINF_CHECK_COLLECTIVES=1: turned on without touching the training script)."""
+        """This topology with what a config asks of it: its shard group and replicas
+        (`shard_group_size`); `check_collectives`, or the environment's ZEROINF_CHECK_COLLECTIVES=1
+        (turned on without touching the training script)."""
+        topo = self if cfg.shard_group_size is None else self._hybrid(cfg.shard_group_size)
         wanted = cfg.check_collectives or os.environ.get(CHECK_COLLECTIVES_ENV) == "1"
-        if wanted and self.is_distributed and not self.check_collectives:
-            return dataclasses.replace(self, check_collectives=True)
-        return self
+        if wanted and topo.is_distributed and not topo.check_collectives:
+            replicas = topo.replicas and dataclasses.replace(topo.replicas, check_collectives=True)
+            return dataclasses.replace(topo, check_collectives=True, replicas=replicas)
+        return topo
+
+    def _hybrid(self, size: int) -> Topology:
+        """This world split into shard groups of `size` consecutive ranks, replicated across them."""
+        if self.replicas is not None:
+            return self
+        if self.group is not None:
+            raise ValueError(
+                "Config.shard_group_size splits the default process group into shard groups, but this model is "
+                "sharded over a process group of its own (Topology.current(group)): leave shard_group_size unset "
+                "and give each model the group it shards over"
+            )
+        if size == self.world_size:
+            return self
+        if self.world_size % size:
+            raise ValueError(
+                f"Config.shard_group_size = {size} does not divide the world of {self.world_size} ranks: use a "
+                f"divisor of {self.world_size} (the ranks of a machine: {os.environ.get('LOCAL_WORLD_SIZE', '?')})"
+            )
+        shard_group, replica_group = hybrid_groups(size, self.world_size)
+        replicas = dataclasses.replace(
+            self, rank=self.rank // size, world_size=self.world_size // size, group=replica_group
+        )
+        return dataclasses.replace(self, rank=self.rank % size, world_size=size, group=shard_group, replicas=replicas)
+
+    @property
+    def everyone(self) -> Topology:
+        """Every rank of the training: the whole world under hybrid sharding (what every rank must agree
+        on, such as which parameters a backward reaches), else this topology."""
+        if self.replicas is None:
+            return self
+        return dataclasses.replace(
+            self, rank=dist.get_rank(), world_size=dist.get_world_size(), group=None, replicas=None
+        )
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -168,6 +207,22 @@ class Topology:
             device=device or default_device(),
             group=group,
         )
+
+
+_HYBRID_GROUPS: dict[tuple[int, int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def hybrid_groups(size: int, world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This process's shard group (`size` consecutive ranks) and replica group (the ranks at its place
+    in every shard group), made once per process: making a group is a collective of every rank."""
+    key = (size, world_size, id(dist.group.WORLD))  # a process group made anew makes its own
+    if key not in _HYBRID_GROUPS:
+        shards = [list(range(start, start + size)) for start in range(0, world_size, size)]
+        replicas = [list(range(place, world_size, size)) for place in range(size)]
+        shard_group, _ = dist.new_subgroups_by_enumeration(shards)
+        replica_group, _ = dist.new_subgroups_by_enumeration(replicas)
+        _HYBRID_GROUPS[key] = (shard_group, replica_group)
+    return _HYBRID_GROUPS[key]
 
 
 def default_topology(timeout_s: float = 600.0) -> Topology:

@@ -79,7 +79,7 @@ def save(
     blocking: bool = True,
     keep_last: int | None = None,
     node_local: bool = False,
-) -> str | PendingSave:
+) -> str | PendingSave | WrittenByTheFirstGroup:
     """Save a checkpoint of `model` and its zeroinf `optimizer` as `path/step_{step:08d}`; a collective.
 
     `extra` (JSON-serializable, taken from rank 0) is returned by `load`: data position, LR
@@ -101,13 +101,60 @@ def save(
             "save between optimizer steps"
         )
     check_params_intact(engine.all_units)  # values written past the engine would not be saved
+    replicas = engine.topo.replicas
+    if replicas is not None:  # hybrid sharding: the first shard group writes ([Note: hybrid sharding] in comm.py)
+        if node_local:
+            raise ValueError(
+                "zeroinf.save(node_local=True) with Config.shard_group_size: only the first shard group writes, so "
+                "the other machines' disks would hold no checkpoint; save to a folder every rank sees"
+            )
+        if replicas.rank != 0:
+            folder = os.path.join(os.fspath(path), step_dirname(int(step)))
+            if blocking:  # returns once the first group published it (or raises its error)
+                _agree_across_replicas(engine, None)
+                return folder
+            return WrittenByTheFirstGroup(folder)
     job = _SaveJob(model, engine, optimizer, os.fspath(path), int(step), extra, keep_last, node_local)
     if blocking:
-        job.write()
-        return job.finish()
+        try:
+            job.write()
+            folder = job.finish()
+        except Exception as e:
+            if replicas is not None:
+                _agree_across_replicas(engine, f"zeroinf.save in the first shard group: {e}")
+            raise
+        if replicas is not None:
+            _agree_across_replicas(engine, None)
+        return folder
     pending = PendingSave(job, optimizer, engine)
     optimizer.pending_save = engine.pending_save = pending
     return pending
+
+
+class WrittenByTheFirstGroup:
+    """What `zeroinf.save(..., blocking=False)` returns in a shard group other than the first under
+    hybrid sharding: nothing to write here; the first group publishes the folder when it waits."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def done_writing(self) -> bool:
+        return True
+
+    def wait(self) -> str:
+        return self.folder
+
+
+def _agree_across_replicas(engine: Engine, error: str | None) -> None:
+    """Every rank of a hybrid-sharded training learns whether the first shard group's save failed."""
+    import torch.distributed as dist
+
+    everyone = engine.topo.everyone
+    errors: list[Any] = [None] * everyone.world_size
+    dist.all_gather_object(errors, error)
+    found = [e for e in errors if e]
+    if found and error is None:
+        raise CheckpointError(found[0])
 
 
 def finish_pending_save(optimizer: Any) -> str | None:

@@ -97,6 +97,8 @@ class UnitGather:
                 assert self.owned_before is not None
                 if modifier_rank is not None and topo.is_distributed:
                     dist.broadcast(unit.param_flat, group_src=modifier_rank, group=topo.group)
+                if modifier_rank is not None and topo.replicas is not None:  # then the first group's
+                    dist.broadcast(unit.param_flat, group_src=0, group=topo.replicas.group)
                 unit.commit_user_writes(self.owned_before, self.engine.optimizer_states, self.index, exact)
         finally:
             if (commit and self.modify) or self.was_sharded:  # its writes committed, or gone with the copy
@@ -176,6 +178,9 @@ def _broadcast_whole(params: list[tuple[torch.Tensor, Engine]], src: int) -> Non
         if engine.topo.is_distributed:
             with torch.no_grad():
                 dist.broadcast(p.data, group_src=src, group=engine.topo.group)
+        if engine.topo.replicas is not None:  # hybrid sharding: then the first group's
+            with torch.no_grad():
+                dist.broadcast(p.data, group_src=0, group=engine.topo.replicas.group)
 
 
 def _repark(params: list[nn.Parameter], broadcast_from: int | None) -> None:
@@ -186,4 +191,7 @@ def _repark(params: list[nn.Parameter], broadcast_from: int | None) -> None:
         if broadcast_from is not None and park.topo.is_distributed:
             with torch.no_grad():
                 dist.broadcast(p.data, group_src=broadcast_from, group=park.topo.group)
+        if broadcast_from is not None and park.topo.replicas is not None:  # hybrid sharding: the first group's
+            with torch.no_grad():
+                dist.broadcast(p.data, group_src=0, group=park.topo.replicas.group)
         park.park(p)

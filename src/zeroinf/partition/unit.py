@@ -228,6 +228,8 @@ class ShardedUnit(UnitGradients):
                 p.data = p.data.new_empty((0,) * max(1, p.dim()))
         if self.topo.is_distributed:  # every rank starts from rank 0's weights (as DDP does)
             torch.distributed.broadcast(full, group_src=0, group=self.topo.group)
+        if self.topo.replicas is not None:  # hybrid sharding: the first group's (comm.py [Note: hybrid sharding])
+            torch.distributed.broadcast(full, group_src=0, group=self.topo.replicas.group)
         # fp32 masters start from the unrounded weights, not from their compute-dtype copy, unless
         # building under zeroinf.init, where holding fp32 copies would defeat bounded construction.
         self.initial_master: torch.Tensor | None = (

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroinf.comm import Handle, all_reduce, reduce_scatter_into
+from zeroinf.comm import Handle, all_reduce, average_over_replicas, reduce_scatter_into
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.grad_pool import GradBufferPool
@@ -293,6 +293,11 @@ class UnitGradients:
         for handle in self._grad_handles:
             handle.wait()
         self._grad_handles = []
+        if self.topo.replicas is not None:  # comm.py [Note: hybrid sharding]
+            reduced = self._rs_out if self.policy.shard_grads else self.grad_flat
+            assert reduced is not None
+            average_over_replicas(reduced, self.topo, f"gradients of {self.what}")
+            self.counter.add("all_reduce")
         if self.policy.shard_grads:
             out, self._rs_out = self._rs_out, None
             assert out is not None

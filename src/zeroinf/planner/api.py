@@ -244,6 +244,8 @@ def resolve_for_ranks(
     if topo.is_distributed:
         box: list[Any] = [(chosen, error)]
         dist.broadcast_object_list(box, group_src=0, group=topo.group)
+        if topo.replicas is not None:  # hybrid sharding: every group builds the first group's placement
+            dist.broadcast_object_list(box, group_src=0, group=topo.replicas.group)
         chosen, error = box[0]
     if error is not None:
         raise ValueError(error)

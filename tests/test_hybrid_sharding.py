@@ -1,0 +1,276 @@
+"""Hybrid sharding (Config.shard_group_size; comm.py [Note: hybrid sharding]): four ranks in two
+shard groups of two, {0, 1} and {2, 3}, replicated across them.
+
+The reference is what hybrid sharding promises, in plain PyTorch: `DistributedDataParallel` over
+each pair (`process_group=` the shard group) and, after backward, every gradient all-reduced across
+the pairs and halved, fused AdamW. zeroinf at stages 0, 1, 2 and 3 (stage 3 with its shards and
+states on the host and on NVMe; stages 1-2 also accumulating two micro-steps) trains bitwise that:
+the mean loss over the four ranks and every rank's weights, so both groups hold the same model. Each
+rank builds its model from another seed: `shard` gives every rank the first rank's weights. And a
+blocking checkpoint is written by the first group alone (its rank files only) and loads in both.
+Against DDP over all four ranks (another summation order) the weights agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._harness import run_ranks
+from tests._parity import LR, Case, build_model, micro_batches, rank_mean
+
+WORLD, SIZE = 4, 2
+CASES = [
+    Case("s0", 0, steps=4),
+    Case("s1-accum2", 1, accum=2, steps=4),
+    Case("s2", 2, steps=4),
+    Case("s2-accum2", 2, accum=2, steps=4),
+    Case("s3", 3, steps=4),
+    Case("s3-host", 3, steps=4, overrides=(("offload", {"params": "host", "optimizer": "host"}),)),
+    Case("s3-nvme", 3, steps=4, overrides=(("offload", {"params": "nvme", "optimizer": "nvme"}),)),
+    Case("s2-bf16", 2, dtype="bf16", steps=4),
+    Case("s3-bf16-host", 3, dtype="bf16", steps=4, overrides=(("offload", {"params": "host", "optimizer": "host"}),)),
+]
+
+
+def _offload(case: Case, folder: str) -> Any:
+    import zeroinf
+
+    return zeroinf.OffloadConfig(**dict(case.overrides).get("offload", {}), nvme_dir=folder)
+
+
+def _zeroinf(case: Case, rank: int, folder: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import zeroinf
+
+    cfg = zeroinf.Config(
+        stage=case.stage, param_dtype=case.dtype, grad_accum_steps=case.accum, shard_group_size=SIZE,
+        persist_threshold_bytes=0, offload=_offload(case, folder),
+    )
+    model = zeroinf.shard(build_model(case.model, seed=100 + rank), cfg)  # another seed on each rank
+    opt = zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
+    losses = []
+    for step in range(case.steps):
+        total = torch.zeros(())
+        for x, y in micro_batches(case, rank, WORLD, step):
+            loss = model(x, y) / case.accum
+            total += loss.detach()
+            opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(rank_mean(total, WORLD))
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    opt.close()
+    zeroinf.engine_of(model).close()
+    return losses, state
+
+
+def _bf16_by_hand(case: Case, rank: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """fp32 masters, a bf16 copy for forward and backward, its gradients widened to fp32, averaged
+    over the pair, then across the pairs, fused AdamW on the masters (tests/_parity.py's
+    `train_data_parallel_with_masters` in two rounds)."""
+    from zeroinf.topology import hybrid_groups
+
+    shard_group, replica_group = hybrid_groups(SIZE, WORLD)
+    master = build_model(case.model, seed=100)
+    compute = copy.deepcopy(master).to(torch.bfloat16)
+    opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True)
+    losses = []
+    for step in range(case.steps):
+        with torch.no_grad():
+            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+                c.copy_(m)
+        total = torch.zeros(())
+        for x, y in micro_batches(case, rank, WORLD, step):
+            loss = compute(x, y) / case.accum
+            loss.backward()
+            total += loss.detach().float()
+            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+                m.grad = c.grad.float() if m.grad is None else m.grad.add_(c.grad)
+                c.grad = None
+        for m in master.parameters():
+            for group, size in ((shard_group, SIZE), (replica_group, WORLD // SIZE)):
+                dist.all_reduce(m.grad, group=group)
+                m.grad /= size
+        opt.step()
+        opt.zero_grad()
+        losses.append(rank_mean(total, WORLD))
+    return losses, {k: v.float().clone() for k, v in copy.deepcopy(master).to(torch.bfloat16).state_dict().items()}
+
+
+def _pairs_then_across(case: Case, rank: int, groups: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """DDP over each pair, then the gradients averaged across the pairs (`groups`); or DDP over all four."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zeroinf.topology import hybrid_groups
+
+    shard_group, replica_group = hybrid_groups(SIZE, WORLD)
+    model = build_model(case.model, seed=100)  # the first rank's seed
+    ddp = DistributedDataParallel(model, process_group=shard_group if groups else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True)
+    losses = []
+    for step in range(case.steps):
+        total = torch.zeros(())
+        for m, (x, y) in enumerate(micro_batches(case, rank, WORLD, step)):
+            last = m == case.accum - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                loss = ddp(x, y) / case.accum
+                loss.backward()
+            total += loss.detach()
+        if groups:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=replica_group)
+                p.grad /= WORLD // SIZE
+        opt.step()
+        opt.zero_grad()
+        losses.append(rank_mean(total, WORLD))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _checkpoint(rank: int, folder: str) -> dict[str, Any]:
+    import zeroinf
+
+    cfg = zeroinf.Config(stage=3, shard_group_size=SIZE, persist_threshold_bytes=0)
+    case = CASES[4]
+    model = zeroinf.shard(build_model(case.model, seed=100 + rank), cfg)
+    opt = zeroinf.AdamW(model, lr=LR)
+    x, y = micro_batches(case, rank, WORLD, 0)[0]
+    opt.backward(model(x, y))
+    opt.step()
+    opt.zero_grad()
+    with contextlib.ExitStack() as patches:
+        if rank >= SIZE:  # the second group must not write: a write there fails the test
+            from unittest import mock
+
+            patches.enter_context(mock.patch("zeroinf.checkpoint.saving._SaveJob", side_effect=AssertionError))
+        saved = zeroinf.save(os.path.join(folder, "ckpt"), model, opt, step=1)
+    state = model.state_dict()
+    files = sorted(os.listdir(saved))
+    fresh = zeroinf.shard(build_model(case.model, seed=7), cfg)
+    fresh_opt = zeroinf.AdamW(fresh, lr=LR)
+    zeroinf.load(os.path.join(folder, "ckpt"), fresh, fresh_opt)
+    loaded = fresh.state_dict()
+    equal = all(torch.equal(loaded[k], v) for k, v in state.items())
+    for o, m in ((opt, model), (fresh_opt, fresh)):
+        o.close()
+        zeroinf.engine_of(m).close()
+    return {"saved": saved, "files": files, "equal": equal}
+
+
+def _unseeded() -> torch.nn.Module:
+    from tests._parity import TinyGPT
+
+    return TinyGPT()
+
+
+def _run(rank: int, world: int) -> dict[str, Any]:
+    assert world == WORLD
+    names = [tempfile.mkdtemp(prefix="zeroinf-hybrid-") if rank == 0 else ""]
+    dist.broadcast_object_list(names, src=0)  # one folder for every rank (swap files carry the rank)
+    out: dict[str, Any] = {}
+    for case in CASES:
+        out[case.name] = _zeroinf(case, rank, os.path.join(names[0], case.name) if rank == 0 else names[0])
+        out[f"{case.name}/ref"] = _bf16_by_hand(case, rank) if case.dtype == "bf16" else _pairs_then_across(case, rank)
+    out["ddp-all-four"] = _pairs_then_across(CASES[4], rank, groups=False)
+    out["checkpoint"] = _checkpoint(rank, names[0])
+    import zeroinf
+
+    # built under zeroinf.init (the same seed on every rank, as it asks), then one rank's edit under `gathered`
+    cfg = zeroinf.Config(stage=3, shard_group_size=SIZE, persist_threshold_bytes=0)
+    torch.manual_seed(100)
+    with zeroinf.init(cfg):
+        model = _unseeded()  # the global seed of this rank
+    model = zeroinf.shard(model, cfg)
+    built = {k: v.clone() for k, v in model.state_dict().items()}
+    with zeroinf.gathered(model.pos, modify=True, modifier_rank=1):
+        model.pos.fill_(float(rank))
+    out["init"] = (built, model.state_dict()["pos"].clone())
+    zeroinf.engine_of(model).close()
+    out["refused"] = []
+
+    for bad in ({"shard_group_size": 3}, {"shard_group_size": 2, "group": True}):
+        topology = zeroinf.Topology.current(dist.new_group([0, 1, 2, 3])) if bad.pop("group", False) else None
+        try:
+            zeroinf.shard(build_model(), zeroinf.Config(stage=3, **bad), topology)
+        except ValueError as e:
+            out["refused"].append(str(e))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_ranks(_run, WORLD, timeout_s=420)
+
+
+def test_hybrid_sharding_trains_as_ddp_in_pairs_averaged_across(results: list[dict[str, Any]]) -> None:
+    for rank, runs in enumerate(results):
+        for case in CASES:
+            losses, state = runs[case.name]
+            ref_losses, ref_state = runs[f"{case.name}/ref"]
+            start = build_model(case.model, seed=100).state_dict()["pos"]
+            start = start.to(torch.bfloat16).float() if case.dtype == "bf16" else start
+            assert not torch.equal(ref_state["pos"], start), "the reference must train"
+            assert losses == ref_losses, (rank, case.name, losses, ref_losses)
+            assert state.keys() == ref_state.keys()
+            differs = [k for k, v in ref_state.items() if not torch.equal(state[k], v)]
+            assert differs == [], (rank, case.name, differs)
+    for case in CASES:  # both groups hold the same model
+        first = results[0][case.name][1]
+        assert all(torch.equal(first[k], v) for r in results for k, v in r[case.name][1].items()), case.name
+
+
+def test_hybrid_sharding_is_ddp_over_every_rank_to_rounding(results: list[dict[str, Any]]) -> None:
+    _, ours = results[0]["s3"]
+    _, ddp = results[0]["ddp-all-four"]
+    for k, v in ddp.items():
+        torch.testing.assert_close(ours[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_the_first_group_writes_the_checkpoint_and_every_group_loads_it(results: list[dict[str, Any]]) -> None:
+    saved = {r["checkpoint"]["saved"] for r in results}
+    assert len(saved) == 1, saved
+    # the first group's two ranks' files (a shard group's ranks are 0 and 1), written by it alone
+    assert all(r["checkpoint"]["files"] == ["manifest.json", "module_state.bin", "rank00000.bin", "rank00001.bin"]
+               for r in results), [r["checkpoint"]["files"] for r in results]
+    assert all(r["checkpoint"]["equal"] for r in results)
+
+
+def test_a_world_the_groups_do_not_divide_and_a_model_over_its_own_group_are_refused(
+    results: list[dict[str, Any]],
+) -> None:
+    for r in results:
+        assert len(r["refused"]) == 2, r["refused"]
+        assert "does not divide the world of 4 ranks" in r["refused"][0]
+        assert "over a process group of its own" in r["refused"][1]
+
+
+def test_a_group_of_fewer_than_two_ranks_is_refused() -> None:
+    import zeroinf
+
+    with pytest.raises(zeroinf.ConfigError, match="shard_group_size"):
+        zeroinf.Config(shard_group_size=1)
+    with pytest.raises(zeroinf.ConfigError, match="shard_group_size"):
+        zeroinf.Config(shard_group_size=0)
+
+
+def test_built_under_init_every_rank_holds_the_first_ranks_model_and_its_edits(results: list[dict[str, Any]]) -> None:
+    """Built under `zeroinf.init` in both groups: after `shard` every rank holds the eager model of that
+    seed; a `gathered` write with `modifier_rank=1` lands the first group's rank 1's value everywhere."""
+    built = results[0]["init"][0]
+    for r in results:
+        assert all(torch.equal(built[k], v) for k, v in r["init"][0].items())
+        assert bool((r["init"][1] == 1.0).all()), r["init"][1]
+    first = _unseeded_state(100)  # global rank 0's seed: zeroinf.init builds the eager model
+    assert [k for k, v in first.items() if not torch.equal(built[k], v)] == []
+
+
+
+def _unseeded_state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return _unseeded().state_dict()
