@@ -157,10 +157,11 @@ def _checkpoint(rank: int, folder: str) -> dict[str, Any]:
     zeroinf.load(os.path.join(folder, "ckpt"), fresh, fresh_opt)
     loaded = fresh.state_dict()
     equal = all(torch.equal(loaded[k], v) for k, v in state.items())
+    leads = zeroinf.engine_of(model).topo.leads  # who writes a Hugging Face folder (save_pretrained)
     for o, m in ((opt, model), (fresh_opt, fresh)):
         o.close()
         zeroinf.engine_of(m).close()
-    return {"saved": saved, "files": files, "equal": equal}
+    return {"saved": saved, "files": files, "equal": equal, "leads": leads}
 
 
 def _unseeded() -> torch.nn.Module:
@@ -239,6 +240,8 @@ def test_the_first_group_writes_the_checkpoint_and_every_group_loads_it(results:
     assert all(r["checkpoint"]["files"] == ["manifest.json", "module_state.bin", "rank00000.bin", "rank00001.bin"]
                for r in results), [r["checkpoint"]["files"] for r in results]
     assert all(r["checkpoint"]["equal"] for r in results)
+    # a Hugging Face folder is written by global rank 0 alone, not by each group's first rank
+    assert [r["checkpoint"]["leads"] for r in results] == [True, False, False, False]
 
 
 def test_a_world_the_groups_do_not_divide_and_a_model_over_its_own_group_are_refused(

@@ -158,6 +158,12 @@ class Topology:
         return dataclasses.replace(self, rank=self.rank % size, world_size=size, group=shard_group, replicas=replicas)
 
     @property
+    def leads(self) -> bool:
+        """The first rank of the whole training (of the first shard group under hybrid sharding): the
+        one that writes what every rank would write alike (a Hugging Face folder)."""
+        return self.rank == 0 and (self.replicas is None or self.replicas.rank == 0)
+
+    @property
     def everyone(self) -> Topology:
         """Every rank of the training: the whole world under hybrid sharding (what every rank must agree
         on, such as which parameters a backward reaches), else this topology."""

@@ -67,7 +67,7 @@ def save_pretrained_weights(
     engine = engine or engine_of(model)
     part = engine.module is not model
     rename = rename or (lambda name: name)
-    writer = engine.topo.rank == 0 if write is None else write
+    writer = engine.topo.leads if write is None else write
     first_name: dict[int, str] = {}
     for name, p in model.named_parameters():
         first_name.setdefault(id(p), name)

@@ -46,7 +46,7 @@ def save_pretrained(
     if engine is None:
         raise TypeError("zeroinf.save_pretrained: this module is not part of a sharded model: call zeroinf.shard first")
     out = os.fspath(out_dir)
-    writer = engine.topo.rank == 0
+    writer = engine.topo.leads
     if on_each_node:
         from zeroinf.checkpoint.common import node_leaders
 
