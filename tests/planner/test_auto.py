@@ -166,3 +166,18 @@ def test_train_offload_auto_prints_the_choice(capsys: pytest.CaptureFixture[str]
     assert len(result.losses) == 2
     out = capsys.readouterr().out
     assert "auto placement (zeroinf plan): stage" in out and "s/step" in out
+
+
+def test_hybrid_sharding_plans_the_states_sharded_over_a_group(tmp_path) -> None:
+    """`shard_group_size` shards the states over a group, not the world: eight ranks in groups of two
+    need per rank what two ranks sharding everything need, and more than eight ranks sharding it."""
+    base = dataclasses.replace(ALL_AUTO, stage=3, offload=zeroinf.OffloadConfig(nvme_dir=str(tmp_path)))
+    facts = from_gpt_config(GPT_CFG)
+
+    def ledger(world: int, group: int | None) -> int:
+        cfg = dataclasses.replace(base, shard_group_size=group)
+        estimate = plan(facts, cfg, world_size=world, seq_len=64, tokens_per_step=64 * world).best
+        assert estimate is not None
+        return estimate.ledger.device + estimate.ledger.host
+
+    assert ledger(8, 2) == ledger(2, None) > ledger(8, None)

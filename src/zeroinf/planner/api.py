@@ -191,7 +191,9 @@ def plan(
     refused: list[str] = []
     for cfg in choose_mod.candidates(base, folder, refused):
         try:
-            unit_plan = plan_units(facts.units_for(cfg), cfg, world_size, device.type, moments)
+            # hybrid sharding: the states are sharded over a group, not the world (comm.py [Note: hybrid sharding])
+            sharded_over = min(cfg.shard_group_size or world_size, world_size)
+            unit_plan = plan_units(facts.units_for(cfg), cfg, sharded_over, device.type, moments)
             estimates.append(estimate(unit_plan, pass_facts, work, rank_profile, capacity, facts.param_count))
         except ValueError:
             continue  # e.g. parameters on NVMe while every unit is resident
