@@ -375,17 +375,19 @@ def run_cases(rank: int, world_size: int, cases: list[Case], ddp: tuple[str, ...
     return out
 
 
-def train_data_parallel_with_masters(case: Case, rank: int, world_size: int) -> dict:
+def train_data_parallel_with_masters(
+    case: Case, rank: int, world_size: int, average: Callable[[torch.Tensor], None] | None = None, seed: int = 0
+) -> dict:
     """Mixed-precision data parallelism by hand, as zeroinf promises it (and FSDP2's
     MixedPrecisionPolicy(param_dtype, reduce_dtype=float32) does): fp32 master weights, a copy in the
     compute dtype for forward and backward, its gradients widened to fp32 and added over the
-    micro-steps (DDP's `no_sync`: reduced once, at the last), all-reduced and averaged, fused AdamW on
-    the masters; no clipping or loss scaling. The losses (mean over ranks) and rank 0's weights as the
-    model holds them (the masters rounded to the compute dtype)."""
+    micro-steps (DDP's `no_sync`: reduced once, at the last), all-reduced and averaged (or averaged
+    in place by `average`), fused AdamW on the masters; no clipping or loss scaling. The losses (mean
+    over ranks), rank 0's weights as the model holds them (the masters rounded to the compute dtype),
+    and this rank's whole state so ("state")."""
     if case.dtype != "bf16" or case.sync_every_micro_step or case.clip is not None or case.clip_value is not None:
         raise ValueError(f"{case.name}: the masters reference trains bf16 without per-micro-step sync or clipping")
-    torch.manual_seed(0)
-    master = build_model(case.model)
+    master = build_model(case.model, seed=seed)
     compute = copy.deepcopy(master).to(torch.bfloat16)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True)
     losses = []
@@ -403,14 +405,17 @@ def train_data_parallel_with_masters(case: Case, rank: int, world_size: int) -> 
                     m.grad = c.grad.float() if m.grad is None else m.grad.add_(c.grad)
                     c.grad = None
         for m in master.parameters():
-            if m.grad is not None and world_size > 1:
+            if m.grad is not None and average is not None:
+                average(m.grad)
+            elif m.grad is not None and world_size > 1:
                 torch.distributed.all_reduce(m.grad)
                 m.grad /= world_size
         opt.step()
         opt.zero_grad()
         losses.append(rank_mean(total, world_size))
     rounded = copy.deepcopy(master).to(torch.bfloat16)
-    return {"losses": losses, "weights": _weights(rounded, rank)}
+    state = {k: v.float().clone() for k, v in rounded.state_dict().items()}
+    return {"losses": losses, "weights": _weights(rounded, rank), "state": state}
 
 
 def train_torch_ddp(

@@ -14,7 +14,6 @@ Against DDP over all four ranks (another summation order) the weights agree to f
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import tempfile
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tests._harness import run_ranks
-from tests._parity import LR, Case, build_model, micro_batches, rank_mean
+from tests._parity import LR, Case, build_model, micro_batches, rank_mean, train_data_parallel_with_masters
 
 WORLD, SIZE = 4, 2
 CASES = [
@@ -78,30 +77,14 @@ def _bf16_by_hand(case: Case, rank: int) -> tuple[list[float], dict[str, torch.T
     from zeroinf.topology import hybrid_groups
 
     shard_group, replica_group = hybrid_groups(SIZE, WORLD)
-    master = build_model(case.model, seed=100)
-    compute = copy.deepcopy(master).to(torch.bfloat16)
-    opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay, fused=True)
-    losses = []
-    for step in range(case.steps):
-        with torch.no_grad():
-            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-                c.copy_(m)
-        total = torch.zeros(())
-        for x, y in micro_batches(case, rank, WORLD, step):
-            loss = compute(x, y) / case.accum
-            loss.backward()
-            total += loss.detach().float()
-            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-                m.grad = c.grad.float() if m.grad is None else m.grad.add_(c.grad)
-                c.grad = None
-        for m in master.parameters():
-            for group, size in ((shard_group, SIZE), (replica_group, WORLD // SIZE)):
-                dist.all_reduce(m.grad, group=group)
-                m.grad /= size
-        opt.step()
-        opt.zero_grad()
-        losses.append(rank_mean(total, WORLD))
-    return losses, {k: v.float().clone() for k, v in copy.deepcopy(master).to(torch.bfloat16).state_dict().items()}
+
+    def in_two_rounds(grad: torch.Tensor) -> None:
+        for group, size in ((shard_group, SIZE), (replica_group, WORLD // SIZE)):
+            dist.all_reduce(grad, group=group)
+            grad /= size
+
+    out = train_data_parallel_with_masters(case, rank, WORLD, average=in_two_rounds, seed=100)
+    return out["losses"], out["state"]
 
 
 def _pairs_then_across(case: Case, rank: int, groups: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
