@@ -331,6 +331,15 @@ def reduce_scatter_into(
     return handle
 
 
+def broadcast_to_every_group(tensor: torch.Tensor, topo: Topology, src: int = 0) -> None:
+    """`tensor` takes, in place, the values of rank `src` of its group, then under hybrid sharding those
+    of the first group ([Note: hybrid sharding]): every rank ends with the same values."""
+    if topo.is_distributed:
+        dist.broadcast(tensor, group_src=src, group=topo.group)
+    if topo.replicas is not None:
+        dist.broadcast(tensor, group_src=0, group=topo.replicas.group)
+
+
 def broadcast_from_first(tensors: Iterable[torch.Tensor], topo: Topology, what: str = "") -> None:
     """Every tensor of `tensors` takes, in place, the values of the group's first rank: one message per
     dtype (the tensors in the same order on every rank). Empty and meta tensors are left as they are,

@@ -106,7 +106,7 @@ class Engine:
         split, any_size = cfg.split_min_numel, cfg.split_any_size
         # what the model keeps in fp32 under a narrower compute dtype (precision.py [Note: parameters the
         # model keeps in fp32]): fp32 twins of their units, fp32 buffers
-        self.keep_fp32 = keep = fp32_names(module, cfg)
+        keep = fp32_names(module, cfg)
         specs = discover_units(
             module, cfg.unit_classes, split_min_numel=split, split_any_size=any_size, keep_fp32=keep
         )

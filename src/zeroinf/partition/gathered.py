@@ -32,9 +32,9 @@ from collections.abc import Iterable, Iterator
 from typing import cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from zeroinf.comm import broadcast_to_every_group
 from zeroinf.engine import Engine, holding_engine_outside_units, owning_engine
 from zeroinf.partition.init import park_of
 from zeroinf.partition.intact import written_in_place
@@ -95,10 +95,8 @@ class UnitGather:
                 )
             if commit and self.modify:
                 assert self.owned_before is not None
-                if modifier_rank is not None and topo.is_distributed:
-                    dist.broadcast(unit.param_flat, group_src=modifier_rank, group=topo.group)
-                if modifier_rank is not None and topo.replicas is not None:  # then the first group's
-                    dist.broadcast(unit.param_flat, group_src=0, group=topo.replicas.group)
+                if modifier_rank is not None:
+                    broadcast_to_every_group(unit.param_flat, topo, modifier_rank)
                 unit.commit_user_writes(self.owned_before, self.engine.optimizer_states, self.index, exact)
         finally:
             if (commit and self.modify) or self.was_sharded:  # its writes committed, or gone with the copy
@@ -175,12 +173,8 @@ def gathered(
 def _broadcast_whole(params: list[tuple[torch.Tensor, Engine]], src: int) -> None:
     """Rank `src`'s values of parameters held whole outside units (the `modifier_rank` promise)."""
     for p, engine in params:
-        if engine.topo.is_distributed:
-            with torch.no_grad():
-                dist.broadcast(p.data, group_src=src, group=engine.topo.group)
-        if engine.topo.replicas is not None:  # hybrid sharding: then the first group's
-            with torch.no_grad():
-                dist.broadcast(p.data, group_src=0, group=engine.topo.replicas.group)
+        with torch.no_grad():
+            broadcast_to_every_group(p.data, engine.topo, src)
 
 
 def _repark(params: list[nn.Parameter], broadcast_from: int | None) -> None:
@@ -188,10 +182,7 @@ def _repark(params: list[nn.Parameter], broadcast_from: int | None) -> None:
 
     for p in params:
         park = next(pk for pk in _active if pk.owns_slot(p))
-        if broadcast_from is not None and park.topo.is_distributed:
+        if broadcast_from is not None:
             with torch.no_grad():
-                dist.broadcast(p.data, group_src=broadcast_from, group=park.topo.group)
-        if broadcast_from is not None and park.topo.replicas is not None:  # hybrid sharding: the first group's
-            with torch.no_grad():
-                dist.broadcast(p.data, group_src=0, group=park.topo.replicas.group)
+                broadcast_to_every_group(p.data, park.topo, broadcast_from)
         park.park(p)

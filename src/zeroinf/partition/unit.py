@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from zeroinf.comm import DoneHandle, Handle, ThenHandle, all_gather_into
+from zeroinf.comm import DoneHandle, Handle, ThenHandle, all_gather_into, broadcast_to_every_group
 from zeroinf.memory import Ledger, Tier
 from zeroinf.partition.flat_buffer import FlatLayout
 from zeroinf.partition.grad_pool import GradBufferPool
@@ -226,10 +226,7 @@ class ShardedUnit(UnitGradients):
                 # Drop our hold on the old values now, not after the whole unit is laid out: building
                 # a unit then needs its flat buffer plus one parameter, not twice the unit.
                 p.data = p.data.new_empty((0,) * max(1, p.dim()))
-        if self.topo.is_distributed:  # every rank starts from rank 0's weights (as DDP does)
-            torch.distributed.broadcast(full, group_src=0, group=self.topo.group)
-        if self.topo.replicas is not None:  # hybrid sharding: the first group's (comm.py [Note: hybrid sharding])
-            torch.distributed.broadcast(full, group_src=0, group=self.topo.replicas.group)
+        broadcast_to_every_group(full, self.topo)  # every rank starts from rank 0's weights (as DDP does)
         # fp32 masters start from the unrounded weights, not from their compute-dtype copy, unless
         # building under zeroinf.init, where holding fp32 copies would defeat bounded construction.
         self.initial_master: torch.Tensor | None = (

@@ -245,9 +245,11 @@ def discover_units(
 
 def _by_dtype(spec: UnitSpec, keep_fp32: Callable[[str], bool] | None) -> list[UnitSpec]:
     """`spec`, and its fp32 twin holding the parameters `keep_fp32` names, each when not empty."""
-    kept = tuple((n, p) for n, p in spec.params if keep_fp32 is not None and keep_fp32(n))
+    if keep_fp32 is None:
+        return [spec]
+    kept = tuple((n, p) for n, p in spec.params if keep_fp32(n))
     if not kept:
         return [spec]
-    rest = tuple((n, p) for n, p in spec.params if not any(p is q for _, q in kept))
+    rest = tuple((n, p) for n, p in spec.params if not keep_fp32(n))
     twin = dataclasses.replace(spec, params=kept, fp32=True)
     return [dataclasses.replace(spec, params=rest), twin] if rest else [twin]
