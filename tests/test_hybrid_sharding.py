@@ -147,6 +147,72 @@ def _checkpoint(rank: int, folder: str) -> dict[str, Any]:
     return {"saved": saved, "files": files, "equal": equal, "leads": leads}
 
 
+class Expert(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Routed(torch.nn.Module):
+    """Two experts, each a unit of its own; the first group's tokens go to one, the second's to the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        self.experts = torch.nn.ModuleList([Expert(), Expert()])
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.out(self.experts[expert](self.inp(x))).pow(2).mean()
+
+
+def _routed(rank: int, by_hand: bool, stage: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Each group routes to its own expert: a unit some ranks' backward never reaches. zeroinf agrees on
+    it over the world (the unit reduces at the end of backward on every rank, zeros where unused);
+    by hand: DDP over the pair (find_unused_parameters), then a gradient used anywhere is averaged
+    across the pairs, zeros where a pair did not use it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import zeroinf
+    from tests._parity import rank_rows
+    from zeroinf.topology import hybrid_groups
+
+    torch.manual_seed(100 if by_hand else 100 + rank)
+    model = Routed()
+    if by_hand:
+        shard_group, replica_group = hybrid_groups(SIZE, WORLD)
+        ddp: Any = DistributedDataParallel(model, process_group=shard_group, find_unused_parameters=True)
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    else:
+        cfg = zeroinf.Config(stage=stage, shard_group_size=SIZE, persist_threshold_bytes=0)
+        ddp = model = zeroinf.shard(model, cfg)
+        opt = zeroinf.AdamW(model, lr=LR, weight_decay=0.0)
+    losses = []
+    for step in range(3):
+        loss = ddp(rank_rows(step, rank, WORLD), rank // SIZE)
+        if by_hand:
+            loss.backward()
+            for p in model.parameters():
+                used = torch.tensor(float(p.grad is not None))
+                dist.all_reduce(used, op=dist.ReduceOp.MAX)
+                if used.item():
+                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                    dist.all_reduce(p.grad, group=replica_group)
+                    p.grad /= WORLD // SIZE
+        else:
+            opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(rank_mean(loss.detach(), WORLD))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if not by_hand:
+        opt.close()
+        zeroinf.engine_of(model).close()
+    return losses, state
+
+
 def _unseeded() -> torch.nn.Module:
     from tests._parity import TinyGPT
 
@@ -162,6 +228,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         out[case.name] = _zeroinf(case, rank, os.path.join(names[0], case.name) if rank == 0 else names[0])
         out[f"{case.name}/ref"] = _bf16_by_hand(case, rank) if case.dtype == "bf16" else _pairs_then_across(case, rank)
     out["ddp-all-four"] = _pairs_then_across(CASES[4], rank, groups=False)
+    out["routed"] = {"s3": _routed(rank, False), "s2": _routed(rank, False, stage=2), "ref": _routed(rank, True)}
     out["checkpoint"] = _checkpoint(rank, names[0])
     import zeroinf
 
@@ -260,3 +327,16 @@ def test_built_under_init_every_rank_holds_the_first_ranks_model_and_its_edits(r
 def _unseeded_state(seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     return _unseeded().state_dict()
+
+
+def test_a_unit_one_group_never_reaches_is_reduced_in_every_group(results: list[dict[str, Any]]) -> None:
+    """Which parameters a backward reaches is agreed over the world: agreed in the shard group only,
+    one group would reduce an expert inside backward and the other never, across the replicas."""
+    for rank, r in enumerate(results):
+        ref_losses, ref_state = r["routed"]["ref"]
+        for stage in ("s3", "s2"):
+            losses, state = r["routed"][stage]
+            assert losses == ref_losses, (rank, stage, losses, ref_losses)
+            assert [k for k, v in ref_state.items() if not torch.equal(state[k], v)] == [], (rank, stage)
+    first = results[0]["routed"]["ref"][1]
+    assert not torch.equal(first["experts.0.fc.weight"], results[0]["routed"]["ref"][1]["experts.1.fc.weight"])
