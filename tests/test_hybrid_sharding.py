@@ -8,7 +8,11 @@ states on the host and on NVMe; stages 1-2 also accumulating two micro-steps) tr
 the mean loss over the four ranks and every rank's weights, so both groups hold the same model. Each
 rank builds its model from another seed: `shard` gives every rank the first rank's weights. And a
 blocking checkpoint is written by the first group alone (its rank files only) and loads in both.
-Against DDP over all four ranks (another summation order) the weights agree to float rounding.
+Against DDP over all four ranks (another summation order) the weights agree to float rounding. A
+model whose groups route to different experts (a unit one group's backward never reaches) trains
+bitwise DDP with `find_unused_parameters` over each pair, averaged across the pairs with zeros where
+a pair did not use a parameter: the agreement on what a backward reaches runs over the world. Built
+under `zeroinf.init`, and edited under `gathered` by one rank, every rank holds the same model.
 """
 
 from __future__ import annotations
