@@ -93,12 +93,15 @@ def run_plain(arch: str, output_dir: str, trainer_kwargs: dict[str, Any] | None 
 
 def run_zeroinf(
     arch: str, output_dir: str, stage: int, resume_from_checkpoint: str | None = None, offload: Any = None,
-    **overrides: Any,
+    config_fields: dict[str, Any] | None = None, **overrides: Any,
 ) -> Any:
+    """`overrides`: TrainingArguments fields; `config_fields`: more zeroinf.Config fields."""
     import zeroinf
     from zeroinf.integrations import Trainer
 
-    cfg = zeroinf.Config(stage=stage, persist_threshold_bytes=0, offload=offload or zeroinf.OffloadConfig())
+    cfg = zeroinf.Config(
+        stage=stage, persist_threshold_bytes=0, offload=offload or zeroinf.OffloadConfig(), **(config_fields or {})
+    )
     trainer = Trainer(
         model=build(arch), args=training_arguments(output_dir, **overrides), train_dataset=ArithmeticSequences(),
         eval_dataset=EVAL_DATA, zeroinf_config=cfg,
@@ -116,6 +119,21 @@ def train_rank(rank: int, world: int, arch: str, stage: int, root: str) -> dict[
     )
     trainer.save_model(os.path.join(root, "final"))  # every rank: a gather at stage 3
     return summary(trainer, rank)
+
+
+def hybrid_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """One rank of a zeroinf Trainer run at world 4 sharded in groups of two (`shard_group_size=2`),
+    the same global batches, saving every 2 steps, then the final model to `root/final`; on rank 0
+    also the files of the last checkpoint's zeroinf folder."""
+    trainer = run_zeroinf(
+        "llama", os.path.join(root, "run"), 3, config_fields={"shard_group_size": 2},
+        per_device_train_batch_size=4 // world, save_strategy="steps", save_steps=2,
+    )
+    trainer.save_model(os.path.join(root, "final"))
+    out = summary(trainer, rank)
+    folder = os.path.join(root, "run", "checkpoint-4", "zeroinf", "step_00000004")
+    out["files"] = sorted(os.listdir(folder)) if rank == 0 else None
+    return out
 
 
 NO_CLIP = 1e9  # max_grad_norm that never clips: the norm is logged, the gradients are scaled by exactly 1

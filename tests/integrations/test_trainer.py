@@ -289,6 +289,26 @@ def test_world2_matches_plain_trainer_and_its_checkpoints_resume_in_one_process(
         torch.testing.assert_close(got["weights"][name], ref, rtol=RTOL, atol=ATOL)
 
 
+def test_hybrid_sharding_under_the_trainer_matches_the_plain_trainer(tmp_path, plain_llama) -> None:
+    """Four ranks in shard groups of two (`Config.shard_group_size=2`) through the Trainer: the logged
+    losses, eval loss and weights of the plain Trainer in one process on the same global batches
+    (within the fp32 tolerance: two rounds of averaging and clipping over shards); the saved model
+    and the consolidated checkpoint hold the trained weights; the checkpoint's rank files are the
+    first group's two."""
+    from transformers import LlamaForCausalLM
+
+    from tests.integrations._trainer_runs import hybrid_rank
+
+    ranks = run_ranks(hybrid_rank, 4, str(tmp_path), timeout_s=400)
+    assert all(r["loss"] == ranks[0]["loss"] for r in ranks)  # the logged loss is the mean over ranks
+    _assert_parity(ranks[0], plain_llama, "stage 3, world 4 in groups of 2")
+    trained = ranks[0]["weights"]
+    for folder in ("final", "run/checkpoint-4"):
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / folder).state_dict()
+        assert all(torch.equal(loaded[n], t) for n, t in trained.items()), folder
+    assert [f for f in ranks[0]["files"] if f.startswith("rank")] == ["rank00000.bin", "rank00001.bin"]
+
+
 def test_world2_is_bitwise_the_plain_trainers_data_parallelism(tmp_path) -> None:
     """Without clipping, two ranks log bitwise the losses of the plain Trainer at world 2 (DDP) and end
     with bitwise its weights: at stages 0-2 also accumulating (the last micro-step reduces, as DDP's
