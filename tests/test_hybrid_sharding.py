@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -229,7 +230,9 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     dist.broadcast_object_list(names, src=0)  # one folder for every rank (swap files carry the rank)
     out: dict[str, Any] = {}
     for case in CASES:
-        out[case.name] = _zeroinf(case, rank, os.path.join(names[0], case.name) if rank == 0 else names[0])
+        folder = os.path.join(names[0], case.name)  # each case's swap files in a folder of its own
+        os.makedirs(folder, exist_ok=True)
+        out[case.name] = _zeroinf(case, rank, folder)
         out[f"{case.name}/ref"] = _bf16_by_hand(case, rank) if case.dtype == "bf16" else _pairs_then_across(case, rank)
     out["ddp-all-four"] = _pairs_then_across(CASES[4], rank, groups=False)
     out["routed"] = {"s3": _routed(rank, False), "s2": _routed(rank, False, stage=2), "ref": _routed(rank, True)}
@@ -255,6 +258,9 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             zeroinf.shard(build_model(), zeroinf.Config(stage=3, **bad), topology)
         except ValueError as e:
             out["refused"].append(str(e))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(names[0], ignore_errors=True)
     return out
 
 
