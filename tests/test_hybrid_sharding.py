@@ -4,7 +4,8 @@ shard groups of two, {0, 1} and {2, 3}, replicated across them.
 The reference is what hybrid sharding promises, in plain PyTorch: `DistributedDataParallel` over
 each pair (`process_group=` the shard group) and, after backward, every gradient all-reduced across
 the pairs and halved, fused AdamW. zeroinf at stages 0, 1, 2 and 3 (stage 3 with its shards and
-states on the host and on NVMe; stages 1-2 also accumulating two micro-steps) trains bitwise that:
+states on the host and on NVMe, gradients on NVMe, activation checkpointing; stages 1-2 also
+accumulating two micro-steps; bf16 at stages 2 and 3) trains bitwise that (with clipping, to rounding):
 the mean loss over the four ranks and every rank's weights, so both groups hold the same model. Each
 rank builds its model from another seed: `shard` gives every rank the first rank's weights. And a
 blocking checkpoint is written by the first group alone (its rank files only) and loads in both.
@@ -41,7 +42,10 @@ CASES = [
     Case("s3-nvme", 3, steps=4, overrides=(("offload", {"params": "nvme", "optimizer": "nvme"}),)),
     Case("s2-bf16", 2, dtype="bf16", steps=4),
     Case("s3-bf16-host", 3, dtype="bf16", steps=4, overrides=(("offload", {"params": "host", "optimizer": "host"}),)),
+    Case("s3-grads-nvme", 3, steps=4, overrides=(("offload", {"optimizer": "host", "gradients": "nvme"}),)),
+    Case("s3-checkpointing", 3, steps=4, overrides=(("activation_checkpointing", True),)),
 ]
+CLIPPED = Case("s2-clip", 2, steps=4, clip=0.05)  # the norm is summed over shards: to rounding
 
 
 def _offload(case: Case, folder: str) -> Any:
@@ -53,9 +57,10 @@ def _offload(case: Case, folder: str) -> Any:
 def _zeroinf(case: Case, rank: int, folder: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     import zeroinf
 
+    fields = {k: v for k, v in case.overrides if k != "offload"}
     cfg = zeroinf.Config(
         stage=case.stage, param_dtype=case.dtype, grad_accum_steps=case.accum, shard_group_size=SIZE,
-        persist_threshold_bytes=0, offload=_offload(case, folder),
+        persist_threshold_bytes=0, offload=_offload(case, folder), grad_clip_norm=case.clip, **fields,
     )
     model = zeroinf.shard(build_model(case.model, seed=100 + rank), cfg)  # another seed on each rank
     opt = zeroinf.AdamW(model, lr=LR, betas=(0.9, 0.95), weight_decay=case.weight_decay)
@@ -115,6 +120,8 @@ def _pairs_then_across(case: Case, rank: int, groups: bool = True) -> tuple[list
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=replica_group)
                 p.grad /= WORLD // SIZE
+        if case.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         opt.step()
         opt.zero_grad()
         losses.append(rank_mean(total, WORLD))
@@ -235,6 +242,10 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         out[case.name] = _zeroinf(case, rank, folder)
         out[f"{case.name}/ref"] = _bf16_by_hand(case, rank) if case.dtype == "bf16" else _pairs_then_across(case, rank)
     out["ddp-all-four"] = _pairs_then_across(CASES[4], rank, groups=False)
+    clip_folder = os.path.join(names[0], CLIPPED.name)
+    os.makedirs(clip_folder, exist_ok=True)
+    out[CLIPPED.name] = _zeroinf(CLIPPED, rank, clip_folder)
+    out[f"{CLIPPED.name}/ref"] = _pairs_then_across(CLIPPED, rank)
     out["routed"] = {"s3": _routed(rank, False), "s2": _routed(rank, False, stage=2), "ref": _routed(rank, True)}
     out["checkpoint"] = _checkpoint(rank, names[0])
     import zeroinf
@@ -284,6 +295,19 @@ def test_hybrid_sharding_trains_as_ddp_in_pairs_averaged_across(results: list[di
     for case in CASES:  # both groups hold the same model
         first = results[0][case.name][1]
         assert all(torch.equal(first[k], v) for r in results for k, v in r[case.name][1].items()), case.name
+
+
+def test_clipping_under_hybrid_sharding_clips_the_mean_over_every_rank(results: list[dict[str, Any]]) -> None:
+    """Clipping (0.05, below every norm seen) scales the gradient averaged over all four ranks, as
+    `clip_grad_norm_` after the average across the pairs does, to float rounding (the norm is summed
+    over shards, not parameter by parameter)."""
+    for rank, r in enumerate(results):
+        (losses, state), (ref_losses, ref_state) = r[CLIPPED.name], r[f"{CLIPPED.name}/ref"]
+        assert losses == pytest.approx(ref_losses, rel=1e-6), rank
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    unclipped = results[0]["s2"][1]["pos"]
+    assert not torch.allclose(results[0][CLIPPED.name][1]["pos"], unclipped, rtol=1e-4), "clipping must bite"
 
 
 def test_hybrid_sharding_is_ddp_over_every_rank_to_rounding(results: list[dict[str, Any]]) -> None:
