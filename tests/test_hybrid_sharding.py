@@ -139,24 +139,27 @@ def _checkpoint(rank: int, folder: str) -> dict[str, Any]:
     opt.backward(model(x, y))
     opt.step()
     opt.zero_grad()
+    torch.manual_seed(1000 + rank)  # each rank's own random stream, saved with the checkpoint
     with contextlib.ExitStack() as patches:
         if rank >= SIZE:  # the second group must not write: a write there fails the test
             from unittest import mock
 
             patches.enter_context(mock.patch("zeroinf.checkpoint.saving._SaveJob", side_effect=AssertionError))
         saved = zeroinf.save(os.path.join(folder, "ckpt"), model, opt, step=1)
+    draw = torch.rand(4)  # what this rank's stream gives next
     state = model.state_dict()
     files = sorted(os.listdir(saved))
     fresh = zeroinf.shard(build_model(case.model, seed=7), cfg)
     fresh_opt = zeroinf.AdamW(fresh, lr=LR)
     zeroinf.load(os.path.join(folder, "ckpt"), fresh, fresh_opt)
+    resumed_draw = torch.rand(4)  # after the load: the same, on every rank of both groups
     loaded = fresh.state_dict()
     equal = all(torch.equal(loaded[k], v) for k, v in state.items())
     leads = zeroinf.engine_of(model).topo.leads  # who writes a Hugging Face folder (save_pretrained)
     for o, m in ((opt, model), (fresh_opt, fresh)):
         o.close()
         zeroinf.engine_of(m).close()
-    return {"saved": saved, "files": files, "equal": equal, "leads": leads}
+    return {"saved": saved, "files": files, "equal": equal, "leads": leads, "rng": torch.equal(draw, resumed_draw)}
 
 
 class Expert(torch.nn.Module):
@@ -324,6 +327,8 @@ def test_the_first_group_writes_the_checkpoint_and_every_group_loads_it(results:
     assert all(r["checkpoint"]["files"] == ["manifest.json", "module_state.bin", "rank00000.bin", "rank00001.bin"]
                for r in results), [r["checkpoint"]["files"] for r in results]
     assert all(r["checkpoint"]["equal"] for r in results)
+    # each rank resumes its own random stream, the second group's ranks too (stored by global rank)
+    assert [r["checkpoint"]["rng"] for r in results] == [True] * WORLD
     # a Hugging Face folder is written by global rank 0 alone, not by each group's first rank
     assert [r["checkpoint"]["leads"] for r in results] == [True, False, False, False]
 

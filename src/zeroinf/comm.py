@@ -401,7 +401,8 @@ def all_reduce(
 #   and the plan an "auto" config chose.
 # Each group then holds the same shards, steps them alike and stays equal bit for bit (the replicas'
 # all-reduce of two values is exact whatever its order). Checkpoints: the first group writes, the
-# others return its folder (checkpoint/saving.py); every group reads it. Gradient averaging is in
+# others return its folder (checkpoint/saving.py), every rank's random-number state stored by global
+# rank; every group reads it. Gradient averaging is in
 # two rounds (within, then across groups), so a world of four in two groups of two adds in another
 # order than DDP over four: bitwise DDP in each pair followed by an all-reduce across the pairs
 # (tests/test_hybrid_sharding.py), within float rounding of DDP over all four.

@@ -160,7 +160,11 @@ def _direct_reads(engine: Engine) -> dict[str, Any]:
 def _finish(body: dict[str, Any], model: nn.Module, engine: Engine, ckpt_dir: str, load_rng: bool) -> dict[str, Any]:
     """Buffers and RNG, then every rank done: what `load` returns."""
     _load_module_state(body, model, engine, ckpt_dir=ckpt_dir)
-    if load_rng and engine.topo.rank < len(body["rng"]):
+    every = body.get("rng_of_every_process")  # hybrid sharding: by global rank
+    everyone = engine.topo.everyone
+    if load_rng and engine.topo.replicas is not None and every is not None and len(every) == everyone.world_size:
+        set_rng_state(engine, every[everyone.rank])
+    elif load_rng and engine.topo.rank < len(body["rng"]):
         set_rng_state(engine, body["rng"][engine.topo.rank])
     barrier(engine)
     return {"step": body["step"], "extra": body["extra"], "path": ckpt_dir, "world_size": body["world_size"]}

@@ -102,7 +102,9 @@ def save(
         )
     check_params_intact(engine.all_units)  # values written past the engine would not be saved
     replicas = engine.topo.replicas
+    every_rng: list[Any] | None = None
     if replicas is not None:  # hybrid sharding: the first shard group writes ([Note: hybrid sharding] in comm.py)
+        every_rng = _rng_of_every_process(engine)  # each rank resumes its own random stream, as under DDP
         if node_local:
             raise ValueError(
                 "zeroinf.save(node_local=True) with Config.shard_group_size: only the first shard group writes, so "
@@ -115,6 +117,8 @@ def save(
                 return folder
             return WrittenByTheFirstGroup(folder)
     job = _SaveJob(model, engine, optimizer, os.fspath(path), int(step), extra, keep_last, node_local)
+    if every_rng is not None:
+        job.body["rng_of_every_process"] = every_rng
     if blocking:
         try:
             job.write()
@@ -143,6 +147,16 @@ class WrittenByTheFirstGroup:
 
     def wait(self) -> str:
         return self.folder
+
+
+def _rng_of_every_process(engine: Engine) -> list[Any]:
+    """The random number generators' states of every rank, by global rank (hybrid sharding: the
+    checkpoint's `rng` holds those of the first group only)."""
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * engine.topo.everyone.world_size
+    dist.all_gather_object(states, rng_state(engine))
+    return states
 
 
 def _agree_across_replicas(engine: Engine, error: str | None) -> None:
