@@ -8,7 +8,8 @@ averaged over the ranks; fused AdamW on the masters. zeroinf at stages 1-3 (stag
 the host and on NVMe, the kept parameters in units of their own) matches it bit for bit, losses and
 every state entry, dtypes included. With `keep_fp32=()` everything is bf16 again (`module.to(bf16)`)
 and matches that reference instead. A stage-3 checkpoint loads into a model built afresh, and into
-one that keeps nothing in fp32 (the same values, rounded). Under fp16, what a model keeps under fp16
+one that keeps nothing in fp32 (the same values, rounded); consolidated in bf16 it writes the kept
+ones in fp32, as transformers' `save_pretrained` does. Under fp16, what a model keeps under fp16
 only (T5's `_keep_in_fp32_modules`) is kept too, and trains with the loss scale.
 """
 
@@ -105,6 +106,17 @@ def _zeroinf(case: dict, rank: int, world: int, folder: str) -> tuple[Run, dict[
             assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
         opt2.close()
         zeroinf.engine_of(again).close()
+        if rank == 0:  # consolidated in bf16: what the run kept in fp32 is written in fp32, as transformers does
+            from safetensors.torch import load_file
+
+            zeroinf.consolidate(ckpt, os.path.join(folder, "hf"), dtype="bf16")
+            written: dict[str, torch.Tensor] = {}
+            for f in sorted(os.listdir(os.path.join(folder, "hf"))):
+                if f.endswith(".safetensors"):
+                    written.update(load_file(os.path.join(folder, "hf", f)))
+            assert written.keys() == state.keys()
+            for k, v in state.items():
+                assert written[k].dtype == v.dtype and torch.equal(written[k], v), k
         # and into a model that keeps nothing in fp32 (units laid out otherwise): the same values, rounded
         rounded = zeroinf.shard(Net(), dataclasses.replace(cfg, keep_fp32=()))
         opt3 = zeroinf.AdamW(rounded, lr=LR, weight_decay=0.0)

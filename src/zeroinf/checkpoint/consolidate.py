@@ -47,6 +47,14 @@ from zeroinf.weights.hf_conversion import hub_layout, key_by_model
 from zeroinf.weights.safetensors_folder import SafetensorsFolder, WeightsError
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _written_dtype(body: dict[str, Any], meta: dict[str, Any], out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a floating tensor is written in: `out_dtype`, except one the run kept in fp32 under a
+    narrower compute dtype (precision.py [Note: parameters the model keeps in fp32]), which stays fp32
+    as transformers' `save_pretrained` of a bf16-loaded model writes it."""
+    kept = meta.get("dtype") == "float32" and body.get("param_dtype", "fp32") != "fp32"
+    return torch.float32 if kept and out_dtype.itemsize < 4 else out_dtype
 ST_NAMES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -112,7 +120,7 @@ def consolidate(
         if body["params"][n].get("unit", "") != unit or not groups:
             groups.append({})
             unit = body["params"][n].get("unit", "")
-        groups[-1][n] = (body["params"][n]["shape"], out_dtype, ("param", n))
+        groups[-1][n] = (body["params"][n]["shape"], _written_dtype(body, body["params"][n], out_dtype), ("param", n))
     folder = _frozen_groups(frozen, frozen_from, model, out_dtype, groups) if frozen and frozen_from else None
     if frozen and folder is None:
         get_logger("checkpoint").warning(
@@ -123,7 +131,8 @@ def consolidate(
         groups.append({})
         for n, meta in body["module_state"].items():
             src = DTYPES[meta["dtype"]]
-            groups[-1][n] = (meta["shape"], out_dtype if src.is_floating_point else src, ("module", meta))
+            written = _written_dtype(body, meta, out_dtype) if src.is_floating_point else src
+            groups[-1][n] = (meta["shape"], written, ("module", meta))
     data = DataFiles(ckpt, body["files"])
     try:
         entries, revert = _entries(model, groups)
