@@ -22,12 +22,15 @@ def barrier(engine: Engine) -> None:
             dist.barrier(group=engine.topo.group)
 
 
-def gather(engine: Engine, obj: Any) -> list[Any]:
-    if not engine.topo.is_distributed:
+def gather(engine: Engine, obj: Any, everyone: bool = False) -> list[Any]:
+    """Every rank's `obj`, in rank order: of the engine's group, or with `everyone` of every rank
+    (hybrid sharding: every shard group's, by global rank)."""
+    topo = engine.topo.everyone if everyone else engine.topo
+    if not topo.is_distributed:
         return [obj]
-    out: list[Any] = [None] * engine.topo.world_size
-    with naming_failures("checkpoint all-gather of objects", engine.topo.world_size, engine.topo):
-        dist.all_gather_object(out, obj, group=engine.topo.group)
+    out: list[Any] = [None] * topo.world_size
+    with naming_failures("checkpoint all-gather of objects", topo.world_size, topo):
+        dist.all_gather_object(out, obj, group=topo.group)
     return out
 
 

@@ -104,7 +104,9 @@ def save(
     replicas = engine.topo.replicas
     every_rng: list[Any] | None = None
     if replicas is not None:  # hybrid sharding: the first shard group writes ([Note: hybrid sharding] in comm.py)
-        every_rng = _rng_of_every_process(engine)  # each rank resumes its own random stream, as under DDP
+        # every rank's random-number state by global rank (`rng` holds the first group's only): each
+        # resumes its own stream, as under DDP
+        every_rng = gather(engine, rng_state(engine), everyone=True)
         if node_local:
             raise ValueError(
                 "zeroinf.save(node_local=True) with Config.shard_group_size: only the first shard group writes, so "
@@ -149,24 +151,9 @@ class WrittenByTheFirstGroup:
         return self.folder
 
 
-def _rng_of_every_process(engine: Engine) -> list[Any]:
-    """The random number generators' states of every rank, by global rank (hybrid sharding: the
-    checkpoint's `rng` holds those of the first group only)."""
-    import torch.distributed as dist
-
-    states: list[Any] = [None] * engine.topo.everyone.world_size
-    dist.all_gather_object(states, rng_state(engine))
-    return states
-
-
 def _agree_across_replicas(engine: Engine, error: str | None) -> None:
     """Every rank of a hybrid-sharded training learns whether the first shard group's save failed."""
-    import torch.distributed as dist
-
-    everyone = engine.topo.everyone
-    errors: list[Any] = [None] * everyone.world_size
-    dist.all_gather_object(errors, error)
-    found = [e for e in errors if e]
+    found = [e for e in gather(engine, error, everyone=True) if e]
     if found and error is None:
         raise CheckpointError(found[0])
 
